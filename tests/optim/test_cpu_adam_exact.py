@@ -103,7 +103,7 @@ def test_env_var_lowers_isa():
     import sys
 
     code = "from ebbtide.optim import CPUAdam; import torch; print(CPUAdam([torch.zeros(1)]).isa)"
-    for isa in available_isas():
+    for isa in {available_isas()[0], "scalar"}:  # the best and the lowest: one subprocess each
         out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EBBTIDE_CPU_ISA": isa},
                              capture_output=True, text=True, check=True).stdout.strip()
         assert out == isa
