@@ -280,7 +280,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
         self._repair_grad_views()
         if skip_non_finite:
-            amax = self._gflat.abs().max().float().item() if self._total else 0.0
+            amax = torch.linalg.vector_norm(self._gflat, float("inf")).float().item() if self._total else 0.0
             if not math.isfinite(amax * scale):
                 self._reset_overlap()
                 self.last_step_applied = False
