@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import warnings
 
 import torch
@@ -62,6 +63,23 @@ def torch_sqrt_flavor() -> int:
     warnings.warn("ebbtide.optim: torch.sqrt on this machine is neither IEEE nor MKL's AVX-512 kernel; exact mode "
                   "uses IEEE sqrt and may differ from torch in about 0.01% of elements", RuntimeWarning, stacklevel=2)
     return 0
+
+
+_ENGINES: dict[tuple[int, str], object] = {}
+_ENGINES_LOCK = threading.Lock()  # guards _ENGINES
+
+
+def shared_engine(threads: int | None, isa: str | None):
+    """One native engine (and thread pool) per (threads, isa) per process: optimizers share it, so wrappers that
+    build one optimizer per parameter (Megatron's HybridDeviceOptimizer) do not create a pool each. Calls on an
+    engine are serialized natively."""
+    key = (threads or 0, isa or "")
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            eng = _native.load().optim.AdamEngine(*key)
+            _ENGINES[key] = eng
+        return eng
 
 
 def _scalar(x, name: str) -> float:
@@ -162,7 +180,7 @@ class CPUAdam(torch.optim.Optimizer):
     def engine(self):
         """The native kernel and its thread pool (``.threads``, ``.isa``)."""
         if self._engine is None:
-            self._engine = _native.load().optim.AdamEngine(self._threads or 0, self._isa)
+            self._engine = shared_engine(self._threads, self._isa)
         return self._engine
 
     @property

@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _native
 from ..errors import InvalidArgumentError, StateError
-from .cpu_adam import _MODES, _check_hyper, make_hyper
+from .cpu_adam import _MODES, _check_hyper, make_hyper, shared_engine
 
 __all__ = ["OffloadedAdam"]
 
@@ -114,7 +113,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                         maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
         super().__init__(params, defaults)
         self.overlap_with_backward = bool(overlap_with_backward)
-        self._engine = _native.load().optim.AdamEngine(threads or 0, isa or "")
+        self._engine = shared_engine(threads, isa)
         self._bucket_numel = (bucket_numel // _ALIGN) * _ALIGN
         self._slots = slots
         self._step_count = 0
