@@ -48,3 +48,32 @@ def test_unsupported_options_and_missing_megatron():
     except ImportError:
         with pytest.raises(ebbtide.UnsupportedError, match="megatron"):
             install()
+
+
+def test_install_replaces_megatron_cpu_adam_and_hdo_builds_it():
+    mco = pytest.importorskip("megatron.core.optimizer")
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    from ebbtide.optim.megatron import uninstall
+
+    original = mco.CPUAdam
+    cls = install(mode="exact")
+    try:
+        assert mco.CPUAdam is cls and issubclass(cls, MegatronCPUAdam)
+        ours = [torch.randn(64), torch.randn(8, 8)]
+        ref = [t.clone() for t in ours]
+        opts = HybridDeviceOptimizer.build_cpu_optimizer_list(mco.CPUAdam, hdo_groups(ours))
+        assert len(opts) == 2 and all(isinstance(o, cls) for o in opts)
+        t_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        for _ in range(3):
+            for a, b in zip(ours, ref):
+                g = torch.randn_like(a)
+                a.grad, b.grad = g, g.clone()
+            for o in opts:
+                o.step()
+            t_opt.step()
+        for a, b in zip(ours, ref):
+            assert bits_equal(a, b)
+    finally:
+        uninstall()
+    assert mco.CPUAdam is original
