@@ -124,7 +124,8 @@ KernelArgs resolve(const AdamHyper& h, const AdamSpan& s, double step) {
   a.gs = static_cast<float>(h.maximize ? -h.grad_scale : h.grad_scale);
   const double bc1 = 1.0 - std::pow(h.beta1, step);
   const double bc2 = 1.0 - std::pow(h.beta2, step);
-  const double bc2s = std::pow(bc2, 0.5);  // Python's `bias_correction2 ** 0.5` is pow, not sqrt
+  // Python's `bias_correction2 ** 0.5` is pow, not sqrt (older torch used math.sqrt: h.bc2_sqrt_pow = false).
+  const double bc2s = h.bc2_sqrt_pow ? std::pow(bc2, 0.5) : std::sqrt(bc2);
   if (h.lr_f32) {
     const float lr = static_cast<float>(h.lr);
     a.decay = 1.0f - lr * static_cast<float>(h.weight_decay);

@@ -45,6 +45,7 @@ struct AdamHyper {
   double grad_scale = 1.0;      // gradients are multiplied by this (e.g. 1/loss_scale or a clip coefficient)
   bool skip_non_finite = false; // check every scaled gradient first; skip the whole step if any is Inf/NaN
   int sqrt_flavor = 0;          // exact mode: SqrtFlavor of torch on this machine (adam_kernel.h Note [torch's sqrt])
+  bool bc2_sqrt_pow = true;     // torch computes sqrt(1 - beta2^t) as `** 0.5` (pow; torch >= 2.5) or math.sqrt
 };
 
 struct AdamSpan {

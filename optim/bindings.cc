@@ -86,7 +86,8 @@ void register_bindings(py::module_& m) {
       .def_readwrite("exact", &AdamHyper::exact)
       .def_readwrite("grad_scale", &AdamHyper::grad_scale)
       .def_readwrite("skip_non_finite", &AdamHyper::skip_non_finite)
-      .def_readwrite("sqrt_flavor", &AdamHyper::sqrt_flavor);
+      .def_readwrite("sqrt_flavor", &AdamHyper::sqrt_flavor)
+      .def_readwrite("bc2_sqrt_pow", &AdamHyper::bc2_sqrt_pow);
 
   py::class_<AdamEngine>(m, "AdamEngine", "A CPU Adam kernel with its own thread pool.")
       .def(py::init([](int threads, const std::string& isa) {

@@ -82,6 +82,19 @@ def shared_engine(threads: int | None, isa: str | None):
         return eng
 
 
+@functools.lru_cache(maxsize=None)
+def torch_bc2_sqrt_is_pow() -> bool:
+    """True when this torch's _single_tensor_adam takes sqrt(1 - beta2^t) as ``** 0.5`` (a pow call, torch >= 2.5)
+    rather than math.sqrt (older releases); the two can differ in the last bit of the double."""
+    import inspect  # noqa: PLC0415
+
+    try:
+        src = inspect.getsource(torch.optim.adam._single_tensor_adam)
+    except (OSError, TypeError, AttributeError):
+        return True
+    return "_dispatch_sqrt(bias_correction2)" not in src and "math.sqrt(bias_correction2)" not in src
+
+
 def _scalar(x, name: str) -> float:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
@@ -131,6 +144,7 @@ def make_hyper(group: dict, *, grad_scale: float = 1.0, skip_non_finite: bool = 
     h.grad_scale = float(grad_scale)
     h.skip_non_finite = bool(skip_non_finite)
     h.sqrt_flavor = torch_sqrt_flavor() if h.exact else 0
+    h.bc2_sqrt_pow = torch_bc2_sqrt_is_pow()
     return h
 
 
