@@ -1,0 +1,50 @@
+/*
+ * sm90_launch.cuh — host-side helpers of the quant launchers: argument checks that record why they failed, the
+ * post-launch status, and cached device facts for persistent grids.
+ */
+#ifndef EBBTIDE_QUANT_SM90_LAUNCH_CUH_
+#define EBBTIDE_QUANT_SM90_LAUNCH_CUH_
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "quant/launchers.h"
+#include "quant/status_util.h"
+
+namespace ebbtide::quant {
+
+// Return EBT_ERROR_INVALID_ARGUMENT with the message when `cond` is false.
+#define EBT_QUANT_REQUIRE(cond, ...)                                              \
+  do {                                                                            \
+    if (!(cond)) return ::ebbtide::quant::quant_error(EBT_ERROR_INVALID_ARGUMENT, __VA_ARGS__); \
+  } while (0)
+
+inline ebt_status_t launch_status(const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return EBT_SUCCESS;
+  return quant_error(EBT_ERROR_CUDA_RUNTIME, "%s: launch failed: %s (%s)", kernel, cudaGetErrorName(err),
+                     cudaGetErrorString(err));
+}
+
+inline bool finite_positive(float eps) { return eps > 0.0f && eps < 3.0e38f; }
+
+// Streaming multiprocessors of the current device (cached per device; 0 on error).
+inline int sm_count() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
+  if (dev < 64) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
+  if (dev < 64) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+}  // namespace ebbtide::quant
+
+#endif  // EBBTIDE_QUANT_SM90_LAUNCH_CUH_
