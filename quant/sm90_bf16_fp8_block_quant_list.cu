@@ -83,7 +83,7 @@ ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, 
     tiles += ((e.rows + 127) / 128) * ((e.cols + 127) / 128);
   }
   const int sms = sm_count();
-  EBT_QUANT_REQUIRE(sms > 0, "fp8_block_quant_list: no current CUDA device");
+  if (sms <= 0) return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "fp8_block_quant_list: no current CUDA device");
   const int64_t grid = tiles < (int64_t)sms * kResidentCtas ? tiles : (int64_t)sms * kResidentCtas;
   fp8_block_quant_list_kernel<<<(unsigned)grid, dev::kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const BlockListEntry*>(device_entries), count, tiles, eps);

@@ -11,20 +11,17 @@
 #include <atomic>
 
 #include "quant/launchers.h"
-#include "quant/status_util.h"
+#include "csrc/status.h"
 
 namespace ebbtide::quant {
 
-// Return EBT_ERROR_INVALID_ARGUMENT with the message when `cond` is false.
-#define EBT_QUANT_REQUIRE(cond, ...)                                              \
-  do {                                                                            \
-    if (!(cond)) return ::ebbtide::quant::quant_error(EBT_ERROR_INVALID_ARGUMENT, __VA_ARGS__); \
-  } while (0)
+// Return EBT_ERROR_INVALID_ARGUMENT, recording the message as ebt_last_error(), when `cond` is false.
+#define EBT_QUANT_REQUIRE(cond, ...) EBT_REQUIRE_ARG(cond, __VA_ARGS__)
 
 inline ebt_status_t launch_status(const char* kernel) {
   const cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) return EBT_SUCCESS;
-  return quant_error(EBT_ERROR_CUDA_RUNTIME, "%s: launch failed: %s (%s)", kernel, cudaGetErrorName(err),
+  return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "%s: launch failed: %s (%s)", kernel, cudaGetErrorName(err),
                      cudaGetErrorString(err));
 }
 
