@@ -15,11 +15,11 @@ def _torch_add_gbps(quick: bool) -> tuple[float | None, str]:
         import torch  # noqa: PLC0415
     except ImportError:
         return None, "not installed"
-    n = ((64 if quick else 512) << 20) // 4
+    n = ((256 if quick else 1024) << 20) // 4
     a = torch.ones(n)
     b = torch.full((n,), 0.5)
     times = []
-    for i in range(4 if quick else 8):
+    for i in range(6 if quick else 10):
         t0 = time.perf_counter()
         a.add_(b, alpha=1e-6)
         if i:  # first pass warms up
