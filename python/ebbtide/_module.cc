@@ -26,7 +26,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   ebbtide::register_core_bindings(m);
-#define EBT_COMPONENT(name) ebbtide::name::register_bindings(m.def_submodule(#name));
+#define EBT_COMPONENT(name) { py::module_ sub = m.def_submodule(#name); ebbtide::name::register_bindings(sub); }
 #include "ebbtide_components.inc"
 #undef EBT_COMPONENT
 }
