@@ -13,7 +13,6 @@
 namespace ebbtide::quant {
 namespace {
 
-constexpr int kResidentCtas = 8;  // 8 x 256 threads = 2048, the SM's thread limit
 
 __global__ void __launch_bounds__(dev::kTileThreads, 4)
     fp8_block_quant_list_kernel(const BlockListEntry* __restrict__ entries, int64_t count, int64_t total_tiles,
@@ -84,7 +83,19 @@ ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, 
   }
   const int sms = sm_count();
   if (sms <= 0) return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "fp8_block_quant_list: no current CUDA device");
-  const int64_t grid = tiles < (int64_t)sms * kResidentCtas ? tiles : (int64_t)sms * kResidentCtas;
+  // Exactly the CTAs that fit at once: a persistent CTA never finishes early, so a second wave would only start
+  // after the first had done all its tiles.
+  static std::atomic<int> cached{0};  // per process: one kernel, the same limits on every sm_90 device
+  int resident = cached.load(std::memory_order_relaxed);
+  if (resident <= 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fp8_block_quant_list_kernel, dev::kTileThreads, 0) !=
+        cudaSuccess)
+      resident = 0;
+    cached.store(resident, std::memory_order_relaxed);
+  }
+  if (resident <= 0) return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "fp8_block_quant_list: occupancy query failed");
+  const int64_t slots = (int64_t)sms * resident;
+  const int64_t grid = tiles < slots ? tiles : slots;
   fp8_block_quant_list_kernel<<<(unsigned)grid, dev::kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const BlockListEntry*>(device_entries), count, tiles, eps);
   return launch_status("fp8_block_quant_list");
