@@ -86,6 +86,9 @@ def _cases(quick: bool):
         n, k = shape
         sbytes = (n * (-(-k // 512)) * 4) if scale == "ue8m0_packed" else (-(-n // 128)) * (-(-k // 128)) * 4
         out.append((name, "block", {"shape": shape, "scale": scale}, n * k * 3 + sbytes))
+    n, k = W
+    out.append((f"block {n}x{k} fp32 via the persistent list kernel", "list1", {"shape": W},
+                n * k * 3 + (-(-n // 128)) * (-(-k // 128)) * 4))
     e, n, k = MOE
     out.append((f"block MoE [{e}, {n}, {k}] one launch", "moe", {"shape": MOE}, e * n * k * 3 + e * n * k // 4096))
     m, k = ACT
@@ -141,6 +144,11 @@ def run(ctx):
                 x = randn(*p["shape"])
                 scale = p.get("scale", "fp32")
                 ours = lambda: Q.fp8_block_quant(x, scale=scale)  # noqa: E731
+                anchor = lambda: torch_block_quant(torch, x)  # noqa: E731
+                anchor_name = "torch formula (DeepGEMM per_block_cast_to_fp8)"
+            elif kind == "list1":
+                x = randn(*p["shape"])
+                ours = lambda: Q.fp8_block_quant_list([x])  # noqa: E731
                 anchor = lambda: torch_block_quant(torch, x)  # noqa: E731
                 anchor_name = "torch formula (DeepGEMM per_block_cast_to_fp8)"
             elif kind == "group":
