@@ -3,6 +3,8 @@ again natively; this module only allocates outputs, passes pointers/strides/the 
 results. Every launch is asynchronous on torch's current stream of the tensor's device."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _native
@@ -12,6 +14,7 @@ MODES = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
 LAYOUTS = {"row": 0, "mn_major": 1}
 
 
+@functools.lru_cache(maxsize=None)
 def _q():
     C = _native.load()
     if not C.build_info()["cuda"]:
@@ -69,13 +72,13 @@ def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float, al
         t += nb * kb
     q_buf = torch.empty(max(qo, 1), dtype=torch.uint8, device=device)
     s_buf = torch.empty(max(so, 1), dtype=torch.float32, device=device)
-    table = torch.empty((len(tensors), 8), dtype=torch.int64).pin_memory()
     rows = []
     for w, a, b, tb in zip(tensors, q_off, s_off, tiles):
         N, K = w.shape
         rows.append([w.data_ptr(), q_buf.data_ptr() + a, s_buf.data_ptr() + 4 * b, w.stride(0), N, K, tb,
                      MODES[scale]])
-    table.copy_(torch.tensor(rows, dtype=torch.int64))
+    # Pinned, so the copy below is truly asynchronous; torch's host allocator keeps the block until it completes.
+    table = torch.tensor(rows, dtype=torch.int64).pin_memory()
     with torch.cuda.device(device):
         dev_table = table.to(device, non_blocking=True)
         _q().fp8_block_quant_list(host_entries=table.data_ptr(), device_entries=dev_table.data_ptr(),
