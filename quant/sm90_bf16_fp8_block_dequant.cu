@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t ch = base + (int64_t)u * kThreads;
     if (ch >= total_chunks) continue;
-    const int64_t grow = ch / cpr, c = (ch - grow * cpr) * 8;
-    const int64_t e = grow / rows, r = grow - e * rows;
+    const int64_t grow = dev::udiv(ch, cpr), c = (ch - grow * cpr) * 8;
+    const int64_t e = dev::udiv(grow, rows), r = grow - e * rows;
     const float s = __ldg(&scale[(e * nb + r / 128) * kb + c / 128]);
     uint4 o;
     o.x = deq2((uint16_t)(v[u].x & 0xFFFFu), s);
@@ -53,8 +53,8 @@ __global__ void __launch_bounds__(kThreads)
                                     int64_t cols, int64_t total, uint16_t* __restrict__ out) {
   const int64_t nb = (rows + 127) / 128, kb = (cols + 127) / 128;
   for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < total; i += (int64_t)gridDim.x * kThreads) {
-    const int64_t grow = i / cols, c = i - grow * cols;
-    const int64_t e = grow / rows, r = grow - e * rows;
+    const int64_t grow = dev::udiv(i, cols), c = i - grow * cols;
+    const int64_t e = dev::udiv(grow, rows), r = grow - e * rows;
     const float s = __ldg(&scale[(e * nb + r / 128) * kb + c / 128]);
     out[i] = (uint16_t)(deq2((uint16_t)q[i], s) & 0xFFFFu);
   }

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(dev::kTileThreads, 4)
     const int64_t rows = __ldg(&en.rows), cols = __ldg(&en.cols), ld = __ldg(&en.ld);
     const int64_t kb = (cols + 127) / 128;
     const int64_t local = tile - __ldg(&en.tile_begin);
-    const int64_t bi = local / kb, bj = local - bi * kb;
+    const int64_t bi = dev::udiv(local, kb), bj = local - bi * kb;
     const int mode = (int)__ldg(&en.scale_mode);
     dev::BlockTileArgs a;
     a.src = reinterpret_cast<const uint16_t*>(__ldg(&en.src)) + bi * dev::kBlock * ld + bj * dev::kBlock;

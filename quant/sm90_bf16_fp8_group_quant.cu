@@ -40,8 +40,9 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int64_t gid = base + u * kGroupsPerPass + sub;
     const bool ok = gid < total;
     const int64_t g = ok ? gid : 0;
-    row[u] = mn_order ? g % rows : g / G;
-    gc[u] = mn_order ? g / rows : g % G;
+    const int64_t d = dev::udiv(g, mn_order ? rows : G);
+    row[u] = mn_order ? g - d * rows : d;
+    gc[u] = mn_order ? d : g - d * G;
     const uint16_t* p = src + row[u] * ld + gc[u] * 128 + lane * 8;
     if (!ok) {
       v[u] = make_uint4(0, 0, 0, 0);

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t ch = base + (int64_t)u * kThreads;
-    const int64_t r = ch / cpr, c = (ch - r * cpr) * 8;
+    const int64_t r = dev::udiv(ch, cpr), c = (ch - r * cpr) * 8;
     const uint16_t* p = src + r * ld + c;
     if (ch >= total) {
       v[u] = make_uint4(0, 0, 0, 0);
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads)
       *reinterpret_cast<uint4*>(out.fake_quant + ch * 8) = make_uint4(fq[0], fq[1], fq[2], fq[3]);
     if (out.packed) out.packed[ch] = word;
     if (out.scale && (threadIdx.x % kLanes) == 0) {
-      const int64_t r = ch / cpr, c = (ch - r * cpr) * 8;
+      const int64_t r = dev::udiv(ch, cpr), c = (ch - r * cpr) * 8;
       out.scale[r * (cols / kGroup) + c / kGroup] = (uint16_t)s_bits;
     }
   }

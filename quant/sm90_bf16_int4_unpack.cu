@@ -18,6 +18,7 @@ __global__ void __launch_bounds__(kThreads)
     int4_unpack_kernel(const uint32_t* __restrict__ packed, const uint16_t* __restrict__ scale, int64_t rows,
                        int64_t cols, int64_t group, uint16_t* __restrict__ out, int8_t* __restrict__ q) {
   const int64_t cpr = cols / 8;
+  const int64_t gpr = cols / group;  // groups per row
   const int64_t total = rows * cpr;
   const int64_t base = (int64_t)blockIdx.x * kThreads * kUnroll + threadIdx.x;
   uint32_t w[kUnroll];
@@ -30,8 +31,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t ch = base + (int64_t)u * kThreads;
     if (ch >= total) continue;
-    const int64_t r = ch / cpr, c = (ch - r * cpr) * 8;
-    const float s = __uint_as_float((uint32_t)__ldg(&scale[r * (cols / group) + c / group]) << 16);
+    const int64_t r = dev::udiv(ch, cpr), c = (ch - r * cpr) * 8;
+    const float s = __uint_as_float((uint32_t)__ldg(&scale[r * gpr + dev::udiv(c, group)]) << 16);
     uint32_t o[4];
     uint32_t qb[2] = {0, 0};
 #pragma unroll

@@ -117,6 +117,13 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   return v;
 }
 
+// a / b for 0 <= a, 0 < b: 32-bit division when both fit (the common case; 64-bit division is a long
+// software sequence on the GPU), 64-bit otherwise. Warp-uniform in practice.
+__device__ __forceinline__ int64_t udiv(int64_t a, int64_t b) {
+  if (((uint64_t)a | (uint64_t)b) <= 0xFFFFFFFFull) return (int64_t)((uint32_t)a / (uint32_t)b);
+  return a / b;
+}
+
 __device__ __forceinline__ int64_t align4(int64_t x) { return (x + 3) & ~int64_t(3); }
 
 // Write one scale for (row-of-scales `mn`, K-group `g`) of a matrix with `mn_count` MN entries and `groups`
