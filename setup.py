@@ -5,6 +5,7 @@ EBBTIDE_BUILD_TYPE (Release), EBBTIDE_BUILD_JOBS (parallel jobs), CMAKE_ARGS (ex
 """
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,8 +46,16 @@ class CMakeBuild(build_ext):
         except (OSError, subprocess.CalledProcessError):
             pass
         args += shlex.split(os.environ.get("CMAKE_ARGS", ""))
+        # pip's isolated build environments are temporary: a cache configured in an earlier one points at tools
+        # that no longer exist. Reconfigure from scratch whenever the tools or options changed.
+        stamp = build_dir / "ebbtide-configure.stamp"
+        fingerprint = "\n".join([shutil.which("cmake") or "", shutil.which("ninja") or "", *args])
+        if stamp.exists() and stamp.read_text() != fingerprint:
+            shutil.rmtree(build_dir)
+            build_dir.mkdir(parents=True)
         jobs = os.environ.get("EBBTIDE_BUILD_JOBS") or str(os.cpu_count() or 2)
         subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
+        stamp.write_text(fingerprint)
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", jobs], check=True)
         self._companions = sorted(p for p in out_dir.glob("*.so") if p.name.startswith("lib"))
 
