@@ -55,7 +55,7 @@ ebt_status_t sm90_bf16_fp8_block_quant(const void* src, int64_t experts, int64_t
                     (long long)expert_stride, (long long)rows, (long long)cols, (long long)ld);
   EBT_QUANT_REQUIRE(scale_mode == kScaleFp32 || scale_mode == kScaleUe8m0 || scale_mode == kScaleUe8m0Packed,
                     "fp8_block_quant: unknown scale mode %d", scale_mode);
-  EBT_QUANT_REQUIRE(finite_positive(eps), "fp8_block_quant: eps must be finite and > 0 (got %g)", (double)eps);
+  EBT_QUANT_REQUIRE(eps_in_range(eps), "fp8_block_quant: eps must be in [1e-30, 1e30] (got %g)", (double)eps);
   const int64_t nb = (rows + 127) / 128, kb = (cols + 127) / 128;
   EBT_QUANT_REQUIRE(nb <= 65535 && experts <= 65535 && kb <= 0x7FFFFFFF,
                     "fp8_block_quant: grid too large (%lld x %lld blocks, %lld experts)", (long long)nb,

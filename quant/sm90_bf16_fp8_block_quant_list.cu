@@ -63,7 +63,7 @@ ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, 
   EBT_QUANT_REQUIRE(host_entries && device_entries, "fp8_block_quant_list: null entry table");
   EBT_QUANT_REQUIRE((reinterpret_cast<uintptr_t>(device_entries) & 7u) == 0,
                     "fp8_block_quant_list: device entry table is not 8-byte aligned");
-  EBT_QUANT_REQUIRE(finite_positive(eps), "fp8_block_quant_list: eps must be finite and > 0 (got %g)", (double)eps);
+  EBT_QUANT_REQUIRE(eps_in_range(eps), "fp8_block_quant_list: eps must be in [1e-30, 1e30] (got %g)", (double)eps);
   int64_t tiles = 0;
   for (int64_t i = 0; i < count; ++i) {
     const BlockListEntry& e = host_entries[i];

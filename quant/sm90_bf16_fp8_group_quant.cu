@@ -99,7 +99,7 @@ ebt_status_t sm90_bf16_fp8_group_quant(const void* src, int64_t rows, int64_t co
                     "fp8_group_quant: unknown scale layout %d", scale_layout);
   EBT_QUANT_REQUIRE(scale_mode != kScaleUe8m0Packed || scale_layout == kLayoutMnMajor,
                     "fp8_group_quant: packed UE8M0 scales are MN-major (scale_layout must be mn_major)");
-  EBT_QUANT_REQUIRE(finite_positive(eps), "fp8_group_quant: eps must be finite and > 0 (got %g)", (double)eps);
+  EBT_QUANT_REQUIRE(eps_in_range(eps), "fp8_group_quant: eps must be in [1e-30, 1e30] (got %g)", (double)eps);
   EBT_QUANT_REQUIRE((reinterpret_cast<uintptr_t>(q) & 7u) == 0, "fp8_group_quant: q is not 8-byte aligned");
   EBT_QUANT_REQUIRE(scale_mode == kScaleUe8m0Packed || (reinterpret_cast<uintptr_t>(scale) & 3u) == 0,
                     "fp8_group_quant: fp32 scale buffer is not 4-byte aligned");

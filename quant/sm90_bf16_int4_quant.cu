@@ -110,7 +110,7 @@ ebt_status_t sm90_bf16_int4_quant(const void* src, int64_t rows, int64_t cols, i
   EBT_QUANT_REQUIRE(divisor_x2 == 14 || divisor_x2 == 15,
                     "int4_quant: divisor must be 7 (q in [-7, 7]) or 7.5 (q in [-8, 7]); got %g",
                     divisor_x2 / 2.0);
-  EBT_QUANT_REQUIRE(finite_positive(eps), "int4_quant: eps must be finite and > 0 (got %g)", (double)eps);
+  EBT_QUANT_REQUIRE(eps_in_range(eps), "int4_quant: eps must be in [1e-30, 1e30] (got %g)", (double)eps);
   if (rows == 0 || cols == 0) return EBT_SUCCESS;
   EBT_QUANT_REQUIRE(src, "int4_quant: null source");
   EBT_QUANT_REQUIRE(fake_quant || packed || scale, "int4_quant: no output requested");

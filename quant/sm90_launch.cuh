@@ -25,7 +25,9 @@ inline ebt_status_t launch_status(const char* kernel) {
                      cudaGetErrorString(err));
 }
 
-inline bool finite_positive(float eps) { return eps > 0.0f && eps < 3.0e38f; }
+// eps in [1e-30, 1e30]: every scale stays a normal fp32 number and every multiplier finite (a subnormal scale
+// would give an infinite multiplier and 0 * inf = NaN for zero inputs).
+inline bool eps_in_range(float eps) { return eps >= 1e-30f && eps <= 1e30f; }
 
 // Streaming multiprocessors of the current device (cached per device; 0 on error).
 inline int sm_count() {

@@ -124,6 +124,7 @@ def test_exporters_and_configs():
     (lambda: Q.fp8_block_quant(torch.zeros(4, 4, dtype=torch.bfloat16), scale="e8m0"), "scale"),
     (lambda: Q.fp8_block_quant(torch.zeros(4, 4, dtype=torch.bfloat16), eps=0.0), "eps"),
     (lambda: Q.fp8_block_quant(torch.zeros(4, 4, dtype=torch.bfloat16), eps=float("nan")), "eps"),
+    (lambda: Q.fp8_group_quant(torch.zeros(4, 128, dtype=torch.bfloat16), eps=1e-40), "eps"),
     (lambda: Q.fp8_block_quant([[1.0]]), "torch.Tensor"),
     (lambda: Q.fp8_group_quant(torch.zeros(4, 200, dtype=torch.bfloat16)), "multiple of the group"),
     (lambda: Q.fp8_group_quant(torch.zeros(4, 256, dtype=torch.bfloat16), scale="ue8m0_packed"), "mn_major"),
