@@ -142,7 +142,7 @@ def test_block_list_one_launch_matches_reference():
 
 
 # ---- FP8 group -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("M,K", [(1, 128), (5, 256), (130, 7168), (4096, 1024)])
+@pytest.mark.parametrize("M,K", [(1, 128), (5, 256), (130, 7168), (2048, 1024)])
 @pytest.mark.parametrize("layout,scale", [("row", "fp32"), ("mn_major", "fp32"), ("row", "ue8m0"),
                                           ("mn_major", "ue8m0"), ("mn_major", "ue8m0_packed")])
 def test_group_quant_matches_reference(M, K, layout, scale):
