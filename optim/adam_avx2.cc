@@ -17,14 +17,16 @@ inline __m256 load_g(const void* g, bool bf16, int64_t i) {
   return _mm256_loadu_ps(static_cast<const float*>(g) + i);
 }
 
-inline void store_bf16(uint16_t* out, __m256 p) {
+// `stream`: 16-byte aligned output goes out with a non-temporal store (see adam_avx512_impl.h). Caller fences.
+inline void store_bf16(uint16_t* out, __m256 p, bool stream) {
   const __m256i u = _mm256_castps_si256(p);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 
 inline __m256 max_nan(__m256 a, __m256 b) {
@@ -47,6 +49,7 @@ void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
   const __m256 b1 = _mm256_set1_ps(a.b1), c1 = _mm256_set1_ps(a.c1), rbc2s = _mm256_set1_ps(a.rbc2s);
   const __m256 nlrwd = _mm256_set1_ps(a.neg_lrwd);
   const bool decoupled = a.wd_kind == WeightDecay::kDecoupled, l2 = a.wd_kind == WeightDecay::kL2;
+  const bool stream = a.out && (reinterpret_cast<uintptr_t>(a.out + begin) & 15) == 0;
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     __m256 g = _mm256_mul_ps(load_g(a.g, a.grad_bf16, i), gs);
@@ -78,8 +81,9 @@ void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
     _mm256_storeu_ps(a.p + i, p);
     _mm256_storeu_ps(a.m + i, m);
     _mm256_storeu_ps(a.v + i, v);
-    if (a.out) store_bf16(a.out + i, p);
+    if (a.out) store_bf16(a.out + i, p, stream);
   }
+  if (stream) _mm_sfence();  // order the streaming stores before the pool reports completion
   for (; i < end; ++i) adam_element<kExact>(a, i);
 }
 

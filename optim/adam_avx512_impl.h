@@ -29,7 +29,9 @@ inline __m512i bf16_rne_int(__m512 p) {  // 32-bit lanes holding the bf16 bits; 
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), r, _mm512_set1_epi32(0xFFFF));
 }
 
-inline void store_bf16(uint16_t* out, __m512 p, __mmask16 k) {
+// `stream`: a full, 32-byte aligned vector goes out with a non-temporal store (the copy-out is write-only and
+// usually pinned staging the GPU reads next: no read-for-ownership, no cache pollution). Caller fences.
+inline void store_bf16(uint16_t* out, __m512 p, __mmask16 k, bool stream) {
 #if EBT_AVX512_BF16
   __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
   // Subnormal inputs (exponent 0, mantissa != 0) are flushed by the instruction and NaNs keep their payload:
@@ -39,10 +41,11 @@ inline void store_bf16(uint16_t* out, __m512 p, __mmask16 k) {
                         _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7F800000));
   const __mmask16 fix = sub | _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
   if (fix) h = _mm256_mask_blend_epi16(fix, h, _mm512_cvtepi32_epi16(bf16_rne_int(p)));
-  _mm256_mask_storeu_epi16(out, k, h);
 #else
-  _mm256_mask_storeu_epi16(out, k, _mm512_cvtepi32_epi16(bf16_rne_int(p)));
+  const __m256i h = _mm512_cvtepi32_epi16(bf16_rne_int(p));
 #endif
+  if (stream && k == 0xFFFF) _mm256_stream_si256(reinterpret_cast<__m256i*>(out), h);
+  else _mm256_mask_storeu_epi16(out, k, h);
 }
 
 inline __m512 max_nan(__m512 a, __m512 b) {
@@ -77,6 +80,7 @@ void step_avx512(const KernelArgs& a, int64_t begin, int64_t end) {
   const __m512 b1 = _mm512_set1_ps(a.b1), c1 = _mm512_set1_ps(a.c1), rbc2s = _mm512_set1_ps(a.rbc2s);
   const __m512 nlrwd = _mm512_set1_ps(a.neg_lrwd);
   const bool decoupled = a.wd_kind == WeightDecay::kDecoupled, l2 = a.wd_kind == WeightDecay::kL2;
+  const bool stream = a.out && (reinterpret_cast<uintptr_t>(a.out + begin) & 31) == 0;
   for (int64_t i = begin; i < end; i += 16) {
     const __mmask16 k = tail_mask(end - i);
     __m512 g = _mm512_mul_ps(load_g(a.g, a.grad_bf16, i, k), gs);
@@ -109,8 +113,9 @@ void step_avx512(const KernelArgs& a, int64_t begin, int64_t end) {
     _mm512_mask_storeu_ps(a.p + i, k, p);
     _mm512_mask_storeu_ps(a.m + i, k, m);
     _mm512_mask_storeu_ps(a.v + i, k, v);
-    if (a.out) store_bf16(a.out + i, p, k);
+    if (a.out) store_bf16(a.out + i, p, k, stream);
   }
+  if (stream) _mm_sfence();  // order the streaming stores before the pool reports completion
 }
 
 bool non_finite_avx512(const void* g, bool bf16, float gs_s, int64_t begin, int64_t end) {

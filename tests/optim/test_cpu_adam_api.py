@@ -95,7 +95,8 @@ def test_bf16_grads_equal_widened_fp32_grads():
 
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("mode", ["fast", "exact"])
-def test_bf16_copy_out_bit_equal_to_torch(isa, mode):
+@pytest.mark.parametrize("target_offset", [0, 1])  # aligned targets take the streaming-store path
+def test_bf16_copy_out_bit_equal_to_torch(isa, mode, target_offset):
     # lr = 0 keeps p bit for bit, so every float32 pattern (NaN, Inf, subnormal, ties) reaches the conversion.
     gen = torch.Generator().manual_seed(10)
     n = 65536 + 13
@@ -103,7 +104,7 @@ def test_bf16_copy_out_bit_equal_to_torch(isa, mode):
     bits[:8] = torch.tensor([0x7FC00000, -0x00400000, 0x00000001, -0x7F800001, 0x7F7FFFFF, 0x3F808000, 0x3F818000,
                              0x007FFFFF], dtype=torch.int32)
     p = bits.view(torch.float32).clone()
-    out = torch.full((n,), 7, dtype=torch.bfloat16)
+    out = torch.full((n + 64,), 7, dtype=torch.bfloat16)[target_offset:target_offset + n]
     opt = CPUAdam([p], lr=0.0, mode=mode, isa=isa, threads=3)
     opt.attach_bf16_copy(p, out)
     opt.step(grads={p: torch.zeros(n)})
