@@ -150,6 +150,12 @@ def test_skip_non_finite_and_bad_input():
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.detach(), q)
     E = ebbtide.InvalidArgumentError
+    opt.param_groups[0]["lr"] = -1.0  # e.g. a broken scheduler: refused natively before any bucket changes
+    with pytest.raises(E, match="lr"):
+        opt.step()
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), q)
+    assert float(opt.state_dict()["state"][0]["step"]) == 1.0
     with pytest.raises(E, match="bfloat16"):
         OffloadedAdam([torch.zeros(4, requires_grad=True)])
     with pytest.raises(E):

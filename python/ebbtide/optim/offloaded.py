@@ -277,15 +277,17 @@ class OffloadedAdam(torch.optim.Optimizer):
             if g.get("mode", "fast") not in _MODES:
                 raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {g['mode']!r})")
         hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
-        self._repair_grad_views()
+        if self._repair_grad_views():
+            self._reset_overlap()  # a hook-started download may predate the repaired gradient: download again
         if skip_non_finite:
             amax = torch.linalg.vector_norm(self._gflat, float("inf")).float().item() if self._total else 0.0
             if not math.isfinite(amax * scale):
                 self._reset_overlap()
                 self.last_step_applied = False
                 return loss
+        # Native validation fails on the first bucket, before any change, so the count moves only on success.
+        self._run_pipeline(hypers, float(self._step_count + 1))
         self._step_count += 1
-        self._run_pipeline(hypers, float(self._step_count))
         self.last_step_applied = True
         return loss
 
