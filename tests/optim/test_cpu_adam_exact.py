@@ -98,12 +98,14 @@ def test_every_isa_forced(isa):
         run_pair(n, 8, isa=isa, amsgrad=True, bf16_grads=True, special=n > 8)
 
 
-def test_env_var_lowers_isa():
+def test_env_var_lowers_isa_and_omp_num_threads_is_ignored():
     import subprocess
     import sys
 
-    code = "from ebbtide.optim import CPUAdam; import torch; print(CPUAdam([torch.zeros(1)]).isa)"
+    code = ("import os; from ebbtide.optim import CPUAdam; import torch; o = CPUAdam([torch.zeros(1)]); "
+            "print(o.isa, o.threads == len(os.sched_getaffinity(0)))")
     for isa in {available_isas()[0], "scalar"}:  # the best and the lowest: one subprocess each
-        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EBBTIDE_CPU_ISA": isa},
-                             capture_output=True, text=True, check=True).stdout.strip()
-        assert out == isa
+        env = {**os.environ, "EBBTIDE_CPU_ISA": isa, "OMP_NUM_THREADS": "1"}  # Ray sets OMP_NUM_THREADS=1
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert out == f"{isa} True"

@@ -151,3 +151,15 @@ def test_state_dict_round_trip_on_gpu():
             o.step()
     for p, q in zip(a.parameters(), c.parameters()):
         assert bits_equal(p.detach(), q.detach())
+
+
+def test_cpu_adam_refuses_cuda_tensors():
+    import ebbtide
+    from ebbtide.optim import CPUAdam
+
+    with pytest.raises(ebbtide.InvalidArgumentError, match="CPU"):
+        CPUAdam([torch.zeros(4, device="cuda")])
+    p = torch.zeros(4)
+    opt = CPUAdam([p])
+    with pytest.raises(ebbtide.InvalidArgumentError, match="CPU"):
+        opt.step(grads={p: torch.zeros(4, device="cuda")})
