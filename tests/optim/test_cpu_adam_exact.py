@@ -17,6 +17,16 @@ from ebbtide.optim import CPUAdam, available_isas  # noqa: E402
 from ebbtide.optim._testing import bits_equal, describe_mismatch, grads_for, offset_view  # noqa: E402
 
 SIZES = [1, 15, 16, 17, 127, 128, 129, 2**20 + 37]
+
+
+def test_torch_sqrt_flavor_is_known_here():
+    # Exact mode needs to know how this torch computes Tensor.sqrt (optim/adam_kernel.h, Note [torch's sqrt]).
+    from ebbtide.optim.cpu_adam import probe_torch_sqrt_flavor
+
+    flavor = probe_torch_sqrt_flavor()
+    assert flavor is not None, (
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}) computes sqrt neither as IEEE nor "
+        "as MKL's AVX-512 vsSqrt: exact mode cannot match it bit for bit on this machine")
 ALL = os.cpu_count() or 1
 
 

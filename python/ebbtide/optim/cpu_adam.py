@@ -31,7 +31,7 @@ import torch
 from .. import _native
 from ..errors import InvalidArgumentError
 
-__all__ = ["CPUAdam", "available_isas", "torch_sqrt_flavor"]
+__all__ = ["CPUAdam", "available_isas", "torch_sqrt_flavor", "probe_torch_sqrt_flavor"]
 
 _MODES = ("fast", "exact")
 
@@ -42,10 +42,10 @@ def available_isas() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def torch_sqrt_flavor() -> int:
+def probe_torch_sqrt_flavor() -> int | None:
     """Which sqrt torch's CPU ``Tensor.sqrt`` computes in this process: 0 correctly rounded, 1 MKL's AVX-512
-    vsSqrt (optim/adam_kernel.h, Note [torch's sqrt]). Found once by comparing torch.sqrt bit for bit on 64K
-    log-uniform probes with each flavor the kernel can evaluate; exact mode uses the match."""
+    vsSqrt (optim/adam_kernel.h, Note [torch's sqrt]), None if neither. Found once by comparing torch.sqrt bit for
+    bit on 64K log-uniform probes with each flavor the kernel can evaluate."""
     from ..errors import UnsupportedError
 
     C = _native.load()
@@ -60,9 +60,18 @@ def torch_sqrt_flavor() -> int:
             continue
         if torch.equal(out, ref):
             return flavor
-    warnings.warn("ebbtide.optim: torch.sqrt on this machine is neither IEEE nor MKL's AVX-512 kernel; exact mode "
-                  "uses IEEE sqrt and may differ from torch in about 0.01% of elements", RuntimeWarning, stacklevel=2)
-    return 0
+    return None
+
+
+def torch_sqrt_flavor() -> int:
+    """The sqrt flavor exact mode uses: torch's, or IEEE (with a warning) when torch's is unknown."""
+    flavor = probe_torch_sqrt_flavor()
+    if flavor is None:
+        warnings.warn("ebbtide.optim: torch.sqrt on this machine is neither IEEE nor MKL's AVX-512 kernel; exact "
+                      "mode uses IEEE sqrt and may differ from torch in about 0.01% of elements", RuntimeWarning,
+                      stacklevel=2)
+        return 0
+    return flavor
 
 
 _ENGINES: dict[tuple[int, str], object] = {}
