@@ -119,3 +119,23 @@ def test_env_var_lowers_isa_and_omp_num_threads_is_ignored():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                              check=True).stdout.strip()
         assert out == f"{isa} True"
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL: Tensor.sqrt is ATen's own")
+def test_exact_when_mkl_takes_its_avx2_path():
+    # On AVX2-only hosts (e.g. AMD EPYC 7003) MKL runs its AVX2 vsSqrt, which is correctly rounded: exact mode must
+    # detect that flavor. MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces that host here.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from ebbtide.optim import CPUAdam; from ebbtide.optim.cpu_adam import probe_torch_sqrt_flavor;"
+        "from ebbtide.optim._testing import bits_equal, grads_for\n"
+        "a = torch.randn(100003); b = a.clone()\n"
+        "t = torch.optim.AdamW([a], weight_decay=0.1, foreach=False); o = CPUAdam([b], weight_decay=0.1, mode='exact')\n"
+        "for g in grads_for(100003, 5, 7):\n"
+        "    a.grad = g; t.step(); o.step(grads={b: g})\n"
+        "print(probe_torch_sqrt_flavor(), bits_equal(a, b))\n")
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["0", "True"], out.stdout + out.stderr
