@@ -15,6 +15,7 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -56,9 +57,26 @@ std::mutex g_default_mu;                 // guards g_default
 Region g_default;                        // valid iff g_has_default
 
 void on_fork_child() { g_forked.store(true); }
-struct AtforkInstaller {
-  AtforkInstaller() { pthread_atfork(nullptr, nullptr, on_fork_child); }
-} g_atfork_installer;
+
+// Library load: install the fork handler; EBBTIDE_MEM_DEFAULT_TAG (+ EBBTIDE_MEM_DEFAULT_BACKUP=none|cpu) sets
+// the process default region, so a process started under the shim captures every allocation from its start.
+void apply_default_from_env();
+struct LoadTimeSetup {
+  LoadTimeSetup() {
+    pthread_atfork(nullptr, nullptr, on_fork_child);
+    apply_default_from_env();
+  }
+};
+
+void apply_default_from_env() {
+  const char* tag = getenv("EBBTIDE_MEM_DEFAULT_TAG");
+  if (!tag || !*tag) return;
+  const char* b = getenv("EBBTIDE_MEM_DEFAULT_BACKUP");
+  int backup = (b && strcmp(b, "cpu") == 0) ? EBT_MEM_BACKUP_CPU : EBT_MEM_BACKUP_NONE;
+  if (ebt_mem_set_default_region(tag, backup) != EBT_SUCCESS)
+    EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_DEFAULT_TAG=%s ignored: %s", tag, ebt_last_error());
+}
+LoadTimeSetup g_load_time_setup;  // after every global it touches (same translation unit: in order)
 
 }  // namespace
 
