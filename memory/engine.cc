@@ -569,7 +569,15 @@ ebt_status_t Engine::set_access_runs(const std::vector<Allocation*>& allocs) {
     EBT_CHECK(device(allocs[i]->device, &d));
     CtxGuard ctx(drv, d->ctx);
     CUmemAccessDesc acc{{CU_MEM_LOCATION_TYPE_DEVICE, allocs[i]->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    EBT_CU_CHECK(drv->cuMemSetAccess(allocs[i]->va, end - allocs[i]->va, &acc, 1));
+    CUresult res = drv->cuMemSetAccess(allocs[i]->va, end - allocs[i]->va, &acc, 1);
+    if (res != CUDA_SUCCESS && j - i > 1) {
+      // A driver that refuses a range spanning several mappings: grant access one allocation at a time.
+      EBT_INFO(EBT_SUBSYS_MEM, "cuMemSetAccess over %zu mappings failed (%d); per allocation instead", j - i, res);
+      res = CUDA_SUCCESS;
+      for (size_t k = i; k < j && res == CUDA_SUCCESS; ++k)
+        res = drv->cuMemSetAccess(allocs[k]->va, allocs[k]->aligned, &acc, 1);
+    }
+    if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuMemSetAccess (resume)", __FILE__, __LINE__);
     i = j;
   }
   return EBT_SUCCESS;

@@ -13,6 +13,7 @@
  *
  * Test controls (exported, call through ctypes on the same path):
  *   ebt_fake_set_fault(name, nth, err)  the nth next call (1 = next) of `name` returns `err` and does nothing;
+ *                                       nth < 0: every call fails until cleared with nth = 0;
  *                                       also EBT_FAKE_FAULT="name:nth:err" at load.
  *   ebt_fake_counters(out[8])           live handles, physical bytes, live mappings, reservations,
  *                                       reserved bytes, registered host bytes, registrations, unpinned copies
@@ -98,6 +99,10 @@ bool fault(const char* name, CUresult* err) {
   g_trace += name;
   auto it = g_faults.find(name);
   if (it == g_faults.end()) return false;
+  if (it->second.first < 0) {  // persistent: every call fails until cleared
+    *err = it->second.second;
+    return true;
+  }
   if (--it->second.first > 0) return false;
   *err = it->second.second;
   g_faults.erase(it);
@@ -165,7 +170,7 @@ bool host_registered(const void* p, size_t n) {
 FAKE_API void ebt_fake_set_fault(const char* name, long nth, int err) {
   std::lock_guard<std::mutex> lk(g_mu);
   init_once();
-  if (nth <= 0) g_faults.erase(name);
+  if (nth == 0) g_faults.erase(name);
   else g_faults[name] = {nth, err};
 }
 FAKE_API void ebt_fake_counters(long long* out) {

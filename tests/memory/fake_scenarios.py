@@ -264,6 +264,7 @@ def fault_injection(op: str, spec: str):
         raise AssertionError(f"{op} with {spec} failing did not raise")
     except DriverError:
         pass
+    fault(name, 0)  # clear a persistent fault before the retry
     row = tag_row("w")
     assert row["state"] == state_before, (spec, row["state"], state_before)
     assert counters()["handles"] == handles_before, (spec, counters(), handles_before)
@@ -391,6 +392,21 @@ def batched_set_access_and_drain_order():
     calls = trace()
     assert calls.index("cuCtxSynchronize") < calls.index("cuMemUnmap"), calls  # free drains too
     for p in ps[1:]:
+        free(p)
+    assert_clean()
+
+
+def set_access_fallback():
+    """A driver that refuses one cuMemSetAccess over several mappings: resume grants access per allocation."""
+    ps = [alloc(2 * MiB, "t", "cpu") for _ in range(3)]
+    data = [fill(p, 2 * MiB, i) for i, p in enumerate(ps)]
+    em.pause("t")
+    trace()
+    fault("cuMemSetAccess", 1)
+    em.resume("t")
+    assert trace().count("cuMemSetAccess") == 4
+    for p, d in zip(ps, data):
+        assert read(p, 2 * MiB) == d
         free(p)
     assert_clean()
 

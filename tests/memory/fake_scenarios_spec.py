@@ -9,6 +9,7 @@ SIMPLE = [
     "async_overlap",
     "mark_clean_skips_copy",
     "batched_set_access_and_drain_order",
+    "set_access_fallback",
     "fork_child_disabled",
     "thread_safety",
     "timeout_wait",
@@ -20,6 +21,6 @@ FAULTS = {
     "pause": ["cuCtxSynchronize:1", "cuMemHostRegister:1", "cuMemcpyDtoHAsync:2", "cuEventRecord:2",
               "cuEventSynchronize:2", "cuMemUnmap:1", "cuMemUnmap:3", "cuMemRelease:1", "cuMemRelease:3",
               "cuStreamCreate:1"],
-    "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:3", "cuMemMap:2", "cuMemSetAccess:1",
+    "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:3", "cuMemMap:2", "cuMemSetAccess:-1",
                "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
 }
