@@ -88,7 +88,6 @@ class Limits:
                 src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
                 dst = torch.empty_like(src)
                 t = self._time_copies(torch, [lambda: dst.copy_(src)], 10 if self.quick else 30)
-                del src, dst
             return 2 * n / t / GB
 
         return self._memo(f"d2d_gbps[cuda:{device}]", probe)

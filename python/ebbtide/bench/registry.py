@@ -20,6 +20,7 @@ __all__ = ["Row", "Context", "Skip", "Suite", "suite", "registered", "timed", "S
 SUITE_MODULES: dict[str, str] = {
     "limits": "ebbtide.bench.suites.limits",
     "memory": "ebbtide.bench.suites.memory",
+    "quant": "ebbtide.bench.suites.quant",
 }
 
 
