@@ -110,14 +110,12 @@ void register_bindings(py::module_& m) {
 
   m.def("malloc", [](size_t size, int device, const std::string& tag, int backup) {
     void* p = nullptr;
+    ebt_status_t st;
     {
       py::gil_scoped_release nogil;
-      ebt_status_t st = ebt_mem_malloc(&p, size, device, tag.c_str(), backup);
-      if (st != EBT_SUCCESS) {
-        py::gil_scoped_acquire gil;
-        EBT_PY_CHECK(st);
-      }
+      st = ebt_mem_malloc(&p, size, device, tag.c_str(), backup);
     }
+    EBT_PY_CHECK(st);
     return reinterpret_cast<uintptr_t>(p);
   }, py::arg("size"), py::arg("device"), py::arg("tag"), py::arg("backup") = 0,
      "Allocate directly from the engine; returns the device address.");
