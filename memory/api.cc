@@ -310,6 +310,18 @@ ebt_status_t ebt_mem_release_host_memory(size_t* released) {
   return Engine::get().release_host(released);
 }
 
+ebt_status_t ebt_mem_set_background_pinning(int enabled) {
+  EBT_NOT_IN_FORK();
+  Engine::get().set_background_pinning(enabled != 0);
+  return EBT_SUCCESS;
+}
+
+ebt_status_t ebt_mem_wait_background_pinning(void) {
+  EBT_NOT_IN_FORK();
+  Engine::get().wait_background_pinning();
+  return EBT_SUCCESS;
+}
+
 ebt_status_t ebt_mem_reset_for_testing(void) {
   EBT_NOT_IN_FORK();
   EBT_CHECK(Engine::get().reset());

@@ -243,6 +243,16 @@ void register_bindings(py::module_& m) {
     EBT_PY_CHECK(ebt_mem_release_host_memory(&n));
     return n;
   });
+  m.def("set_background_pinning", [](bool enabled) { EBT_PY_CHECK(ebt_mem_set_background_pinning(enabled)); },
+        py::arg("enabled"));
+  m.def("wait_background_pinning", [] {
+    ebt_status_t st;
+    {
+      py::gil_scoped_release nogil;
+      st = ebt_mem_wait_background_pinning();
+    }
+    EBT_PY_CHECK(st);
+  });
   m.def("reset_for_testing", [] { EBT_PY_CHECK(ebt_mem_reset_for_testing()); });
   m.def("shim_active", [] {
     int a = 0;

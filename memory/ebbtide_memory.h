@@ -141,6 +141,11 @@ EBT_API ebt_status_t ebt_mem_paused_ranges(uintptr_t* starts, size_t* lengths, s
  * Pin `bytes` more host memory now (pre-touched, registered by several threads), so the first pause does not
  * pay for pinning. Blocking; call it from a background thread to pin ahead of time. */
 EBT_API ebt_status_t ebt_mem_reserve_host_memory(size_t bytes);
+/* Background pinning (default on; EBBTIDE_MEM_PREPIN=0 turns it off): a CPU-backed allocation gets its pinned host
+ * block on a runtime thread soon after it is made, so the first pause only copies. set: on/off from now on (off
+ * also drops queued work). wait: block until queued work is done. */
+EBT_API ebt_status_t ebt_mem_set_background_pinning(int enabled);
+EBT_API ebt_status_t ebt_mem_wait_background_pinning(void);
 /* Give back pinned host memory that holds no paused content: backups of active allocations are dropped (their
  * next pause copies again) and empty segments unregistered and unmapped. *released = bytes returned. */
 EBT_API ebt_status_t ebt_mem_release_host_memory(size_t* released);

@@ -23,7 +23,9 @@
  *    and restored from their host copies (discard-mode content is gone, as a pause would have made it); if even
  *    that fails, they stay paused and the tag is PAUSED (resume retries).
  *  - Host backups live in the persistent HostArena; an allocation keeps its block across cycles (fast warm
- *    cycles), gives it back on free or release_host().
+ *    cycles), gives it back on free or release_host(). CPU-backed allocations are queued for background pinning
+ *    when made (engine_pinning.cc), so the first pause usually finds its blocks ready; a pause that needs blocks
+ *    waits for an in-flight background batch, then pins whatever is still missing itself.
  * Lock order: mu_ -> dev_mu_ -> Device::mu; HostArena and VaSpace locks are leaves. No driver call holds mu_
  * except in free()'s lookup-free paths and reset().
  */
@@ -207,7 +209,8 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
       EBT_INFO(EBT_SUBSYS_MEM, "allocation into paused tag '%s': it stays active until the tag is paused again", tag);
     a->tag->allocations.insert(a.get());
     by_va_.emplace(a->va, a.get());
-    ++allocs_total_;
+    a->id = ++allocs_total_;
+    if (backup == EBT_MEM_BACKUP_CPU) enqueue_pinning(a.get());
   }
   *ptr = reinterpret_cast<void*>(a->va);
   EBT_TRACE(EBT_SUBSYS_MEM, "malloc %zu (mapped %zu) on device %d tag %s -> 0x%llx", size, a->aligned,
@@ -408,6 +411,9 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     }
   }
   if (!need_sizes.empty()) {
+    // A background batch may be pinning for these very allocations: let it finish (it hands its blocks back to the
+    // arena when it finds them busy), so the arena is not grown twice.
+    wait_background_pinning();
     std::vector<HostArena::Block> blocks;
     CtxGuard ctx(drv, devs[0]->ctx);
     EBT_CHECK(arena_.allocate(drv, devs[0]->ctx, need_sizes, &blocks));

@@ -25,6 +25,7 @@ struct Tag;
 enum class AllocState : unsigned char { kActive, kPaused };
 
 struct Allocation {
+  unsigned long long id = 0; // unique per engine lifetime (background pinning matches queued work by (va, id))
   CUdeviceptr va = 0;        // base address, granularity-aligned; fixed for the allocation's whole life
   size_t size = 0;           // bytes the caller asked for (what a backup copies)
   size_t aligned = 0;        // bytes mapped: size rounded up to the device granularity
@@ -92,6 +93,11 @@ class Engine {
   ebt_status_t release_host(size_t* released);
   ebt_status_t reset();
 
+  // Background pinning (see engine_pinning.cc): CPU-backed allocations get their host blocks on a runtime thread
+  // soon after they are made, so the first pause finds pinned memory waiting.
+  void set_background_pinning(bool enabled);
+  void wait_background_pinning();
+
  private:
   Engine() = default;
   ebt_status_t driver(const ebt_driver_table_t** drv);
@@ -108,6 +114,9 @@ class Engine {
   ebt_status_t set_access_runs(const std::vector<Allocation*>& allocs);
   void commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r);
   void fill_oom(int device, size_t needed, ebt_mem_report_t* r);
+  void enqueue_pinning(const Allocation* a);  // mu_ held
+  void pinning_loop();
+  void pin_batch(const std::vector<std::pair<CUdeviceptr, unsigned long long>>& batch);
 
   std::mutex mu_;               // guards by_va_, tags_, every Allocation/Tag field, the counters below
   std::condition_variable cv_;  // signalled when an op clears busy flags (free() waits on it)
@@ -118,6 +127,13 @@ class Engine {
   std::mutex dev_mu_;           // guards devices_ (the map, not the Device contents)
   std::map<int, std::unique_ptr<Device>> devices_;
   HostArena arena_;
+
+  std::mutex pin_mu_;                // guards pin_queue_, pin_busy_, pin_thread_started_, pin_enabled_
+  std::condition_variable pin_cv_;   // queue got work / worker went idle
+  std::vector<std::pair<CUdeviceptr, unsigned long long>> pin_queue_;  // (va, id) of allocations to pin for
+  bool pin_busy_ = false;            // the worker is pinning a batch
+  bool pin_thread_started_ = false;  // the worker thread exists (started on first use, lives for the process)
+  int pin_enabled_ = -1;             // -1: not read yet (EBBTIDE_MEM_PREPIN, default on); 0/1
 };
 
 // RAII: make `ctx` current on this thread for the scope (push/pop, so the caller's context is restored).

@@ -143,6 +143,7 @@ ebt_status_t Engine::reserve_host(size_t bytes) {
 ebt_status_t Engine::release_host(size_t* released) {
   EBT_REQUIRE_ARG(released, "released is NULL");
   *released = 0;
+  wait_background_pinning();
   std::vector<HostArena::Block> drop;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -167,6 +168,11 @@ ebt_status_t Engine::release_host(size_t* released) {
 ebt_status_t Engine::reset() {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
+  {
+    std::lock_guard<std::mutex> plock(pin_mu_);
+    pin_queue_.clear();
+  }
+  wait_background_pinning();
   std::unique_lock<std::mutex> lock(mu_);
   for (auto& kv : tags_)
     if (kv.second->busy) return ebt_set_error(EBT_ERROR_INVALID_STATE, "reset: tag '%s' has an op in flight",

@@ -78,6 +78,7 @@ def tag_row(tag: str) -> dict:
 
 def assert_clean() -> None:
     """After freeing everything: no handle, mapping or host block left; arena releasable to zero."""
+    em.wait_background_pinning()
     c = counters()
     assert c["handles"] == 0 and c["mappings"] == 0 and c["phys"] == 0, c
     assert em.stats()["global"]["host_used"] == 0, em.stats()["global"]
@@ -396,6 +397,39 @@ def batched_set_access_and_drain_order():
     assert_clean()
 
 
+def background_pinning():
+    """CPU-backed allocations get pinned blocks on the runtime thread; the first pause then registers nothing. A
+    failed background batch costs nothing but time: the pause pins for itself."""
+    sizes = [3 * MiB, 5 * MiB + 1]
+    ps = [alloc(s, "w", "cpu") for s in sizes]
+    alloc_none = alloc(2 * MiB, "kv", "none")
+    em.wait_background_pinning()
+    g = em.stats()["global"]
+    assert g["host_used"] == sum(sizes) + 255 and g["host_reserved"] >= sum(sizes), g
+    data = [fill(p, s, i) for i, (p, s) in enumerate(zip(ps, sizes))]
+    trace()
+    em.pause("w")
+    assert "cuMemHostRegister" not in trace()
+    em.resume("w")
+    for p, s, d in zip(ps, sizes, data):
+        assert read(p, s) == d
+    fault("cuMemHostRegister", 1)
+    q = alloc(4 * MiB, "w2", "cpu")
+    em.wait_background_pinning()
+    assert tag_row("w2")["bytes_backed_up"] == 0  # the background batch failed
+    dq = fill(q, 4 * MiB, 9)
+    em.pause("w2")
+    em.resume("w2")
+    assert read(q, 4 * MiB) == dq
+    # a block pinned for an allocation freed meanwhile goes back to the arena
+    r = alloc(2 * MiB, "w3", "cpu")
+    free(r)
+    em.wait_background_pinning()
+    for p in ps + [q, alloc_none]:
+        free(p)
+    assert_clean()
+
+
 def set_access_fallback():
     """A driver that refuses one cuMemSetAccess over several mappings: resume grants access per allocation."""
     ps = [alloc(2 * MiB, "t", "cpu") for _ in range(3)]
@@ -413,6 +447,7 @@ def set_access_fallback():
 
 def host_arena_exact_and_chunked():
     # EBBTIDE_MEM_CHUNK_BYTES is set small by the test: copies are cut into many chunks with odd tails.
+    em.set_background_pinning(False)  # this scenario checks the shape a pause gives the arena
     sizes = [1000, 3 * MiB + 7, 256, 5 * MiB]
     ps = [alloc(s, "t", "cpu") for s in sizes]
     data = [fill(p, s, i) for i, (p, s) in enumerate(zip(ps, sizes))]

@@ -10,6 +10,7 @@ SIMPLE = [
     "mark_clean_skips_copy",
     "batched_set_access_and_drain_order",
     "set_access_fallback",
+    "background_pinning",
     "fork_child_disabled",
     "thread_safety",
     "timeout_wait",

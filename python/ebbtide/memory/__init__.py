@@ -13,7 +13,8 @@ children with ``preload_env()`` / ``configure_subprocess()``). Architecture and 
 from __future__ import annotations
 
 from ._engine import (Pending, Report, get_cpu_backup_address, mark_clean, pause, pause_async, paused_ranges,
-                      release_host_memory, reserve_host_memory, resume, resume_async, stats)
+                      release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
+                      stats, wait_background_pinning)
 from ._hooks import (check_paused_blocks, configure_subprocess, disable, hook_mode, preload_env, region,
                      set_default_region, set_hook_mode)
 
@@ -21,5 +22,5 @@ __all__ = [
     "region", "disable", "pause", "resume", "pause_async", "resume_async", "Pending", "Report", "stats",
     "mark_clean", "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
     "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
-    "configure_subprocess",
+    "configure_subprocess", "set_background_pinning", "wait_background_pinning",
 ]

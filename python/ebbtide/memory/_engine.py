@@ -17,6 +17,7 @@ from ..errors import InvalidArgumentError, OutOfMemoryError, WaitTimeoutError
 __all__ = [
     "Report", "Pending", "pause", "resume", "pause_async", "resume_async", "mark_clean", "stats",
     "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
+    "set_background_pinning", "wait_background_pinning",
 ]
 
 BACKUPS = {"none": 0, "cpu": 1}
@@ -212,6 +213,17 @@ def reserve_host_memory(nbytes: int) -> None:
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise InvalidArgumentError(f"nbytes must be a positive int, not {nbytes!r}")
     _mem().reserve_host_memory(nbytes)
+
+
+def set_background_pinning(enabled: bool) -> None:
+    """Pin the host blocks of CPU-backed allocations on a runtime thread soon after they are made (default on;
+    EBBTIDE_MEM_PREPIN=0 starts with it off), so the first pause only copies. Off: the first pause pins."""
+    _mem().set_background_pinning(bool(enabled))
+
+
+def wait_background_pinning() -> None:
+    """Block until queued background pinning is done (e.g. before timing a first pause)."""
+    _mem().wait_background_pinning()
 
 
 def get_cpu_backup_address(ptr: int) -> tuple:

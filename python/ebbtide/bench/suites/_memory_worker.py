@@ -61,33 +61,39 @@ def ours(total: int, small: int) -> dict:
     out: dict = {"mode": em.hook_mode()}
     keep = _discard(out, lambda tag, cpu: em.region(tag, backup="cpu" if cpu else "none"), em.pause, em.resume,
                     total, small)
+    # First cycle with the pause pinning its own host memory (background pinning off) ...
+    em.set_background_pinning(False)
+    keep.append(_tensors(em.region("w0", backup="cpu"), 8, total))
+    out["cpu_first_pause_nobg"] = _t(lambda: em.pause("w0"))
+    out["cpu_first_resume_nobg"] = _t(lambda: em.resume("w0"))
+    out["host_register_s"] = em.stats()["global"]["host_register_s"]
+    # ... and the default: blocks pinned on the runtime thread after allocation, off the critical path.
+    em.set_background_pinning(True)
     keep.append(_tensors(em.region("w", backup="cpu"), 8, total))
+    out["background_pinning_s"] = _t(em.wait_background_pinning)
     out["cpu_first_pause"] = _t(lambda: em.pause("w"))
     out["cpu_first_resume"] = _t(lambda: em.resume("w"))
-    out["host_register_s"] = em.stats()["global"]["host_register_s"]
     ps, rs = _cycles(lambda: em.pause("w"), lambda: em.resume("w"), WARM)
     out["cpu_warm_pause"], out["cpu_warm_resume"] = statistics.median(ps), statistics.median(rs)
+    last = [r for r in em.stats()["tags"] if r["tag"] == "w"][0]
+    out["warm_pause_phases"] = {k: last["last_pause"][k] for k in ("sync_s", "copy_s", "unmap_s", "total_s")}
+    out["warm_resume_phases"] = {k: last["last_resume"][k] for k in ("map_s", "copy_s", "total_s")}
+    # Trainer -> rollout switch: pause one tag (w0, "trainer") while resuming another (w, "rollout").
     em.pause("w")
-    # Trainer -> rollout switch: pause one tag while resuming another, sequential vs overlapped (warm arena).
-    keep.append(_tensors(em.region("train", backup="cpu"), 8, total))
-    keep.append(_tensors(em.region("roll", backup="cpu"), 8, total))
-    em.pause("roll")
-    em.pause("train")
-    em.resume("train")  # both tags now hold arena blocks; train active, roll paused
     seq, ovl = [], []
     for _ in range(WARM):
-        seq.append(_t(lambda: (em.pause("train"), em.resume("roll"))))
-        em.pause("roll")
-        em.resume("train")
+        seq.append(_t(lambda: (em.pause("w0"), em.resume("w"))))
+        em.pause("w")
+        em.resume("w0")
 
         def overlapped():
-            h1, h2 = em.pause_async("train"), em.resume_async("roll")
+            h1, h2 = em.pause_async("w0"), em.resume_async("w")
             h1.wait()
             h2.wait()
 
         ovl.append(_t(overlapped))
-        em.pause("roll")
-        em.resume("train")
+        em.pause("w")
+        em.resume("w0")
     out["switch_sequential"], out["switch_overlapped"] = statistics.median(seq), statistics.median(ovl)
     out.update(_hook_latency())
     return out
