@@ -430,6 +430,32 @@ def background_pinning():
     assert_clean()
 
 
+def cpu_backup_view():
+    """get_cpu_backup(tensor): a torch view of fake device memory (host-addressable) and its pinned backup."""
+    import torch  # noqa: PLC0415
+
+    n = 3 * MiB
+    p = alloc(n, "w", "cpu")
+    dev = torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)
+    dev.copy_(torch.arange(n, dtype=torch.int64).remainder(251).to(torch.uint8))
+    t = dev[1024:].view(torch.int32).view(-1, 4)  # a view into the allocation, not at its base
+    ref = t.clone()
+    em.pause("w")
+    copy, view = em.get_cpu_backup(t), em.get_cpu_backup(t, zero_copy=True)
+    assert torch.equal(copy, ref) and torch.equal(view, ref) and view.dtype == torch.int32
+    host, _ = em.get_cpu_backup_address(p + 1024)
+    assert view.data_ptr() == host
+    try:
+        NATIVE.get_cpu_backup(12345)
+        raise AssertionError("expected NotFoundError")
+    except NotFoundError:
+        pass
+    em.resume("w")
+    del copy, view, t, dev
+    free(p)
+    assert_clean()
+
+
 def set_access_fallback():
     """A driver that refuses one cuMemSetAccess over several mappings: resume grants access per allocation."""
     ps = [alloc(2 * MiB, "t", "cpu") for _ in range(3)]

@@ -11,6 +11,7 @@ SIMPLE = [
     "batched_set_access_and_drain_order",
     "set_access_fallback",
     "background_pinning",
+    "cpu_backup_view",
     "fork_child_disabled",
     "thread_safety",
     "timeout_wait",

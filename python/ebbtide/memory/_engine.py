@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError, OutOfMemoryError, WaitTimeoutError
 __all__ = [
     "Report", "Pending", "pause", "resume", "pause_async", "resume_async", "mark_clean", "stats",
     "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
-    "set_background_pinning", "wait_background_pinning",
+    "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
 ]
 
 BACKUPS = {"none": 0, "cpu": 1}
@@ -230,6 +230,29 @@ def get_cpu_backup_address(ptr: int) -> tuple:
     """(host address or 0, bytes to the backup's end) of the engine allocation containing device address
     ``ptr``. The backup is current while the tensor is paused. O(log n)."""
     return tuple(_mem().get_cpu_backup(int(ptr)))
+
+
+def get_cpu_backup(tensor, *, zero_copy: bool = False):
+    """The host backup of a contiguous CUDA tensor in a CPU-backed region, as a CPU tensor of the same dtype and
+    shape (None if it has no host copy yet). ``zero_copy=True`` returns a view of the pinned arena (valid until
+    the tensor is freed or release_host_memory() runs; current while the tensor is paused); otherwise a copy."""
+    import ctypes  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError("get_cpu_backup needs a contiguous tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    host, avail = get_cpu_backup_address(tensor.data_ptr())
+    if not host:
+        return None
+    if avail < nbytes:
+        raise InvalidArgumentError(f"tensor spans {nbytes} bytes but its allocation's backup has {avail} from there")
+    if nbytes == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(host), dtype=torch.uint8)
+    view = raw.view(tensor.dtype).view(tensor.shape)
+    return view if zero_copy else view.clone()
 
 
 def paused_ranges() -> list:
