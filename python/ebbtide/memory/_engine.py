@@ -182,6 +182,7 @@ def pause_async(tag: Optional[str] = None) -> Pending:
 
 
 def resume_async(tag: Optional[str] = None) -> Pending:
+    """Start a resume on a runtime thread. The tag's tensors must not be touched before ``wait()`` returns."""
     check_tag(tag, allow_none=True)
     return Pending(_mem().resume_async(tag), "resume", tag)
 
