@@ -320,11 +320,12 @@ ebt_status_t Engine::prepare(OpKind kind, const char* tag, Plan* plan, ebt_mem_r
 void Engine::commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A tag is PAUSED while any of its planned allocations is paused (a failed, un-rollable pause included).
+    std::unordered_set<const Tag*> has_paused;
+    for (Allocation* a : plan.allocs)
+      if (a->state == AllocState::kPaused) has_paused.insert(a->tag);
     for (Tag* t : plan.tags) {
-      // A tag is PAUSED while any of its planned allocations is paused (a failed, un-rollable pause included).
-      bool any_paused = false;
-      for (Allocation* a : plan.allocs)
-        if (a->tag == t && a->state == AllocState::kPaused) any_paused = true;
+      const bool any_paused = has_paused.count(t) != 0;
       if (plan.kind == OpKind::kPause) {
         t->state = (st == EBT_SUCCESS || any_paused) ? EBT_MEM_TAG_PAUSED : EBT_MEM_TAG_ACTIVE;
         if (st == EBT_SUCCESS) t->last_pause = r;
