@@ -88,7 +88,7 @@ void Engine::pin_batch(const std::vector<std::pair<CUdeviceptr, unsigned long lo
   std::vector<HostArena::Block> blocks;
   {
     CtxGuard ctx(drv, d->ctx);  // registrations are PORTABLE: any device's context will do
-    if (arena_.allocate(drv, d->ctx, sizes, &blocks) != EBT_SUCCESS) {
+    if (arena_.allocate(drv, d->ctx, sizes, &blocks, HostArena::kMinBackgroundGrowth) != EBT_SUCCESS) {
       EBT_INFO(EBT_SUBSYS_MEM, "background pinning of %zu blocks failed (the first pause pins instead): %s",
                sizes.size(), ebt_last_error());
       return;

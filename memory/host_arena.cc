@@ -109,7 +109,7 @@ ebt_status_t HostArena::add_segment(const ebt_driver_table_t* drv, CUcontext ctx
 }
 
 ebt_status_t HostArena::allocate(const ebt_driver_table_t* drv, CUcontext ctx, const std::vector<size_t>& sizes,
-                                 std::vector<Block>* out) {
+                                 std::vector<Block>* out, size_t min_growth) {
   out->assign(sizes.size(), Block{});
   auto undo = [&] {
     for (const Block& b : *out)
@@ -139,7 +139,7 @@ ebt_status_t HostArena::allocate(const ebt_driver_table_t* drv, CUcontext ctx, c
     if (shortfall == 0) return EBT_SUCCESS;
     if (pass == 1) break;
     std::lock_guard<std::mutex> grow(grow_mu_);
-    ebt_status_t st = add_segment(drv, ctx, shortfall);
+    ebt_status_t st = add_segment(drv, ctx, std::max(shortfall, min_growth));
     if (st != EBT_SUCCESS) {
       undo();
       return st;

@@ -40,8 +40,11 @@ class HostArena {
 
   // All blocks of `sizes` or none (HOST_OUT_OF_MEMORY / SYSTEM / DRIVER with nothing allocated). `ctx` is made
   // current on the registering threads (PORTABLE registrations serve every context).
+  // `min_growth`: grow by at least this many bytes (background pinning passes kMinBackgroundGrowth so allocations
+  // trickling in one at a time do not each add a tiny segment; the rest stays free for the next ones).
   ebt_status_t allocate(const ebt_driver_table_t* drv, CUcontext ctx, const std::vector<size_t>& sizes,
-                        std::vector<Block>* out);
+                        std::vector<Block>* out, size_t min_growth = 0);
+  static constexpr size_t kMinBackgroundGrowth = size_t(64) << 20;
   void free(const Block& b);
   // Bytes from `b.ptr + offset` to the end of its registration piece (copies must not cross it).
   size_t piece_remaining(const Block& b, size_t offset) const;

@@ -400,12 +400,22 @@ def batched_set_access_and_drain_order():
 def background_pinning():
     """CPU-backed allocations get pinned blocks on the runtime thread; the first pause then registers nothing. A
     failed background batch costs nothing but time: the pause pins for itself."""
+    fault("cuMemHostRegister", 1)  # the first background batch fails
+    q = alloc(4 * MiB, "w2", "cpu")
+    em.wait_background_pinning()
+    assert tag_row("w2")["bytes_backed_up"] == 0 and em.stats()["global"]["host_reserved"] == 0
+    dq = fill(q, 4 * MiB, 9)
+    em.pause("w2")  # pins its own block (exactly the shortfall)
+    em.resume("w2")
+    assert read(q, 4 * MiB) == dq
+    assert em.stats()["global"]["host_reserved"] == 4 * MiB
     sizes = [3 * MiB, 5 * MiB + 1]
     ps = [alloc(s, "w", "cpu") for s in sizes]
     alloc_none = alloc(2 * MiB, "kv", "none")
     em.wait_background_pinning()
     g = em.stats()["global"]
-    assert g["host_used"] == sum(sizes) + 255 and g["host_reserved"] >= sum(sizes), g
+    assert g["host_used"] == 4 * MiB + sum(sizes) + 255, g
+    assert g["host_reserved"] == 4 * MiB + 64 * MiB, g  # background growth is at least 64 MiB
     data = [fill(p, s, i) for i, (p, s) in enumerate(zip(ps, sizes))]
     trace()
     em.pause("w")
@@ -413,14 +423,6 @@ def background_pinning():
     em.resume("w")
     for p, s, d in zip(ps, sizes, data):
         assert read(p, s) == d
-    fault("cuMemHostRegister", 1)
-    q = alloc(4 * MiB, "w2", "cpu")
-    em.wait_background_pinning()
-    assert tag_row("w2")["bytes_backed_up"] == 0  # the background batch failed
-    dq = fill(q, 4 * MiB, 9)
-    em.pause("w2")
-    em.resume("w2")
-    assert read(q, 4 * MiB) == dq
     # a block pinned for an allocation freed meanwhile goes back to the arena
     r = alloc(2 * MiB, "w3", "cpu")
     free(r)
