@@ -458,6 +458,29 @@ def cpu_backup_view():
     assert_clean()
 
 
+def multi_device():
+    """Allocations remember their device: each device is drained in its own context, copies and maps run there,
+    and stats split per (tag, device). Runs with EBT_FAKE_DEVICES=2."""
+    with em.region("w", "cpu"):
+        a = RUNTIME.ebt_torch_malloc(3 * MiB, 0, None)
+        b = RUNTIME.ebt_torch_malloc(5 * MiB, 1, None)
+    da, db = fill(a, 3 * MiB, 1), fill(b, 5 * MiB, 2)
+    rows = {r["device"]: r for r in em.stats()["tags"] if r["tag"] == "w"}
+    assert rows[0]["bytes_active"] == 4 * MiB and rows[1]["bytes_active"] == 6 * MiB, rows
+    trace()
+    em.pause("w")
+    assert trace().count("cuCtxSynchronize") == 2  # both devices drained, not just the current one
+    rows = {r["device"]: r for r in em.stats()["tags"] if r["tag"] == "w"}
+    assert rows[0]["bytes_paused"] == 4 * MiB and rows[1]["bytes_paused"] == 6 * MiB, rows
+    em.resume("w")
+    assert read(a, 3 * MiB) == da and read(b, 5 * MiB) == db
+    trace()
+    free(b)
+    assert trace().count("cuCtxSynchronize") == 1
+    free(a)
+    assert_clean()
+
+
 def set_access_fallback():
     """A driver that refuses one cuMemSetAccess over several mappings: resume grants access per allocation."""
     ps = [alloc(2 * MiB, "t", "cpu") for _ in range(3)]

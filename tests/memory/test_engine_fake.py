@@ -53,5 +53,9 @@ def test_fault_injection_rolls_back(op, fault):
     run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0"})
 
 
+def test_multi_device():
+    run("multi_device", env={"EBT_FAKE_DEVICES": "2"})
+
+
 def test_soak_100_cycles_no_leaks():
     run("soak", "100")
