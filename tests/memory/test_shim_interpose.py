@@ -43,7 +43,7 @@ def test_interposition(prog):
     assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
 
 
-def test_without_preload_the_program_sees_the_fake_runtime(prog):
+def test_program_fails_without_the_shim(prog):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     p = subprocess.run([str(prog)], capture_output=True, text=True, env=env, timeout=60)
