@@ -1,0 +1,66 @@
+"""Run a worker function on N spawned ranks (Gloo, FileStore rendezvous) and surface every rank's failure.
+
+Process groups are process-global state, so every comm test runs its ranks in fresh spawned interpreters. A rank
+that raises writes its traceback; a rank that hangs is killed at the deadline and reported as hung.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _entry(rank: int, world: int, tmpdir: str, module: str, fn: str, kwargs: dict) -> None:
+    sys.path.insert(0, HERE)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    out = os.path.join(tmpdir, f"rank{rank}.json")
+    try:
+        import importlib
+
+        mod = importlib.import_module(module)
+        result = getattr(mod, fn)(rank, world, f"file://{tmpdir}/store", **kwargs)
+        with open(out, "w") as f:
+            json.dump({"ok": True, "result": result}, f)
+    except BaseException:  # report everything, including SystemExit from a worker
+        with open(out, "w") as f:
+            json.dump({"ok": False, "error": traceback.format_exc()}, f)
+        raise SystemExit(1)
+
+
+def run(fn: str, world: int, *, module: str = "workers", timeout: float = 90.0, **kwargs) -> list:
+    """Run ``module.fn(rank, world, init_method, **kwargs)`` on ``world`` spawned ranks; return each rank's result.
+    Raises AssertionError with every failing rank's traceback, or naming the ranks that hung."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="ebt-comm-") as tmpdir:
+        procs = [ctx.Process(target=_entry, args=(r, world, tmpdir, module, fn, kwargs), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join(5)
+        results, errors = [], []
+        for r in range(world):
+            path = os.path.join(tmpdir, f"rank{r}.json")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: {'hung (killed after %.0f s)' % timeout if r in hung else 'no result'}")
+                results.append(None)
+                continue
+            with open(path) as f:
+                rec = json.load(f)
+            if not rec["ok"]:
+                errors.append(f"rank {r}:\n{rec['error']}")
+            results.append(rec.get("result"))
+        if errors:
+            raise AssertionError(f"{fn} on {world} ranks failed:\n" + "\n".join(errors))
+        return results
