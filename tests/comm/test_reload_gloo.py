@@ -1,0 +1,51 @@
+"""ebbtide.comm on the Gloo backend with 2-4 spawned ranks (CPU; runs in CI). See workers.py for each scenario."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+import _spawn  # noqa: E402  (tests/comm is on sys.path through conftest / rootdir insertion)
+
+
+def test_overlapping_groups_several_generations():
+    res = _spawn.run("overlapping", 4, timeout=150)
+    for r in res:
+        assert r["noop"] == [True, True, True]
+        assert r["released_errors"] > 0
+    # Rank 0 is in tp0, dp0, pp, emb, one0, sub, local: 7 groups x 4 ops, plus WORLD once, plus new_group x3.
+    assert res[0]["released_errors"] == 7 * 4 * 3 + 1 + 3
+
+
+def test_functional_collectives_and_device_mesh():
+    res = _spawn.run("functional", 2)
+    assert all("device_mesh" in r for r in res)
+
+
+def test_disagreeing_journals_are_refused():
+    res = _spawn.run("disagreement", 2)
+    assert all("ranks [1]" in r["msg"] for r in res)
+
+
+def test_barrier_timeout_names_missing_rank():
+    res = _spawn.run("missing_rank", 3)
+    assert "ranks [2]" in res[0]["msg"] and "ranks [2]" in res[1]["msg"]
+
+
+def test_threads_and_fork():
+    _spawn.run("threads_and_fork", 2)
+
+
+def test_install_after_init_adopts_world():
+    _spawn.run("install_after_init", 2)
+
+
+def test_megatron_parallel_state():
+    pytest.importorskip("megatron.core.parallel_state")
+    res = _spawn.run("megatron", 4, timeout=150)
+    assert [r["tp_rank"] for r in res] == [0, 1, 0, 1]
+
+
+def test_megatron_like_topology_8_ranks():
+    res = _spawn.run("megatron_like_8", 8, timeout=170)
+    assert all(len(r["cycles"]) == 3 for r in res)
