@@ -76,8 +76,8 @@ typedef enum {
   EBT_SUBSYS_ALL = 0xffffffffu
 } ebt_subsys_t;
 
-/* A sink receives each formatted line (no trailing newline). Called under the logger's lock; must not call
- * back into ebbtide. NULL restores the default sink (stderr or EBBTIDE_DEBUG_FILE). */
+/* A sink receives each formatted line (no trailing newline), on the logging thread, outside the logger's lock;
+ * it must be thread-safe and must not log. NULL restores the default sink (stderr or EBBTIDE_DEBUG_FILE). */
 typedef void (*ebt_log_sink_t)(int level, unsigned subsys, const char* line, void* user);
 
 EBT_API ebt_status_t ebt_log_configure(int level, unsigned subsys_mask);

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from typing import Callable, Iterable, Iterator
 
-__all__ = ["Row", "Context", "Skip", "Suite", "suite", "registered", "SUITE_MODULES"]
+__all__ = ["Row", "Context", "Skip", "Suite", "suite", "registered", "timed", "SUITE_MODULES"]
 
 # name -> module that registers it. Add a line when a capability lands its suite.
 SUITE_MODULES: dict[str, str] = {
@@ -103,6 +103,11 @@ class Context:
         self.gpus = gpus
         self.limits = limits
         self._log = log
+        self.skipped: list[tuple[str, str]] = []  # (what, why) for parts of a suite that could not run
+
+    def note_skip(self, what: str, why: str) -> None:
+        """Record a part of a suite that was skipped; the runner prints it under the table."""
+        self.skipped.append((what, why))
 
     @property
     def has_gpu(self) -> bool:

@@ -1,0 +1,132 @@
+"""The physical limits, measured once per run and shared by every suite (memoized).
+
+- host_triad_gbps: in-place triad a += s*b (native, all affinity threads): the bound of CPU optimizer steps.
+- d2d_gbps: device-to-device copy, bytes read + written: the bound of memory-bound kernels.
+- h2d_gbps / d2h_gbps: pinned host <-> device copies: the bound of offload and CPU backup.
+- bidir_gbps: H2D and D2H at once on two streams, aggregate: the bound of an overlapped pause + resume.
+GPU probes use torch and CUDA events; each raises Skip with the reason where it cannot run.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+from .registry import Skip
+
+GB = 1e9
+
+
+class Limits:
+    def __init__(self, *, quick: bool, log: Callable[[str], None] = lambda s: None):
+        self.quick = quick
+        self._log = log
+        self._cache: dict[str, float] = {}
+
+    def measured(self) -> dict[str, float]:
+        """Every limit probed so far in this run (GB/s)."""
+        return dict(self._cache)
+
+    def _memo(self, key: str, probe: Callable[[], float]) -> float:
+        if key not in self._cache:
+            self._log(f"measuring limit {key} ...")
+            self._cache[key] = probe()
+        return self._cache[key]
+
+    # ---- host ------------------------------------------------------------------------------------------------
+    def host_triad_gbps(self, threads: int = 0) -> float:
+        def probe() -> float:
+            from .. import _native  # noqa: PLC0415
+
+            # Arrays well past any L3 (quick runs too: a cached triad would overstate the limit).
+            size = (256 if self.quick else 1024) << 20
+            return _native.load().host_triad_bandwidth(size, threads, 5 if self.quick else 9) / GB
+
+        return self._memo(f"host_triad_gbps[t={threads or 'all'}]", probe)
+
+    # ---- GPU -------------------------------------------------------------------------------------------------
+    def _torch_cuda(self):
+        try:
+            import torch  # noqa: PLC0415
+        except ImportError as e:
+            raise Skip("torch is not installed") from e
+        if not torch.cuda.is_available():
+            raise Skip("no CUDA GPU visible to torch")
+        return torch
+
+    def _time_copies(self, torch, fns: list, repeats: int) -> float:
+        """Median seconds for running every fn once (each on its own stream), timed with events."""
+        streams = [torch.cuda.Stream() for _ in fns]
+        for fn, s in zip(fns, streams):  # warm-up
+            with torch.cuda.stream(s):
+                fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            cur = torch.cuda.current_stream()
+            start.record(cur)
+            for fn, s in zip(fns, streams):
+                s.wait_stream(cur)
+                with torch.cuda.stream(s):
+                    fn()
+            for s in streams:
+                cur.wait_stream(s)
+            end.record(cur)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def _nbytes(self) -> int:
+        return (256 if self.quick else 2048) << 20
+
+    def d2d_gbps(self, device: int = 0) -> float:
+        def probe() -> float:
+            torch = self._torch_cuda()
+            n = self._nbytes()
+            with torch.cuda.device(device):
+                src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+                dst = torch.empty_like(src)
+                t = self._time_copies(torch, [lambda: dst.copy_(src)], 10 if self.quick else 30)
+            return 2 * n / t / GB
+
+        return self._memo(f"d2d_gbps[cuda:{device}]", probe)
+
+    def _pinned_pair(self, torch, device: int):
+        n = self._nbytes()
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(n, dtype=torch.uint8, device=f"cuda:{device}")
+        return n, host, dev
+
+    def h2d_gbps(self, device: int = 0) -> float:
+        def probe() -> float:
+            torch = self._torch_cuda()
+            with torch.cuda.device(device):
+                n, host, dev = self._pinned_pair(torch, device)
+                t = self._time_copies(torch, [lambda: dev.copy_(host, non_blocking=True)], 5 if self.quick else 15)
+            return n / t / GB
+
+        return self._memo(f"h2d_gbps[cuda:{device}]", probe)
+
+    def d2h_gbps(self, device: int = 0) -> float:
+        def probe() -> float:
+            torch = self._torch_cuda()
+            with torch.cuda.device(device):
+                n, host, dev = self._pinned_pair(torch, device)
+                t = self._time_copies(torch, [lambda: host.copy_(dev, non_blocking=True)], 5 if self.quick else 15)
+            return n / t / GB
+
+        return self._memo(f"d2h_gbps[cuda:{device}]", probe)
+
+    def bidir_gbps(self, device: int = 0) -> float:
+        def probe() -> float:
+            torch = self._torch_cuda()
+            with torch.cuda.device(device):
+                n, host_a, dev_a = self._pinned_pair(torch, device)
+                _, host_b, dev_b = self._pinned_pair(torch, device)
+                t = self._time_copies(torch, [lambda: dev_a.copy_(host_a, non_blocking=True),
+                                              lambda: host_b.copy_(dev_b, non_blocking=True)],
+                                      5 if self.quick else 15)
+            return 2 * n / t / GB
+
+        return self._memo(f"bidir_gbps[cuda:{device}]", probe)

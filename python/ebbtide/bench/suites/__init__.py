@@ -1,0 +1,1 @@
+"""One module per capability; each registers its suites with ebbtide.bench.registry.suite."""

@@ -1,0 +1,50 @@
+"""Command line: `ebbtide info` and `ebbtide bench` (also `python -m ebbtide ...`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _info(args) -> int:
+    from . import info  # noqa: PLC0415
+
+    data = info.collect()
+    print(json.dumps(data, indent=2) if args.json else info.render(data))
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench import runner  # noqa: PLC0415
+
+    return runner.main(args.suites, quick=args.quick, json_path=args.json, plot_path=args.plot,
+                       list_only=args.list)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ebbtide", description="ebbtide: GPU memory and communication runtime "
+                                "for colocated RL post-training")
+    sub = p.add_subparsers(dest="command", required=True)
+    pi = sub.add_parser("info", help="what was built and what this machine has")
+    pi.add_argument("--json", action="store_true", help="print JSON instead of text")
+    pi.set_defaults(fn=_info)
+    pb = sub.add_parser("bench", help="run the benchmark suites (all by default)")
+    pb.add_argument("suites", nargs="*", metavar="suite", help="suite names, or 'all' (default)")
+    pb.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
+    pb.add_argument("--json", metavar="FILE", help="write every row and the environment as JSON")
+    pb.add_argument("--plot", metavar="FILE.png", help="draw a PNG chart (needs matplotlib)")
+    pb.add_argument("--list", action="store_true", help="list the suites and exit")
+    pb.set_defaults(fn=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ImportError as e:  # the native extension is missing or mismatched: say so without a traceback
+        print(f"ebbtide: {e}", file=sys.stderr)
+        return 1
