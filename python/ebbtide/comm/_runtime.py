@@ -579,7 +579,13 @@ def _combine_plans(everyone: list[dict]) -> dict[int, str]:
 
 
 def _has_accelerator(g: ReloadableGroup | None) -> bool:
-    return g is not None and any(d.type != "cpu" for d in g._ebt_device_types)
+    """The group has a device-collective backend (NCCL, XCCL, a plugin). Gloo also serves CUDA tensors, so device
+    types alone do not tell; the backend configuration does ("cpu:gloo,cuda:nccl", "cuda:gloo", ...)."""
+    if g is None:
+        return False
+    config = str(c10d._world.pg_backend_config.get(g, ""))
+    backends = {part.split(":")[-1].strip().lower() for part in config.split(",") if part.strip()}
+    return bool(backends - {"gloo", "mpi", "undefined", ""})
 
 
 def _facts(g: ReloadableGroup, tv, nv, cumem, split_share_env: bool, include_cpu: bool) -> S.Facts:

@@ -66,8 +66,10 @@ def select_strategy(f: Facts, requested: str = "auto") -> tuple[str, str]:
     suspend where it cannot work falls back to destroy and says why (never a GPU fault)."""
     if requested not in REQUESTS:
         raise ValueError(f"strategy must be one of {REQUESTS}, not {requested!r}")
-    if not f.accelerator and not f.include_cpu:
-        return KEEP, "CPU-only group (pass include_cpu=True to release it)"
+    if not f.accelerator:
+        if not f.include_cpu:
+            return KEEP, "CPU-only group (pass include_cpu=True to release it)"
+        return DESTROY, "CPU-only group"
     if requested == DESTROY:
         return DESTROY, "requested"
     blockers = suspend_blockers(f)

@@ -1,7 +1,7 @@
-"""Run a worker function on N spawned ranks (Gloo, FileStore rendezvous) and surface every rank's failure.
+"""Run a function on N spawned ranks (FileStore rendezvous) and surface every rank's failure. Used by the comm
+tests and the comm benchmark (process groups are process-global state, so every scenario gets fresh interpreters).
 
-Process groups are process-global state, so every comm test runs its ranks in fresh spawned interpreters. A rank
-that raises writes its traceback; a rank that hangs is killed at the deadline and reported as hung.
+A rank that raises writes its traceback; a rank that hangs is killed at the deadline and reported as hung.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import tempfile
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+__all__ = ["run"]
 
 
-def _entry(rank: int, world: int, tmpdir: str, module: str, fn: str, kwargs: dict) -> None:
-    sys.path.insert(0, HERE)
+def _entry(rank: int, world: int, tmpdir: str, module: str, fn: str, kwargs: dict, path: list) -> None:
+    sys.path[:0] = path
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out = os.path.join(tmpdir, f"rank{rank}.json")
     try:
@@ -33,13 +33,14 @@ def _entry(rank: int, world: int, tmpdir: str, module: str, fn: str, kwargs: dic
         raise SystemExit(1)
 
 
-def run(fn: str, world: int, *, module: str = "workers", timeout: float = 90.0, **kwargs) -> list:
-    """Run ``module.fn(rank, world, init_method, **kwargs)`` on ``world`` spawned ranks; return each rank's result.
-    Raises AssertionError with every failing rank's traceback, or naming the ranks that hung."""
+def run(fn: str, world: int, *, module: str, timeout: float = 90.0, path: list | None = None, **kwargs) -> list:
+    """Run ``module.fn(rank, world, init_method, **kwargs)`` on ``world`` spawned ranks (``path`` is prepended to
+    their sys.path); return each rank's JSON-able result. Raises AssertionError with every failing rank's
+    traceback, or naming the ranks that hung."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ebt-comm-") as tmpdir:
-        procs = [ctx.Process(target=_entry, args=(r, world, tmpdir, module, fn, kwargs), daemon=True)
-                 for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, tmpdir, module, fn, kwargs, list(path or [])),
+                             daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -51,12 +52,12 @@ def run(fn: str, world: int, *, module: str = "workers", timeout: float = 90.0, 
             procs[r].join(5)
         results, errors = [], []
         for r in range(world):
-            path = os.path.join(tmpdir, f"rank{r}.json")
-            if not os.path.exists(path):
+            rpath = os.path.join(tmpdir, f"rank{r}.json")
+            if not os.path.exists(rpath):
                 errors.append(f"rank {r}: {'hung (killed after %.0f s)' % timeout if r in hung else 'no result'}")
                 results.append(None)
                 continue
-            with open(path) as f:
+            with open(rpath) as f:
                 rec = json.load(f)
             if not rec["ok"]:
                 errors.append(f"rank {r}:\n{rec['error']}")

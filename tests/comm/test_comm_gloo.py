@@ -1,11 +1,11 @@
-"""ebbtide.comm on the Gloo backend with 2-4 spawned ranks (CPU; runs in CI). See workers.py for each scenario."""
+"""ebbtide.comm on the Gloo backend with 2-4 spawned ranks (CPU; runs in CI). See comm_workers.py for each scenario."""
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("torch.distributed")
 
-import _spawn  # noqa: E402  (tests/comm is on sys.path through conftest / rootdir insertion)
+import comm_spawn as _spawn  # noqa: E402  (tests/comm is on sys.path: conftest.py)
 
 
 def test_overlapping_groups_several_generations():
