@@ -69,3 +69,22 @@ def test_timeout_names_the_missing_ranks():
     for r in (0, 2):
         assert "ranks [1, 3] never arrived" in results[r], results[r]
         assert "'release'" in results[r]
+
+
+def test_latecomer_does_not_act_alone():
+    gave_up = threading.Event()
+
+    def body(cp, r):
+        if r == 0:
+            with pytest.raises(WaitTimeoutError):
+                cp.barrier("release", datetime.timedelta(seconds=0.3))
+            gave_up.set()
+            return "timed out"
+        gave_up.wait(10)  # arrives after rank 0 abandoned the step: every key is there, but it must not proceed
+        with pytest.raises(WaitTimeoutError) as ei:
+            cp.barrier("release", datetime.timedelta(seconds=5))
+        return str(ei.value)
+
+    _store, results, errors = _run_ranks(2, body)
+    assert not errors
+    assert "rank 0 gave up waiting" in results[1], results[1]

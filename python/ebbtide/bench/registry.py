@@ -19,6 +19,7 @@ __all__ = ["Row", "Context", "Skip", "Suite", "suite", "registered", "timed", "S
 # name -> module that registers it. Add a line when a capability lands its suite.
 SUITE_MODULES: dict[str, str] = {
     "limits": "ebbtide.bench.suites.limits",
+    "comm": "ebbtide.bench.suites.comm",
 }
 
 

@@ -6,6 +6,8 @@ Policies:
 - A rank announces itself with one key per call and waits for everyone's with the store's timeout-bounded
   ``wait``; on timeout it checks which keys are absent and raises :class:`~ebbtide.errors.WaitTimeoutError`
   naming the missing ranks (a hang becomes a message).
+- A rank that times out leaves a "gave-up" mark, so a latecomer that then finds every key raises too instead of
+  acting alone (a latecomer arriving in the instant between the timeout and the mark is not covered).
 - Keys do not pile up over thousands of cycles: when call N completes, every rank has finished reading call
   N-1, so each rank deletes its own key of call N-1.
 """
@@ -48,17 +50,22 @@ class ControlPlane:
         mine = self._key(seq, tag, self.rank)
         self.store.set(mine, value)
         keys = [self._key(seq, tag, r) for r in range(self.world_size)]
+        abort_key = f"{self.namespace}/{seq}/{tag}/gave-up"
         try:
             self.store.wait(keys, timeout)
         except Exception as e:  # the store raises its own timeout type (DistStoreError / RuntimeError)
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            if not missing:  # everyone arrived just as the wait gave up: proceed
-                pass
-            else:
+            if missing:
+                # Tell latecomers not to act alone on a step the others abandoned.
+                self.store.set(abort_key, str(self.rank))
                 raise WaitTimeoutError(
-                    f"ebbtide.comm control plane: '{tag}' timed out after {timeout.total_seconds():.0f} s on rank "
+                    f"ebbtide.comm control plane: '{tag}' timed out after {timeout.total_seconds():g} s on rank "
                     f"{self.rank}; ranks {missing} never arrived (are they stuck in a collective, dead, or not "
                     f"calling release()/reload() with everyone?)") from e
+        if self.store.check([abort_key]):
+            who = self.store.get(abort_key).decode()
+            raise WaitTimeoutError(f"ebbtide.comm control plane: '{tag}': rank {who} gave up waiting (timeout) "
+                                   f"before rank {self.rank} arrived; this step was abandoned everywhere")
         if hasattr(self.store, "multi_get"):
             values = self.store.multi_get(keys)
         else:

@@ -625,6 +625,8 @@ def _teardown(inner: ProcessGroup, how: str) -> None:
 def _connect(inner: ProcessGroup, g: ReloadableGroup) -> bool:
     """Create the NCCL communicator now (collective over the group's ranks; every member reaches this entry in
     journal order). Returns True when a connect was issued."""
+    if not _has_accelerator(g):
+        return False  # Gloo connects its full mesh while it is constructed
     dev = g.bound_device_id
     if dev is None:
         if not torch.cuda.is_available():
@@ -636,7 +638,11 @@ def _connect(inner: ProcessGroup, g: ReloadableGroup) -> bool:
         return False
     if not getattr(backend, "supports_splitting", False) or not hasattr(backend, "eager_connect_single_device"):
         return False
-    backend.eager_connect_single_device(dev)
+    try:
+        backend.eager_connect_single_device(dev)
+    except Exception as e:  # an optimisation only: the communicator is then created on first use
+        log.warning("ebbtide.comm: eager connect of group %s failed (%s); it connects on first use", g._ebt_name, e)
+        return False
     return True
 
 
