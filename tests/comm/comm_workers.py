@@ -240,6 +240,20 @@ def threads_and_fork(rank, world, init):
 
     _init(rank, world, init)
     g = dist.new_group(list(range(world)))
+    gone = dist.new_group(list(range(world)))
+    dist.destroy_process_group(gone)  # destroyed by the user: never released or rebuilt
+    try:
+        dist.all_reduce(torch.ones(1), group=gone)  # c10d refuses (unregistered group), as for plain groups
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("op on a destroyed group did not raise")
+    try:
+        gone.allreduce([torch.ones(1)])  # the object itself says why
+    except StateError as e:
+        assert "destroyed" in str(e), e
+    else:
+        raise AssertionError("op on a destroyed wrapper did not raise")
     reports = []
 
     def rel():
@@ -251,6 +265,7 @@ def threads_and_fork(rank, world, init):
     for t in ths:
         t.join()
     assert sorted(r.noop for r in reports) == [False, True, True], [r.noop for r in reports]
+    assert [len(r.groups) for r in reports if not r.noop] == [1]  # g only: WORLD kept, `gone` skipped
     comm.reload()
     _expect_sum(g, list(range(world)), rank)
     pid = os.fork()

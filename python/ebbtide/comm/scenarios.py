@@ -108,6 +108,18 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         if not bool((bufs["r"] == float(prv)).all()):
             raise AssertionError(f"ring exchange received {bufs['r'][:4].tolist()}, want {prv}")
 
+    def op_latency(g, n: int = 200) -> float:
+        """Seconds per small all_reduce issued back to back (launch cost; the wrapper's forwarding shows here)."""
+        t1 = bufs["s"][:1]
+        for _ in range(20):
+            dist.all_reduce(t1, group=g)
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(t1, group=g)
+        sync()
+        return (time.perf_counter() - t) / n
+
     out: dict = {"world": world, "kind": kind, "backend": backend, "free_ctx": free_ctx}
     world_g = dist.group.WORLD
     first_use([], world_g)
@@ -118,6 +130,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         groups = create()
         first_use(groups, world_g)
         out["anchor_free_loaded"] = free()
+        out["anchor_op_s"] = op_latency(groups[0][1])
         t = time.perf_counter()
         for _label, g, _r in groups:
             dist.destroy_process_group(g)
@@ -139,6 +152,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     groups = create()
     first_use(groups, world_g)
     out["free_loaded"] = free()
+    out["op_s"] = op_latency(groups[0][1])
     count0 = len(c10d._world.pg_map)
 
     def cycle(include_world: bool) -> dict:

@@ -35,6 +35,9 @@ def _rows(res: list[dict], label: str, soak: int):
     anchor_bytes = min(r["free_ctx"] - r["anchor_free_loaded"] for r in res)
     yield row("communicator memory per GPU, all groups used", "GB", comm_bytes / GB, higher_is_better=False,
               anchor=anchor_bytes / GB, anchor_name="plain torch groups", note="cudaMemGetInfo above the CUDA context")
+    yield row("small all_reduce issued back to back, per op", "us", 1e6 * _slowest(res, lambda r: r["op_s"]),
+              higher_is_better=False, anchor=1e6 * _slowest(res, lambda r: r["anchor_op_s"]),
+              anchor_name="plain torch group", note="the wrapper's Python forwarding cost shows here")
     freed_world = min(statistics.median(c["free_released"] for c in r["cycles_world"]) - r["free_loaded"]
                       for r in res)
     yield row("freed by release(include_world=True)", "% of comm memory", 100.0 * freed_world / comm_bytes,
