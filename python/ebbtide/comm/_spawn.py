@@ -1,4 +1,4 @@
-"""Run a function on N spawned ranks (FileStore rendezvous) and surface every rank's failure. Used by the comm
+"""Run a function on N spawned ranks (TCPStore rendezvous on loopback) and surface every rank's failure. Used by the comm
 tests and the comm benchmark (process groups are process-global state, so every scenario gets fresh interpreters).
 
 A rank that raises writes its traceback; a rank that hangs is killed at the deadline and reported as hung.
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -16,7 +17,14 @@ import traceback
 __all__ = ["run"]
 
 
-def _entry(rank: int, world: int, tmpdir: str, module: str, fn: str, kwargs: dict, path: list) -> None:
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, init: str, tmpdir: str, module: str, fn: str, kwargs: dict,
+           path: list) -> None:
     sys.path[:0] = path
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out = os.path.join(tmpdir, f"rank{rank}.json")
@@ -24,7 +32,7 @@ def _entry(rank: int, world: int, tmpdir: str, module: str, fn: str, kwargs: dic
         import importlib
 
         mod = importlib.import_module(module)
-        result = getattr(mod, fn)(rank, world, f"file://{tmpdir}/store", **kwargs)
+        result = getattr(mod, fn)(rank, world, init, **kwargs)
         with open(out, "w") as f:
             json.dump({"ok": True, "result": result}, f)
     except BaseException:  # report everything, including SystemExit from a worker
@@ -39,7 +47,9 @@ def run(fn: str, world: int, *, module: str, timeout: float = 90.0, path: list |
     traceback, or naming the ranks that hung."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ebt-comm-") as tmpdir:
-        procs = [ctx.Process(target=_entry, args=(r, world, tmpdir, module, fn, kwargs, list(path or [])),
+        # TCPStore, as torchrun uses (a FileStore polls, which would add its latency to every barrier).
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        procs = [ctx.Process(target=_entry, args=(r, world, init, tmpdir, module, fn, kwargs, list(path or [])),
                              daemon=True) for r in range(world)]
         for p in procs:
             p.start()
