@@ -168,6 +168,16 @@ def functional(rank, world, init):
         else:
             raise AssertionError("functional collective on a released group did not raise")
         comm.reload()
+    # Tensor collectives FSDP-style code uses (Python paths into the wrapper's forwarders).
+    out_t = torch.empty(world * 2)
+    dist.all_gather_into_tensor(out_t, torch.full((2,), float(rank)), group=g)
+    assert torch.equal(out_t, torch.arange(world, dtype=torch.float32).repeat_interleave(2)), out_t
+    rs = torch.empty(2)
+    dist.reduce_scatter_tensor(rs, torch.ones(world * 2), group=g)
+    assert torch.equal(rs, torch.full((2,), float(world))), rs
+    a2a = torch.empty(world)
+    dist.all_to_all_single(a2a, torch.full((world,), float(rank)), group=g)
+    assert torch.equal(a2a, torch.arange(world, dtype=torch.float32)), a2a
     try:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -284,10 +294,15 @@ def install_after_init(rank, world, init):
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     early = dist.new_group(list(range(world)))
+    import os
+
+    os.environ["NCCL_COMM_SPLIT_SHARE_RESOURCES"] = "1"  # defeats release: install() must say so
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        comm.install()
-    assert any("after 1 process group" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        warned = comm.install()
+    msgs = [str(w.message) for w in caught]
+    assert any("after 1 process group" in m for m in msgs), msgs
+    assert "NCCL_COMM_SPLIT_SHARE_RESOURCES" in warned and any("SPLIT_SHARE" in m for m in msgs), (warned, msgs)
     late = dist.new_group(list(range(world)))
     assert isinstance(dist.group.WORLD, comm.ReloadableGroup) and isinstance(late, comm.ReloadableGroup)
     assert not isinstance(early, comm.ReloadableGroup)
