@@ -29,13 +29,14 @@ def test_scenario_code_on_gloo():
 
 
 def _check_memory(r, soak):
-    comm_bytes = r["free_ctx"] - r["free_loaded"]
+    comm_bytes = r["comm_bytes"]
     assert comm_bytes > 64 * MiB, f"communicators hold only {comm_bytes / MiB:.0f} MiB: nothing to test"
     for c in r["cycles_world"]:
         freed = c["free_released"] - r["free_loaded"]
         assert freed >= 0.9 * comm_bytes, (freed / MiB, comm_bytes / MiB, c["groups"])
-    for c in r["cycles_subgroups"]:
-        assert c["free_released"] - r["free_loaded"] > 0.5 * (r["free_world"] - r["free_loaded"])
+    subgroups = r.get("free_after_anchor", r["free_world"]) - r["free_loaded"]
+    for c in r["cycles_subgroups"]:  # WORLD kept: the subgroups' communicators go
+        assert c["free_released"] - r["free_loaded"] >= 0.9 * subgroups, (c["groups"], subgroups / MiB)
     frees = [row[0] for row in r["soak"]]
     assert len(frees) == soak
     assert max(frees) - min(frees) <= 64 * MiB, [f / MiB for f in frees]
@@ -50,7 +51,7 @@ def test_nccl_flat_bound_world():
     res = _run(2, cycles=2, soak=10)
     for r in res:
         _check_memory(r, 10)
-        print(f"rank: comm {(r['free_ctx'] - r['free_loaded']) / MiB:.0f} MiB; "
+        print(f"rank: comm {r['comm_bytes'] / MiB:.0f} MiB; "
               f"release(world) {r['cycles_world'][-1]['release_s'] * 1e3:.0f} ms; "
               f"reload+first {r['cycles_world'][-1]['reload_first_s'] * 1e3:.0f} ms; "
               f"anchor destroy {r['anchor_destroy_s'] * 1e3:.0f} ms, re-create+first "
@@ -64,7 +65,7 @@ def test_nccl_lazy_world():
     res = _run(2, cycles=2, soak=0, anchor=False, bound=False)
     for r in res:
         for c in r["cycles_world"]:
-            assert c["free_released"] - r["free_loaded"] >= 0.9 * (r["free_ctx"] - r["free_loaded"])
+            assert c["free_released"] - r["free_loaded"] >= 0.9 * r["comm_bytes"]
 
 
 @pytest.mark.multigpu

@@ -152,6 +152,11 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     groups = create()
     first_use(groups, world_g)
     out["free_loaded"] = free()
+    if gpu:
+        # Communicator memory ebbtide manages: WORLD's (measured before the anchor ran) plus our groups' (measured
+        # from after the anchor's cleanup, so anything the anchor left behind is not counted against us).
+        out["comm_bytes"] = (free_ctx - out["free_world"]) + \
+            (out.get("free_after_anchor", out["free_world"]) - out["free_loaded"])
     out["op_s"] = op_latency(groups[0][1])
     count0 = len(c10d._world.pg_map)
 

@@ -31,7 +31,7 @@ def _rows(res: list[dict], label: str, soak: int):
     params = {"gpus": r0["world"], "topology": r0["kind"], "torch": r0.get("torch"), "nccl": r0.get("nccl"),
               "strategies": r0["cycles_world"][-1]["strategies"], "env": r0.get("env")}
     row = lambda name, unit, ours, **kw: Row("comm", f"{label}: {name}", unit, ours, params=params, **kw)  # noqa: E731
-    comm_bytes = min(r["free_ctx"] - r["free_loaded"] for r in res)
+    comm_bytes = min(r["comm_bytes"] for r in res)
     anchor_bytes = min(r["free_ctx"] - r["anchor_free_loaded"] for r in res)
     yield row("communicator memory per GPU, all groups used", "GB", comm_bytes / GB, higher_is_better=False,
               anchor=anchor_bytes / GB, anchor_name="plain torch groups", note="cudaMemGetInfo above the CUDA context")
