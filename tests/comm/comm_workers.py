@@ -382,3 +382,46 @@ def megatron_like_8(rank, world, init, cycles=3):
         cyc.append([len(rep.groups), round(rep.seconds, 4), round(rl.seconds, 4)])
     dist.destroy_process_group()
     return {"cycles": cyc}
+
+
+
+def nccl_split(rank, world, init, cycles=2):
+    """dist.split_group (NCCL only: it needs a device-bound WORLD) and DeviceMesh over NCCL: split children are
+    journaled (non-members' calls too) and rebuilt by splitting the rebuilt parent; the mesh hands back the same
+    wrappers. (Gloo's own C++ split hangs or crashes intermittently in torch 2.13 even without ebbtide, so this
+    path is tested on GPUs only.)"""
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    comm.install()
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=dev)
+    pair = dist.split_group(split_ranks=[list(range(world))], group_desc="pair")
+    solo = dist.split_group(split_ranks=[[r] for r in range(world)], group_desc="solo")
+    first = dist.split_group(split_ranks=[[0]], group_desc="first")  # non-members get None
+    assert isinstance(pair, comm.ReloadableGroup) and isinstance(solo, comm.ReloadableGroup)
+    assert (first is None) == (rank != 0), first
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
+    mesh_group = mesh.get_group("dp")
+    assert isinstance(mesh_group, comm.ReloadableGroup), mesh_group
+
+    def check():
+        for g, ranks in ((pair, list(range(world))), (solo, [rank]), (first, [0]), (mesh_group, list(range(world)))):
+            if g is not None:
+                _expect_sum_dev(g, ranks, rank, dev)
+
+    check()
+    for cycle in range(cycles):
+        rep = comm.release(cycle % 2 == 1)
+        comm.reload()
+        check()
+        assert mesh.get_group("dp") is mesh_group
+    dist.destroy_process_group()
+    return {"groups": len(rep.groups)}
+
+
+def _expect_sum_dev(group, ranks, rank, dev):
+    t = torch.full((3,), float(rank + 1), device=dev)
+    dist.all_reduce(t, group=group)
+    want = float(sum(r + 1 for r in ranks))
+    assert bool((t == want).all()), (group, t, want)

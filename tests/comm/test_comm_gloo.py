@@ -49,3 +49,4 @@ def test_megatron_parallel_state():
 def test_megatron_like_topology_8_ranks():
     res = _spawn.run("megatron_like_8", 8, timeout=170, cycles=2)
     assert all(len(r["cycles"]) == 2 for r in res)
+

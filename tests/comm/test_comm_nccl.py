@@ -79,3 +79,11 @@ def test_nccl_megatron_topology_all_gpus():
         assert r["registered_before"] == r["registered_after"]
         for c in r["cycles_world"]:
             assert c["free_released"] > r["free_loaded"]
+
+
+@pytest.mark.multigpu
+def test_nccl_split_group_and_device_mesh():
+    import comm_spawn  # tests/comm is on sys.path (conftest.py)
+
+    res = comm_spawn.run("nccl_split", 2, timeout=300)
+    assert res[0]["groups"] >= 4  # WORLD + pair + solo + first (+ the mesh's group)

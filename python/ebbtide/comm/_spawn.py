@@ -64,11 +64,17 @@ def run(fn: str, world: int, *, module: str, timeout: float = 90.0, path: list |
         for r in range(world):
             rpath = os.path.join(tmpdir, f"rank{r}.json")
             if not os.path.exists(rpath):
-                errors.append(f"rank {r}: {'hung (killed after %.0f s)' % timeout if r in hung else 'no result'}")
+                why = f"hung (killed after {timeout:.0f} s)" if r in hung else f"died (exit code {procs[r].exitcode})"
+                errors.append(f"rank {r}: {why}")
                 results.append(None)
                 continue
-            with open(rpath) as f:
-                rec = json.load(f)
+            try:
+                with open(rpath) as f:
+                    rec = json.load(f)
+            except ValueError:  # the rank died while writing its result
+                errors.append(f"rank {r}: crashed while reporting (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
             if not rec["ok"]:
                 errors.append(f"rank {r}:\n{rec['error']}")
             results.append(rec.get("result"))
