@@ -53,10 +53,10 @@ def _released_checks(groups, rank):
     for _name, (g, ranks) in groups.items():
         if rank not in ranks:
             continue
-        for fn in (lambda: dist.all_reduce(torch.ones(1), group=g),
-                   lambda: dist.broadcast(torch.ones(1), src=ranks[0], group=g),
-                   lambda: dist.barrier(group=g),
-                   lambda: dist.all_gather_object([None] * len(ranks), rank, group=g)):
+        for fn in (lambda g=g: dist.all_reduce(torch.ones(1), group=g),
+                   lambda g=g, ranks=ranks: dist.broadcast(torch.ones(1), src=ranks[0], group=g),
+                   lambda g=g: dist.barrier(group=g),
+                   lambda g=g, ranks=ranks: dist.all_gather_object([None] * len(ranks), rank, group=g)):
             try:
                 fn()
             except StateError as e:
@@ -138,7 +138,8 @@ def overlapping(rank, world, init, cycles=3):
                 assert torch._C._distributed_c10d._resolve_process_group(g.group_name) is g.inner
         _expect_sum(world_g, list(range(world)), rank)
         objs = [None] * 2
-        dist.all_gather_object(objs, {"rank": rank, "cycle": cycle}, group=groups["dp0" if rank in (0, 2) else "dp1"][0])
+        dp = groups["dp0" if rank in (0, 2) else "dp1"][0]
+        dist.all_gather_object(objs, {"rank": rank, "cycle": cycle}, group=dp)
         assert [o["rank"] for o in objs] == ([0, 2] if rank in (0, 2) else [1, 3]) and objs[0]["cycle"] == cycle
         b = [rank * 10 + cycle] if rank == 0 else [None]
         dist.broadcast_object_list(b, src=0, group=groups["pp"][0])
@@ -155,7 +156,7 @@ def functional(rank, world, init):
     _init(rank, world, init)
     g = dist.new_group(list(range(world)))
     out = {}
-    for cycle in range(2):
+    for _cycle in range(2):
         r = fc.all_reduce(torch.full((2,), float(rank + 1)), "sum", g).wait()
         assert torch.equal(r, torch.full((2,), float(sum(range(1, world + 1))))), r
         ag = fc.all_gather_tensor(torch.full((1,), float(rank)), 0, g).wait()
@@ -351,7 +352,7 @@ def megatron_like_8(rank, world, init, cycles=3):
     batch_isend_irecv as the first operation on every pipeline group after each reload."""
     _init(rank, world, init)
     assert world == 8
-    tp_size, pp_size = 2, 4
+    tp_size = 2  # PP = world / tp_size = 4
     groups = {}
 
     def make(kind, ranks):

@@ -103,7 +103,8 @@ class Entry:
         """Rank-invariant description, hashed for the cross-rank agreement check."""
         c = self.call
         if self.kind == "split":
-            return f"split|{self.parent._ebt_name if self.parent else '?'}|{c.get('group_desc')}|{_td(c.get('timeout'))}"
+            parent = self.parent._ebt_name if self.parent else "?"
+            return f"split|{parent}|{c.get('group_desc')}|{_td(c.get('timeout'))}"
         opts = c.get("backend_options")
         return "|".join([self.kind, ",".join(map(str, self.ranks)), str(c.get("backend")), _td(c.get("timeout")),
                          str(c.get("group_desc")), type(opts).__name__ if opts is not None else "",

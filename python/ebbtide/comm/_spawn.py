@@ -1,5 +1,5 @@
-"""Run a function on N spawned ranks (TCPStore rendezvous on loopback) and surface every rank's failure. Used by the comm
-tests and the comm benchmark (process groups are process-global state, so every scenario gets fresh interpreters).
+"""Run a function on N spawned ranks (TCPStore rendezvous on loopback) and surface every rank's failure. Used by
+the comm tests and the comm benchmark (process groups are process-global state, so every scenario gets fresh interpreters).
 
 A rank that raises writes its traceback; a rank that hangs is killed at the deadline and reported as hung.
 """
@@ -38,7 +38,7 @@ def _entry(rank: int, world: int, init: str, tmpdir: str, module: str, fn: str, 
     except BaseException:  # report everything, including SystemExit from a worker
         with open(out, "w") as f:
             json.dump({"ok": False, "error": traceback.format_exc()}, f)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def run(fn: str, world: int, *, module: str, timeout: float = 90.0, path: list | None = None, **kwargs) -> list:
