@@ -1,5 +1,6 @@
 """Run a function on N spawned ranks (TCPStore rendezvous on loopback) and surface every rank's failure. Used by
-the comm tests and the comm benchmark (process groups are process-global state, so every scenario gets fresh interpreters).
+the comm tests and the comm benchmark (process groups are process-global state, so every scenario gets fresh
+interpreters).
 
 A rank that raises writes its traceback; a rank that hangs is killed at the deadline and reported as hung.
 """
