@@ -596,7 +596,7 @@ def _facts(g: ReloadableGroup, tv, nv, cumem, split_share_env: bool, include_cpu
         with contextlib.suppress(Exception):
             backend = g._ebt_inner._get_backend(torch.device("cuda"))
     has_suspend = backend is not None and type(backend).__name__ == "ProcessGroupNCCL" and hasattr(backend, "suspend")
-    initialized = False
+    initialized = g._ebt_used  # an op went through the wrapper; memory_stats() tells exactly where it exists
     split_share = split_share_env
     if backend is not None:
         with contextlib.suppress(Exception):
