@@ -1,0 +1,147 @@
+"""CUDA tensors -> the native quant kernels (ebbtide._C.quant). Arguments are validated by the caller (api.py) and
+again natively; this module only allocates outputs, passes pointers/strides/the current stream, and shapes the
+results. Every launch is asynchronous on torch's current stream of the tensor's device."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import _native
+from ..errors import UnsupportedError
+
+MODES = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
+LAYOUTS = {"row": 0, "mn_major": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def _q():
+    C = _native.load()
+    if not C.build_info()["cuda"]:
+        raise UnsupportedError("ebbtide was built without CUDA (no nvcc at build time): the quant kernels are "
+                               "unavailable; rebuild with nvcc, or pass CPU tensors to use the reference")
+    return C.quant
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _align4(x: int) -> int:
+    return (x + 3) // 4 * 4
+
+
+def packed_scale_buffer(lead: int, mn: int, groups: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, logical view [lead, mn, ceil(groups/4)] with strides (W*A, 1, A)) for packed UE8M0 scales."""
+    W, A = -(-groups // 4), _align4(mn)
+    buf = torch.empty(lead * W * A, dtype=torch.int32, device=device)
+    return buf, buf.as_strided((lead, mn, W), (W * A, 1, A))
+
+
+def fp8_block_quant(w: torch.Tensor, scale: str, eps: float):
+    squeeze = w.dim() == 2
+    w3 = w.unsqueeze(0) if squeeze else w
+    E, N, K = w3.shape
+    nb, kb = -(-N // 128), -(-K // 128)
+    q = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=w.device)
+    if scale == "ue8m0_packed":
+        _, s = packed_scale_buffer(E, N, kb, w.device)
+    else:
+        s = torch.empty((E, nb, kb), dtype=torch.float32, device=w.device)
+    with torch.cuda.device(w.device):
+        _q().fp8_block_quant(src=w3.data_ptr(), experts=E, rows=N, cols=K, ld=w3.stride(1),
+                             expert_stride=w3.stride(0), q=q.data_ptr(), scale=s.data_ptr(),
+                             scale_mode=MODES[scale], eps=eps, stream=_stream(w))
+    return (q[0], s[0]) if squeeze else (q, s)
+
+
+def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float, align: int = 16):
+    """All tensors (bf16 2D, same device) in one launch. Returns (q_buffer uint8, scale_buffer fp32, q views,
+    scale views)."""
+    device = tensors[0].device
+    q_off, s_off, tiles = [], [], []
+    qo = so = t = 0
+    for w in tensors:
+        N, K = w.shape
+        nb, kb = -(-N // 128), -(-K // 128)
+        q_off.append(qo)
+        s_off.append(so)
+        tiles.append(t)
+        qo += -(-(N * K) // align) * align
+        so += nb * kb
+        t += nb * kb
+    q_buf = torch.empty(max(qo, 1), dtype=torch.uint8, device=device)
+    s_buf = torch.empty(max(so, 1), dtype=torch.float32, device=device)
+    rows = []
+    for w, a, b, tb in zip(tensors, q_off, s_off, tiles):
+        N, K = w.shape
+        rows.append([w.data_ptr(), q_buf.data_ptr() + a, s_buf.data_ptr() + 4 * b, w.stride(0), N, K, tb,
+                     MODES[scale]])
+    # Pinned, so the copy below is truly asynchronous; torch's host allocator keeps the block until it completes.
+    table = torch.tensor(rows, dtype=torch.int64).pin_memory()
+    with torch.cuda.device(device):
+        dev_table = table.to(device, non_blocking=True)
+        _q().fp8_block_quant_list(host_entries=table.data_ptr(), device_entries=dev_table.data_ptr(),
+                                  count=len(tensors), eps=eps, stream=_stream(tensors[0]))
+    qs, ss = [], []
+    for w, a, b in zip(tensors, q_off, s_off):
+        N, K = w.shape
+        nb, kb = -(-N // 128), -(-K // 128)
+        qs.append(q_buf[a:a + N * K].view(torch.float8_e4m3fn).view(N, K))
+        ss.append(s_buf[b:b + nb * kb].view(nb, kb))
+    return q_buf, s_buf, qs, ss
+
+
+def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    squeeze = q.dim() == 2
+    q3 = q.unsqueeze(0) if squeeze else q
+    E, N, K = q3.shape
+    out = torch.empty((E, N, K), dtype=torch.bfloat16, device=q.device)
+    with torch.cuda.device(q.device):
+        _q().fp8_block_dequant(q=q3.data_ptr(), scale=s.data_ptr(), experts=E, rows=N, cols=K, out=out.data_ptr(),
+                               stream=_stream(q))
+    return out[0] if squeeze else out
+
+
+def fp8_group_quant(x: torch.Tensor, scale_layout: str, scale: str, eps: float):
+    M, K = x.shape
+    G = K // 128
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    if scale == "ue8m0_packed":
+        _, s3 = packed_scale_buffer(1, M, G, x.device)
+        s = s3[0]
+    elif scale_layout == "mn_major":
+        A = _align4(M)
+        s = torch.empty(G * A, dtype=torch.float32, device=x.device).as_strided((M, G), (1, A))
+    else:
+        s = torch.empty((M, G), dtype=torch.float32, device=x.device)
+    with torch.cuda.device(x.device):
+        _q().fp8_group_quant(src=x.data_ptr(), rows=M, cols=K, ld=x.stride(0), group=128, q=q.data_ptr(),
+                             scale=s.data_ptr(), scale_mode=MODES[scale], scale_layout=LAYOUTS[scale_layout],
+                             eps=eps, stream=_stream(x))
+    return q, s
+
+
+def int4_quant(w: torch.Tensor, group: int, divisor: float, eps: float, *, fake_quant: bool, pack: bool):
+    """THE INT4 kernel call: the QAT forward (fake_quant=True) and the exporter (pack=True) both come here.
+    Returns (fake_quant bf16 | None, packed int32 | None, scale bf16)."""
+    N, K = w.shape
+    fq = torch.empty((N, K), dtype=torch.bfloat16, device=w.device) if fake_quant else None
+    packed = torch.empty((N, K // 8), dtype=torch.int32, device=w.device) if pack else None
+    s = torch.empty((N, K // group), dtype=torch.bfloat16, device=w.device)
+    with torch.cuda.device(w.device):
+        _q().int4_quant(src=w.data_ptr(), rows=N, cols=K, ld=w.stride(0), group=group,
+                        divisor_x2=int(round(divisor * 2)), eps=eps,
+                        fake_quant=fq.data_ptr() if fq is not None else 0,
+                        packed=packed.data_ptr() if packed is not None else 0, scale=s.data_ptr(),
+                        stream=_stream(w))
+    return fq, packed, s
+
+
+def int4_unpack(packed: torch.Tensor, s: torch.Tensor, N: int, K: int, group: int, *, want_q: bool):
+    out = torch.empty((N, K), dtype=torch.bfloat16, device=packed.device)
+    q = torch.empty((N, K), dtype=torch.int8, device=packed.device) if want_q else None
+    with torch.cuda.device(packed.device):
+        _q().int4_unpack(packed=packed.data_ptr(), scale=s.data_ptr(), rows=N, cols=K, group=group,
+                         out=out.data_ptr(), q=q.data_ptr() if q is not None else 0, stream=_stream(packed))
+    return out, q

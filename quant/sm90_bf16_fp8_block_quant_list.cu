@@ -1,0 +1,104 @@
+/*
+ * sm90_bf16_fp8_block_quant_list.cu — FP8 128x128 block quant of a list of bf16 tensors of different shapes in
+ * one launch (weight sync: many parameters into one output bucket).
+ *
+ * Design: a persistent grid (SMs x resident CTAs) walks the global tile sequence with a grid stride. Tiles are
+ * numbered tensor by tensor (BlockListEntry::tile_begin is the prefix sum), so each CTA's tensor index only moves
+ * forward: one binary search for its first tile, then a forward scan. Per tile the arithmetic is exactly the
+ * single-tensor kernel's (the shared fp8_block_tile), so list and single quant give identical bits.
+ */
+#include "quant/sm90_fp8_block_tile.cuh"
+#include "quant/sm90_launch.cuh"
+
+namespace ebbtide::quant {
+namespace {
+
+
+__global__ void __launch_bounds__(dev::kTileThreads, 4)
+    fp8_block_quant_list_kernel(const BlockListEntry* __restrict__ entries, int64_t count, int64_t total_tiles,
+                                float eps) {
+  __shared__ uint32_t red[dev::kTileThreads / 32];
+  int64_t tile = blockIdx.x;
+  if (tile >= total_tiles) return;
+  // binary search: the last entry whose tile_begin <= tile
+  int64_t lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (__ldg(&entries[mid].tile_begin) <= tile) lo = mid; else hi = mid - 1;
+  }
+  int64_t idx = lo;
+  for (; tile < total_tiles; tile += gridDim.x) {
+    while (idx + 1 < count && __ldg(&entries[idx + 1].tile_begin) <= tile) ++idx;
+    const BlockListEntry& en = entries[idx];
+    const int64_t rows = __ldg(&en.rows), cols = __ldg(&en.cols), ld = __ldg(&en.ld);
+    const int64_t kb = (cols + 127) / 128;
+    const int64_t local = tile - __ldg(&en.tile_begin);
+    const int64_t bi = dev::udiv(local, kb), bj = local - bi * kb;
+    const int mode = (int)__ldg(&en.scale_mode);
+    dev::BlockTileArgs a;
+    a.src = reinterpret_cast<const uint16_t*>(__ldg(&en.src)) + bi * dev::kBlock * ld + bj * dev::kBlock;
+    a.ld = ld;
+    a.rows = dev::clip_block(rows - bi * dev::kBlock);
+    a.cols = dev::clip_block(cols - bj * dev::kBlock);
+    a.q = reinterpret_cast<uint8_t*>(__ldg(&en.q)) + bi * dev::kBlock * cols + bj * dev::kBlock;
+    a.ldq = cols;
+    a.eps = eps;
+    a.scale_mode = mode;
+    a.scale = mode == kScaleUe8m0Packed ? reinterpret_cast<void*>(__ldg(&en.scale))
+                                        : reinterpret_cast<void*>(reinterpret_cast<float*>(__ldg(&en.scale)) + local);
+    a.row0 = bi * dev::kBlock;
+    a.mat_rows = rows;
+    a.bj = bj;
+    a.kb = kb;
+    dev::fp8_block_tile(a, red);
+  }
+}
+
+}  // namespace
+
+ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, const void* device_entries,
+                                            int64_t count, float eps, void* stream) {
+  EBT_QUANT_REQUIRE(count >= 0, "fp8_block_quant_list: negative count");
+  if (count == 0) return EBT_SUCCESS;
+  EBT_QUANT_REQUIRE(host_entries && device_entries, "fp8_block_quant_list: null entry table");
+  EBT_QUANT_REQUIRE((reinterpret_cast<uintptr_t>(device_entries) & 7u) == 0,
+                    "fp8_block_quant_list: device entry table is not 8-byte aligned");
+  EBT_QUANT_REQUIRE(eps_in_range(eps), "fp8_block_quant_list: eps must be in [1e-30, 1e30] (got %g)", (double)eps);
+  int64_t tiles = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const BlockListEntry& e = host_entries[i];
+    EBT_QUANT_REQUIRE(e.src && e.q && e.scale, "fp8_block_quant_list: entry %lld has a null pointer", (long long)i);
+    EBT_QUANT_REQUIRE(e.rows >= 1 && e.cols >= 1 && e.ld >= e.cols,
+                      "fp8_block_quant_list: entry %lld has bad shape [%lld, %lld] / stride %lld", (long long)i,
+                      (long long)e.rows, (long long)e.cols, (long long)e.ld);
+    EBT_QUANT_REQUIRE(e.scale_mode == kScaleFp32 || e.scale_mode == kScaleUe8m0 || e.scale_mode == kScaleUe8m0Packed,
+                      "fp8_block_quant_list: entry %lld has unknown scale mode %lld", (long long)i,
+                      (long long)e.scale_mode);
+    EBT_QUANT_REQUIRE(e.scale_mode == kScaleUe8m0Packed || (e.scale & 3) == 0,
+                      "fp8_block_quant_list: entry %lld fp32 scale pointer is not 4-byte aligned", (long long)i);
+    EBT_QUANT_REQUIRE(e.tile_begin == tiles,
+                      "fp8_block_quant_list: entry %lld tile_begin %lld, expected the prefix sum %lld", (long long)i,
+                      (long long)e.tile_begin, (long long)tiles);
+    tiles += ((e.rows + 127) / 128) * ((e.cols + 127) / 128);
+  }
+  const int sms = sm_count();
+  if (sms <= 0) return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "fp8_block_quant_list: no current CUDA device");
+  // Exactly the CTAs that fit at once: a persistent CTA never finishes early, so a second wave would only start
+  // after the first had done all its tiles.
+  static std::atomic<int> cached{0};  // per process: one kernel, the same limits on every sm_90 device
+  int resident = cached.load(std::memory_order_relaxed);
+  if (resident <= 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fp8_block_quant_list_kernel, dev::kTileThreads, 0) !=
+        cudaSuccess)
+      resident = 0;
+    cached.store(resident, std::memory_order_relaxed);
+  }
+  if (resident <= 0) return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "fp8_block_quant_list: occupancy query failed");
+  const int64_t slots = (int64_t)sms * resident;
+  const int64_t grid = tiles < slots ? tiles : slots;
+  fp8_block_quant_list_kernel<<<(unsigned)grid, dev::kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const BlockListEntry*>(device_entries), count, tiles, eps);
+  return launch_status("fp8_block_quant_list");
+}
+
+}  // namespace ebbtide::quant

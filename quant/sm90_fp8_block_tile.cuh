@@ -1,0 +1,104 @@
+/*
+ * sm90_fp8_block_tile.cuh — one 128x128 FP8 block tile processed by one 256-thread CTA; shared by the single /
+ * MoE block-quant kernel and the list kernel so both produce the same bits by construction.
+ *
+ * Tile mapping (vector path): thread t owns column chunk t % 16 (8 bf16 = 16 bytes) of rows t / 16 + 16 p,
+ * p = 0..7, so a warp reads two full 256-byte rows per step and each thread has 8 independent 16-byte loads in
+ * flight before the first use. The values stay in registers between the amax reduction and the quantization:
+ * every input byte is read from memory once. Ragged or misaligned tiles take the scalar path (per element,
+ * re-reading the tile; same arithmetic).
+ */
+#ifndef EBBTIDE_QUANT_SM90_FP8_BLOCK_TILE_CUH_
+#define EBBTIDE_QUANT_SM90_FP8_BLOCK_TILE_CUH_
+
+#include "quant/launchers.h"
+#include "quant/sm90_common.cuh"
+
+namespace ebbtide::quant::dev {
+
+constexpr int kBlock = 128;
+constexpr int kTileThreads = 256;
+
+__device__ __forceinline__ int clip_block(int64_t remaining) { return remaining < kBlock ? (int)remaining : kBlock; }
+
+struct BlockTileArgs {
+  const uint16_t* src;  // tile origin
+  int64_t ld;           // source row stride, elements
+  int rows, cols;       // valid extent of the tile (1..128)
+  uint8_t* q;           // tile origin in the output
+  int64_t ldq;          // output row stride (the matrix's column count)
+  float eps;
+  int scale_mode;
+  // scale destination
+  void* scale;          // fp32 modes: &scale[block]; packed: base of this matrix's packed buffer
+  int64_t row0;         // first row of the tile (packed mode)
+  int64_t mat_rows;     // rows of the whole matrix (packed mode)
+  int64_t bj, kb;       // K-block index and count (packed mode)
+};
+
+// Block-wide max of per-thread values (unsigned). `red` holds kTileThreads / 32 words.
+__device__ __forceinline__ uint32_t block_max(uint32_t v, uint32_t* red) {
+  v = __reduce_max_sync(0xFFFFFFFFu, v);
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  __syncthreads();
+  uint32_t m = 0;
+#pragma unroll
+  for (int w = 0; w < kTileThreads / 32; ++w) m = max(m, red[w]);
+  __syncthreads();  // red may be reused by the next tile
+  return m;
+}
+
+__device__ __forceinline__ void write_block_scale(const BlockTileArgs& a, const Fp8Scale& sc) {
+  if (a.scale_mode == kScaleUe8m0Packed) {
+    for (int r = threadIdx.x; r < a.rows; r += kTileThreads)
+      store_packed_ue8m0(static_cast<uint8_t*>(a.scale), a.row0 + r, a.mat_rows, a.bj, a.kb, sc.s);
+  } else if (threadIdx.x == 0) {
+    *static_cast<float*>(a.scale) = sc.s;
+  }
+}
+
+__device__ __forceinline__ void fp8_block_tile(const BlockTileArgs& a, uint32_t* red) {
+  const bool ue8m0 = a.scale_mode != kScaleFp32;
+  const bool vec = ((reinterpret_cast<uintptr_t>(a.src) & 15u) == 0) && (a.ld % 8 == 0) &&
+                   ((reinterpret_cast<uintptr_t>(a.q) & 7u) == 0) && (a.ldq % 8 == 0) && (a.cols % 8 == 0);
+  if (vec) {
+    const int c = (threadIdx.x & 15) * 8;
+    const int r0 = threadIdx.x >> 4;
+    const bool col_ok = c < a.cols;
+    uint4 v[8];
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const int r = r0 + 16 * p;
+      v[p] = (col_ok && r < a.rows) ? ld_stream16(a.src + (int64_t)r * a.ld + c) : make_uint4(0, 0, 0, 0);
+    }
+    uint32_t m = 0;
+#pragma unroll
+    for (int p = 0; p < 8; ++p) m = absmax2(absmax2(absmax2(absmax2(m, v[p].x), v[p].y), v[p].z), v[p].w);
+    const Fp8Scale sc = fp8_scale(block_max(fold2(m), red), a.eps, ue8m0);
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const int r = r0 + 16 * p;
+      if (col_ok && r < a.rows)
+        *reinterpret_cast<uint2*>(a.q + (int64_t)r * a.ldq + c) = fp8_quant8(v[p], sc);
+    }
+    write_block_scale(a, sc);
+    return;
+  }
+  // scalar path: element e of the tile is (e / 128, e % 128); coalesced along rows
+  uint32_t m = 0;
+  for (int e = threadIdx.x; e < kBlock * kBlock; e += kTileThreads) {
+    const int r = e >> 7, c = e & 127;
+    if (r < a.rows && c < a.cols) m = max(m, (uint32_t)(a.src[(int64_t)r * a.ld + c] & 0x7FFFu));
+  }
+  const Fp8Scale sc = fp8_scale(block_max(m, red), a.eps, ue8m0);
+  for (int e = threadIdx.x; e < kBlock * kBlock; e += kTileThreads) {
+    const int r = e >> 7, c = e & 127;
+    if (r < a.rows && c < a.cols) a.q[(int64_t)r * a.ldq + c] = fp8_quant1(a.src[(int64_t)r * a.ld + c], sc);
+  }
+  write_block_scale(a, sc);
+}
+
+}  // namespace ebbtide::quant::dev
+
+#endif  // EBBTIDE_QUANT_SM90_FP8_BLOCK_TILE_CUH_
