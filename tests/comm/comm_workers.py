@@ -426,3 +426,46 @@ def _expect_sum_dev(group, ranks, rank, dev):
     dist.all_reduce(t, group=group)
     want = float(sum(r + 1 for r in ranks))
     assert bool((t == want).all()), (group, t, want)
+
+
+def suspend_bookkeeping(rank, world, init, fail_rank=-1):
+    """The suspend strategy's state handling, on Gloo: the facts are forced to allow suspend and the native
+    suspend/resume calls (torch >= 2.12 + NCCL >= 2.29.7, absent here) are replaced by recorders inside this rank
+    process. A suspended group keeps its inner object and resumes it; when one member's suspend fails it destroys
+    instead, and at reload every member agrees to rebuild that group (a resume would wait for it forever)."""
+    import dataclasses
+
+    import ebbtide.comm._runtime as R
+
+    calls = []
+    real_facts = R._facts
+
+    def facts(*a, **k):
+        return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
+                                   nccl_version=(2, 29, 7), backend_has_suspend=True, cumem=True,
+                                   split_share=False, comm_initialized=True)
+
+    def suspend(inner):
+        calls.append("suspend")
+        if rank == fail_rank:
+            raise RuntimeError("injected suspend failure")
+
+    R._facts, R._suspend_backend = facts, suspend
+    R._resume_backend = lambda inner: calls.append("resume")
+    _init(rank, world, init)
+    g = dist.new_group(list(range(world)))
+    _expect_sum(g, list(range(world)), rank)
+    before = g.inner
+    rep = comm.release()
+    try:
+        dist.all_reduce(torch.ones(1), group=g)
+    except StateError:
+        pass
+    else:
+        raise AssertionError("op on a suspended group did not raise")
+    rl = comm.reload()
+    _expect_sum(g, list(range(world)), rank)
+    out = {"release": [x.strategy for x in rep.groups], "reload": [x.strategy for x in rl.groups],
+           "same_inner": g.inner is before, "calls": calls, "reason": rl.groups[0].reason}
+    dist.destroy_process_group()
+    return out

@@ -50,3 +50,19 @@ def test_megatron_like_topology_8_ranks():
     res = _spawn.run("megatron_like_8", 8, timeout=170, cycles=2)
     assert all(len(r["cycles"]) == 2 for r in res)
 
+
+
+def test_suspend_strategy_bookkeeping():
+    res = _spawn.run("suspend_bookkeeping", 2)
+    for r in res:
+        assert r["release"] == ["suspend"] and r["reload"] == ["suspend"], r
+        assert r["same_inner"] and r["calls"] == ["suspend", "resume"], r
+
+
+def test_failed_suspend_makes_every_member_rebuild():
+    res = _spawn.run("suspend_bookkeeping", 2, fail_rank=1)
+    assert res[1]["release"] == ["destroy"]  # fell back locally
+    assert res[0]["release"] == ["suspend"]  # the peer's suspend had succeeded
+    for r in res:
+        assert r["reload"] == ["destroy"] and not r["same_inner"], r  # both rebuilt
+    assert res[0]["calls"] == ["suspend"] and "could not suspend" in res[0]["reason"], res[0]

@@ -358,6 +358,7 @@ class Runtime:
             plans = _combine_plans(everyone)
             # 4. Tear down / suspend in journal order.
             reasons = {e: r for e, _c, r in local}
+            choices = {e: c for e, c, _r in local}
             reports = []
             for e in self.journal:
                 if e.local_sync:
@@ -372,6 +373,8 @@ class Runtime:
                 if e not in detached:
                     continue  # non-member (or a member that did not target it: impossible after agreement)
                 e.reason = reasons.get(e, "")
+                if e.plan != choices[e]:
+                    e.reason = f"{choices[e]} here, {e.plan} on a peer: {e.reason}"
                 reports.append(self._release_one(e, detached[e]))
             for e in detached:
                 if e.plan is not None:
@@ -410,10 +413,13 @@ class Runtime:
         t = time.perf_counter()
         before = device_free_bytes()
         if e.plan == S.SUSPEND:
-            backend = inner._get_backend(torch.device("cuda"))
-            backend.suspend()
-            g._ebt_held = inner
-        else:
+            try:
+                _suspend_backend(inner)
+                g._ebt_held = inner
+            except Exception as err:  # fall back to destroying it; reload() makes the peers agree (see there)
+                log.warning("ebbtide.comm: suspend of group %s failed (%s); destroying it instead", g._ebt_name, err)
+                e.plan, e.reason = S.DESTROY, f"suspend failed: {err}"
+        if e.plan != S.SUSPEND:
             self.inner_to_wrapper.pop(inner, None)
             _teardown(inner, self.teardown)
             del inner
@@ -437,11 +443,14 @@ class Runtime:
             control = self._control()
             free_before = device_free_bytes()
             payload = {"journal": self._journal_hash(), "eager": bool(eager),
-                       "connect": [e.gidx for e in self.journal if e.gidx >= 0 and e.plan and e.initialized]}
+                       "connect": [e.gidx for e in self.journal if e.gidx >= 0 and e.plan and e.initialized],
+                       "plans": {str(e.gidx): e.plan for e in self.journal
+                                 if e.gidx >= 0 and e.plan and e.group is not None}}
             tb = time.perf_counter()
             everyone = self._exchange(control, "reload", payload, tmo)
             self._check_agreement(everyone, "reload")
             barrier_s = time.perf_counter() - tb
+            self._settle_plans(everyone)
             connect = set()
             for p in everyone:
                 connect.update(p["connect"])
@@ -465,6 +474,23 @@ class Runtime:
             log.info("%s", rep.summary())
             return rep
 
+    def _settle_plans(self, everyone: list[dict]) -> None:
+        """A member whose suspend failed destroyed its communicator instead; then every member must rebuild that
+        group (a resume would wait for it forever): suspended peers tear down what they hold."""
+        final: dict[int, str] = {}
+        for p in everyone:
+            for k, plan in p["plans"].items():
+                final[int(k)] = S.combine([final.get(int(k), S.KEEP), plan])
+        for e in self.journal:
+            if e.gidx < 0 or not e.plan or final.get(e.gidx, e.plan) == e.plan:
+                continue
+            if e.plan == S.SUSPEND and e.group is not None and e.group._ebt_held is not None:
+                held, e.group._ebt_held = e.group._ebt_held, None
+                self.inner_to_wrapper.pop(held, None)
+                _teardown(held, self.teardown)
+            e.plan = final[e.gidx]
+            e.reason = f"destroyed: a peer could not suspend ({e.reason})"
+
     def _reload_one(self, e: Entry, connect: bool) -> list[GroupReport]:
         g = e.group
         t = time.perf_counter()
@@ -474,7 +500,7 @@ class Runtime:
             if g is None:
                 return []
             inner, g._ebt_held = g._ebt_held, None
-            inner._get_backend(torch.device("cuda")).resume()
+            _resume_backend(inner)
         else:
             inner = self._rebuild(e)
             if g is None:
@@ -609,6 +635,16 @@ def _facts(g: ReloadableGroup, tv, nv, cumem, split_share_env: bool, include_cpu
                 initialized = False
     return S.Facts(accelerator=accel, torch_version=tv, nccl_version=nv, backend_has_suspend=has_suspend,
                    cumem=cumem, split_share=split_share, comm_initialized=initialized, include_cpu=include_cpu)
+
+
+def _suspend_backend(inner: ProcessGroup) -> None:
+    """Native suspend (torch >= 2.12: ``ncclCommSuspend(NCCL_SUSPEND_MEM)``): collective over the group's ranks,
+    keeps connections and virtual addresses, frees the dynamic buffers."""
+    inner._get_backend(torch.device("cuda")).suspend()
+
+
+def _resume_backend(inner: ProcessGroup) -> None:
+    inner._get_backend(torch.device("cuda")).resume()
 
 
 def _teardown(inner: ProcessGroup, how: str) -> None:
