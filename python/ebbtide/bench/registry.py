@@ -22,6 +22,7 @@ SUITE_MODULES: dict[str, str] = {
     "memory": "ebbtide.bench.suites.memory",
     "quant": "ebbtide.bench.suites.quant",
     "optim": "ebbtide.bench.suites.optim",
+    "comm": "ebbtide.bench.suites.comm",
 }
 
 
