@@ -37,6 +37,7 @@
 #include <cstring>
 
 #include "csrc/status.h"
+#include "memory/free_ranges.h"
 
 namespace ebbtide::memory {
 
@@ -64,7 +65,6 @@ bool poison_enabled() {
   return on;
 }
 
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 bool tag_ok(const char* tag) { return tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX; }
 

@@ -10,6 +10,7 @@
 #include <cstdlib>
 
 #include "csrc/status.h"
+#include "memory/free_ranges.h"
 #include "csrc/thread_pool.h"
 
 namespace ebbtide::memory {
@@ -18,35 +19,6 @@ namespace {
 
 constexpr size_t k2MiB = size_t(2) << 20;
 
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-bool take_first_fit(std::map<size_t, size_t>& ranges, size_t bytes, size_t* offset) {
-  for (auto it = ranges.begin(); it != ranges.end(); ++it) {
-    if (it->second < bytes) continue;
-    *offset = it->first;
-    size_t rest = it->second - bytes, next = it->first + bytes;
-    ranges.erase(it);
-    if (rest) ranges.emplace(next, rest);
-    return true;
-  }
-  return false;
-}
-
-void give_back(std::map<size_t, size_t>& ranges, size_t offset, size_t bytes) {
-  auto next = ranges.lower_bound(offset);
-  if (next != ranges.end() && offset + bytes == next->first) {
-    bytes += next->second;
-    next = ranges.erase(next);
-  }
-  if (next != ranges.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      prev->second += bytes;
-      return;
-    }
-  }
-  ranges.emplace(offset, bytes);
-}
 
 // Threads that touch and register a new segment: EBBTIDE_MEM_REGISTER_THREADS, else min(8, CPUs).
 int register_threads() {

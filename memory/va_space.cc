@@ -4,43 +4,9 @@
 #include <algorithm>
 
 #include "csrc/status.h"
+#include "memory/free_ranges.h"
 
 namespace ebbtide::memory {
-
-namespace {
-
-// Take `bytes` from the first free range that holds it; true on success.
-bool take_first_fit(std::map<size_t, size_t>& ranges, size_t bytes, size_t* offset) {
-  for (auto it = ranges.begin(); it != ranges.end(); ++it) {
-    if (it->second < bytes) continue;
-    *offset = it->first;
-    size_t rest = it->second - bytes;
-    size_t next = it->first + bytes;
-    ranges.erase(it);
-    if (rest) ranges.emplace(next, rest);
-    return true;
-  }
-  return false;
-}
-
-// Put [offset, offset+bytes) back, merging with its neighbours.
-void give_back(std::map<size_t, size_t>& ranges, size_t offset, size_t bytes) {
-  auto next = ranges.lower_bound(offset);
-  if (next != ranges.end() && offset + bytes == next->first) {
-    bytes += next->second;
-    next = ranges.erase(next);
-  }
-  if (next != ranges.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      prev->second += bytes;
-      return;
-    }
-  }
-  ranges.emplace(offset, bytes);
-}
-
-}  // namespace
 
 ebt_status_t VaSpace::allocate(const ebt_driver_table_t* drv, size_t bytes, CUdeviceptr* va) {
   std::lock_guard<std::mutex> lock(mu_);
