@@ -144,7 +144,17 @@ EBT_API ebt_status_t ebt_shim_forwarded(unsigned long long* allocs, unsigned lon
 
 EBT_API ebt_status_t ebt_mem_shim_active(int* active) {
   if (!active) return EBT_ERROR_INVALID_ARGUMENT;
-  *active = dlsym(RTLD_DEFAULT, "cudaMalloc") == reinterpret_cast<void*>(&cudaMalloc) ? 1 : 0;
+  // Ask the global scope (the main program's handle: executable, preloads, RTLD_GLOBAL libraries) which
+  // cudaMalloc a caller gets, and whether it lives in this library. Comparing with &cudaMalloc would not do:
+  // taking the address of an exported function goes through the same interposable lookup, so both sides name
+  // libcudart's definition whenever that one comes first.
+  *active = 0;
+  void* global = dlopen(nullptr, RTLD_NOW);
+  void* resolved = global ? dlsym(global, "cudaMalloc") : nullptr;
+  Dl_info where, self;
+  if (resolved && dladdr(resolved, &where) && dladdr(reinterpret_cast<void*>(&resolve_real), &self))
+    *active = where.dli_fbase == self.dli_fbase ? 1 : 0;
+  if (global) dlclose(global);
   return EBT_SUCCESS;
 }
 

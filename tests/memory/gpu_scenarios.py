@@ -115,13 +115,14 @@ def caching_allocator(mode: str):
 
 def oom_at_resume(mode: str):
     check_mode(mode)
-    free0 = free_bytes()
+    size = min(int(free_bytes() * 0.4), 8 << 30) // 4 * 4  # bounded: its CPU backup and `ref` live in host RAM
     with em.region("w", backup="cpu"):
-        w = torch.randint(0, 100, (int(free0 * 0.4) // 4,), device="cuda", dtype=torch.int32)
+        w = torch.randint(0, 100, (size // 4,), device="cuda", dtype=torch.int32)
     ref = w.cpu()
     em.pause("w")
-    # Untracked memory from the default pool (empty_cache can give it back; private pools keep their cache).
-    filler = torch.empty(int(free_bytes() * 0.8), dtype=torch.uint8, device="cuda")
+    # Untracked memory from the default pool (empty_cache can give it back; private pools keep their cache),
+    # leaving about half of what the resume needs.
+    filler = torch.empty(free_bytes() - size // 2, dtype=torch.uint8, device="cuda")
     try:
         em.resume("w")
         raise AssertionError("resume should have run out of memory")

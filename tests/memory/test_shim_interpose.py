@@ -86,3 +86,26 @@ print("OK")
 
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("preloaded", [False, True])
+def test_hook_mode_detection_with_a_global_cuda_runtime(preloaded):
+    """torch's CUDA build puts libcudart in the global scope before ebbtide loads: without a preload the mode must
+    still read "torch" (a regression seen on an H200: comparing dlsym(RTLD_DEFAULT) with &cudaMalloc named
+    libcudart's definition on both sides and reported "preload")."""
+    code = f"""
+import ctypes, os
+ctypes.CDLL({str(FAKE_CUDART)!r}, mode=os.RTLD_NOW | os.RTLD_GLOBAL)   # what importing torch does
+from ebbtide import _native
+print(_native.load().memory.shim_active())
+"""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env["EBBTIDE_LIBCUDA"] = str(FAKE_DRIVER)
+    if preloaded:
+        env["LD_PRELOAD"] = str(PKG / "libebbtide.so")
+    import sys  # noqa: PLC0415
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == str(preloaded)

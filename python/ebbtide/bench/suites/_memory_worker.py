@@ -55,21 +55,38 @@ def _discard(out: dict, region_fn, pause, resume, total: int, small: int) -> lis
     return keep
 
 
+def _captured(em, tag: str, total: int):
+    """A figure is only meaningful if the region really took the memory: refuse to time an empty pause."""
+    held = sum(r["bytes_active"] + r["bytes_paused"] for r in em.stats()["tags"] if r["tag"] == tag)
+    if held < total:
+        raise RuntimeError(f"region {tag!r} holds {held} of the {total} bytes allocated in it (hook mode "
+                           f"{em.hook_mode()!r}): the allocations bypassed ebbtide, nothing to measure")
+
+
 def ours(total: int, small: int) -> dict:
     import ebbtide.memory as em  # noqa: PLC0415
 
     out: dict = {"mode": em.hook_mode()}
-    keep = _discard(out, lambda tag, cpu: em.region(tag, backup="cpu" if cpu else "none"), em.pause, em.resume,
-                    total, small)
+
+    def region(tag, cpu):
+        return em.region(tag, backup="cpu" if cpu else "none")
+
+    def pause(tag):
+        _captured(em, tag, total)
+        return em.pause(tag)
+
+    keep = _discard(out, region, pause, em.resume, total, small)
     # First cycle with the pause pinning its own host memory (background pinning off) ...
     em.set_background_pinning(False)
     keep.append(_tensors(em.region("w0", backup="cpu"), 8, total))
+    _captured(em, "w0", total)
     out["cpu_first_pause_nobg"] = _t(lambda: em.pause("w0"))
     out["cpu_first_resume_nobg"] = _t(lambda: em.resume("w0"))
     out["host_register_s"] = em.stats()["global"]["host_register_s"]
     # ... and the default: blocks pinned on the runtime thread after allocation, off the critical path.
     em.set_background_pinning(True)
     keep.append(_tensors(em.region("w", backup="cpu"), 8, total))
+    _captured(em, "w", total)
     out["background_pinning_s"] = _t(em.wait_background_pinning)
     out["cpu_first_pause"] = _t(lambda: em.pause("w"))
     out["cpu_first_resume"] = _t(lambda: em.resume("w"))
