@@ -58,7 +58,7 @@ def _discard(out: dict, region_fn, pause, resume, total: int, small: int) -> lis
 def _captured(em, tag: str, total: int):
     """A figure is only meaningful if the region really took the memory: refuse to time an empty pause."""
     held = sum(r["bytes_active"] + r["bytes_paused"] for r in em.stats()["tags"] if r["tag"] == tag)
-    if held < total:
+    if held < 0.99 * total:  # n equal tensors of total // n bytes
         raise RuntimeError(f"region {tag!r} holds {held} of the {total} bytes allocated in it (hook mode "
                            f"{em.hook_mode()!r}): the allocations bypassed ebbtide, nothing to measure")
 
