@@ -2,10 +2,13 @@
  * sm90_bf16_fp8_block_quant_list.cu — FP8 128x128 block quant of a list of bf16 tensors of different shapes in
  * one launch (weight sync: many parameters into one output bucket).
  *
- * Design: a persistent grid (SMs x resident CTAs) walks the global tile sequence with a grid stride. Tiles are
- * numbered tensor by tensor (BlockListEntry::tile_begin is the prefix sum), so each CTA's tensor index only moves
- * forward: one binary search for its first tile, then a forward scan. Per tile the arithmetic is exactly the
- * single-tensor kernel's (the shared fp8_block_tile), so list and single quant give identical bits.
+ * Design: one 256-thread CTA per 128x128 tile of the global tile sequence (tiles numbered tensor by tensor;
+ * BlockListEntry::tile_begin is the prefix sum), exactly as the single-tensor kernel launches, so the hardware
+ * scheduler balances the tiles dynamically. A CTA finds its tensor by a binary search over tile_begin (log2(count)
+ * loads that hit L1 after the first CTAs on the SM). Per tile the arithmetic is the single-tensor kernel's (the
+ * shared fp8_block_tile), so list and single quant give identical bits.
+ * (v1 walked the tiles with a persistent grid of SMs x resident CTAs and a static grid stride: 80% of copy
+ * bandwidth on one 7168^2 weight against 87% for the one-CTA-per-tile kernel on the same tiles.)
  */
 #include "quant/sm90_fp8_block_tile.cuh"
 #include "quant/sm90_launch.cuh"
@@ -15,21 +18,18 @@ namespace {
 
 
 __global__ void __launch_bounds__(dev::kTileThreads, 4)
-    fp8_block_quant_list_kernel(const BlockListEntry* __restrict__ entries, int64_t count, int64_t total_tiles,
-                                float eps) {
+    fp8_block_quant_list_kernel(const BlockListEntry* __restrict__ entries, int64_t count, float eps) {
   __shared__ uint32_t red[dev::kTileThreads / 32];
-  int64_t tile = blockIdx.x;
-  if (tile >= total_tiles) return;
-  // binary search: the last entry whose tile_begin <= tile
-  int64_t lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) >> 1;
-    if (__ldg(&entries[mid].tile_begin) <= tile) lo = mid; else hi = mid - 1;
-  }
-  int64_t idx = lo;
-  for (; tile < total_tiles; tile += gridDim.x) {
-    while (idx + 1 < count && __ldg(&entries[idx + 1].tile_begin) <= tile) ++idx;
-    const BlockListEntry& en = entries[idx];
+  __shared__ dev::BlockTileArgs args;  // the tile's arguments, found once per CTA (registers stay for the data)
+  if (threadIdx.x == 0) {
+    const int64_t tile = blockIdx.x;
+    // binary search: the last entry whose tile_begin <= tile
+    int64_t lo = 0, hi = count - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) >> 1;
+      if (__ldg(&entries[mid].tile_begin) <= tile) lo = mid; else hi = mid - 1;
+    }
+    const BlockListEntry& en = entries[lo];
     const int64_t rows = __ldg(&en.rows), cols = __ldg(&en.cols), ld = __ldg(&en.ld);
     const int64_t kb = (cols + 127) / 128;
     const int64_t local = tile - __ldg(&en.tile_begin);
@@ -50,8 +50,10 @@ __global__ void __launch_bounds__(dev::kTileThreads, 4)
     a.mat_rows = rows;
     a.bj = bj;
     a.kb = kb;
-    dev::fp8_block_tile(a, red);
+    args = a;
   }
+  __syncthreads();
+  dev::fp8_block_tile(args, red);
 }
 
 }  // namespace
@@ -81,23 +83,9 @@ ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, 
                       (long long)e.tile_begin, (long long)tiles);
     tiles += ((e.rows + 127) / 128) * ((e.cols + 127) / 128);
   }
-  const int sms = sm_count();
-  if (sms <= 0) return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "fp8_block_quant_list: no current CUDA device");
-  // Exactly the CTAs that fit at once: a persistent CTA never finishes early, so a second wave would only start
-  // after the first had done all its tiles.
-  static std::atomic<int> cached{0};  // per process: one kernel, the same limits on every sm_90 device
-  int resident = cached.load(std::memory_order_relaxed);
-  if (resident <= 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fp8_block_quant_list_kernel, dev::kTileThreads, 0) !=
-        cudaSuccess)
-      resident = 0;
-    cached.store(resident, std::memory_order_relaxed);
-  }
-  if (resident <= 0) return ebt_set_error(EBT_ERROR_CUDA_RUNTIME, "fp8_block_quant_list: occupancy query failed");
-  const int64_t slots = (int64_t)sms * resident;
-  const int64_t grid = tiles < slots ? tiles : slots;
-  fp8_block_quant_list_kernel<<<(unsigned)grid, dev::kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const BlockListEntry*>(device_entries), count, tiles, eps);
+  EBT_QUANT_REQUIRE(tiles <= 0x7FFFFFFF, "fp8_block_quant_list: too many tiles (%lld)", (long long)tiles);
+  fp8_block_quant_list_kernel<<<(unsigned)tiles, dev::kTileThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const BlockListEntry*>(device_entries), count, eps);
   return launch_status("fp8_block_quant_list");
 }
 
