@@ -86,30 +86,45 @@ __device__ __forceinline__ void store_chunk(uint8_t* q, uint2 b, int n) {
   }
 }
 
+// The vector path. kNarrow = false: every chunk is 8 valid values and every output row 8-byte aligned (the common
+// case; exactly the v1 code). kNarrow = true: a ragged last chunk and any output alignment.
+template <bool kNarrow>
+__device__ __forceinline__ void fp8_block_tile_vec(const BlockTileArgs& a, uint32_t* red, bool ue8m0) {
+  const int c = (threadIdx.x & 15) * 8;
+  const int r0 = threadIdx.x >> 4;
+  const int n = a.cols - c;  // valid elements of this thread's chunk (<= 0: none)
+  uint4 v[8];
+#pragma unroll
+  for (int p = 0; p < 8; ++p) {
+    const int r = r0 + 16 * p;
+    const uint16_t* src = a.src + (int64_t)r * a.ld + c;
+    v[p] = (n > 0 && r < a.rows) ? (kNarrow ? load_chunk(src, n) : ld_stream16(src)) : make_uint4(0, 0, 0, 0);
+  }
+  uint32_t m = 0;
+#pragma unroll
+  for (int p = 0; p < 8; ++p) m = absmax2(absmax2(absmax2(absmax2(m, v[p].x), v[p].y), v[p].z), v[p].w);
+  const Fp8Scale sc = fp8_scale(block_max(fold2(m), red), a.eps, ue8m0);
+#pragma unroll
+  for (int p = 0; p < 8; ++p) {
+    const int r = r0 + 16 * p;
+    if (n > 0 && r < a.rows) {
+      uint8_t* q = a.q + (int64_t)r * a.ldq + c;
+      if (kNarrow) store_chunk(q, fp8_quant8(v[p], sc), n);
+      else *reinterpret_cast<uint2*>(q) = fp8_quant8(v[p], sc);
+    }
+  }
+  write_block_scale(a, sc);
+}
+
 __device__ __forceinline__ void fp8_block_tile(const BlockTileArgs& a, uint32_t* red) {
   const bool ue8m0 = a.scale_mode != kScaleFp32;
-  // vector path: 16-byte aligned rows (any tile width, any output alignment); else the scalar path
-  const bool vec = ((reinterpret_cast<uintptr_t>(a.src) & 15u) == 0) && (a.ld % 8 == 0);
-  if (vec) {
-    const int c = (threadIdx.x & 15) * 8;
-    const int r0 = threadIdx.x >> 4;
-    const int n = a.cols - c;  // valid elements of this thread's chunk (<= 0: none)
-    uint4 v[8];
-#pragma unroll
-    for (int p = 0; p < 8; ++p) {
-      const int r = r0 + 16 * p;
-      v[p] = (n > 0 && r < a.rows) ? load_chunk(a.src + (int64_t)r * a.ld + c, n) : make_uint4(0, 0, 0, 0);
-    }
-    uint32_t m = 0;
-#pragma unroll
-    for (int p = 0; p < 8; ++p) m = absmax2(absmax2(absmax2(absmax2(m, v[p].x), v[p].y), v[p].z), v[p].w);
-    const Fp8Scale sc = fp8_scale(block_max(fold2(m), red), a.eps, ue8m0);
-#pragma unroll
-    for (int p = 0; p < 8; ++p) {
-      const int r = r0 + 16 * p;
-      if (n > 0 && r < a.rows) store_chunk(a.q + (int64_t)r * a.ldq + c, fp8_quant8(v[p], sc), n);
-    }
-    write_block_scale(a, sc);
+  const bool src_vec = ((reinterpret_cast<uintptr_t>(a.src) & 15u) == 0) && (a.ld % 8 == 0);
+  if (src_vec && ((reinterpret_cast<uintptr_t>(a.q) & 7u) == 0) && (a.ldq % 8 == 0) && (a.cols % 8 == 0)) {
+    fp8_block_tile_vec<false>(a, red, ue8m0);
+    return;
+  }
+  if (src_vec) {
+    fp8_block_tile_vec<true>(a, red, ue8m0);
     return;
   }
   // scalar path: element e of the tile is (e / 128, e % 128); coalesced along rows
