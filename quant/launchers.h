@@ -55,8 +55,10 @@ struct BlockListEntry {
 };
 static_assert(sizeof(BlockListEntry) == 64, "BlockListEntry is read as int64[8] by Python");
 
-// Quantize `count` tensors in one launch. `host_entries` is validated (pointers, shapes, tile prefix sums); the
-// kernel reads `device_entries`, which must hold the same bytes (the caller copied them there, stream-ordered).
+// Quantize `count` tensors in one launch. `host_entries` is validated (pointers, shapes, tile prefix sums). Up to
+// kBlockListParamEntries entries are passed to the kernel inside the launch (`device_entries` may be null); longer
+// lists are read from `device_entries`, which must hold the same bytes (copied there by the caller, stream-ordered).
+constexpr int kBlockListParamEntries = 128;
 ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, const void* device_entries,
                                             int64_t count, float eps, void* stream);
 

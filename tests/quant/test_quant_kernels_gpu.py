@@ -141,6 +141,20 @@ def test_block_list_one_launch_matches_reference():
             assert_same(s, sr, f"list[{i}] scale")
 
 
+def test_block_list_longer_than_the_parameter_table():
+    """Past 128 entries the kernel reads a device copy of the table instead of its launch parameters."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(int(torch.randint(1, 300, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g)))
+              for _ in range(150)]
+    ts = [special_bf16(s, seed=i).to(DEV) for i, s in enumerate(shapes)]
+    poison_cache()
+    b = Q.fp8_block_quant_list(ts)
+    for i, (t, (q, s)) in enumerate(zip(ts, b)):
+        qr, sr = R.fp8_block_quant(t.cpu())
+        assert_same(q, qr, f"list[{i}] {tuple(t.shape)} q")
+        assert_same(s, sr, f"list[{i}] scale")
+
+
 # ---- FP8 group -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("M,K", [(1, 128), (5, 256), (37, 1664), (130, 7168), (2048, 1024)])
 @pytest.mark.parametrize("layout,scale", [("row", "fp32"), ("mn_major", "fp32"), ("row", "ue8m0"),

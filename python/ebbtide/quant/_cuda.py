@@ -12,6 +12,7 @@ from ..errors import UnsupportedError
 
 MODES = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
 LAYOUTS = {"row": 0, "mn_major": 1}
+PARAM_ENTRIES = 128  # quant/launchers.h kBlockListParamEntries: longer lists need a device copy of the table
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,11 +77,14 @@ def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float, al
     table = torch.tensor(flat, dtype=torch.int64).view(-1, 8)
     table[:, 1] += q_buf.data_ptr()
     table[:, 2] += s_buf.data_ptr()
-    # Pinned, so the copy below is truly asynchronous; torch's host allocator keeps the block until it completes.
-    table = table.pin_memory()
     with torch.cuda.device(device):
-        dev_table = table.to(device, non_blocking=True)
-        _q().fp8_block_quant_list(host_entries=table.data_ptr(), device_entries=dev_table.data_ptr(),
+        dev_table = None  # the table travels inside the launch: no copy ahead of the kernel
+        if len(tensors) > PARAM_ENTRIES:
+            # Pinned, so the copy is truly asynchronous; torch's host allocator keeps the block until it completes.
+            table = table.pin_memory()
+            dev_table = table.to(device, non_blocking=True)
+        _q().fp8_block_quant_list(host_entries=table.data_ptr(),
+                                  device_entries=0 if dev_table is None else dev_table.data_ptr(),
                                   count=len(tensors), eps=eps, stream=_stream(tensors[0]))
     return q_buf, s_buf, layout
 
