@@ -6,8 +6,13 @@
  * function and counted, so a report can say how much memory bypassed ebbtide. Loaded any other way (as _C's
  * dependency, RTLD_LOCAL) the library interposes nothing: only a preload puts it first in the global scope.
  *
+ * Inside a region (memory/api.cc says which thread's allocations a region captures) cudaMalloc allocates from
+ * the memory engine on the current device instead; cudaFree of an engine pointer frees it there (active or
+ * paused), anything else is forwarded. In a forked child everything is forwarded.
+ *
  * Policy: never throw, never exit; a missing real function returns cudaErrorInitializationError (3) with a
- * WARN line, so the caller sees a CUDA error rather than a crash.
+ * WARN line, so the caller sees a CUDA error rather than a crash. An engine OOM returns
+ * cudaErrorMemoryAllocation (2), so PyTorch's caching allocator frees its cache and retries.
  */
 #include <dlfcn.h>
 
@@ -15,14 +20,22 @@
 #include <cstddef>
 #include <mutex>
 
+#include "csrc/driver.h"
 #include "csrc/ebbtide.h"
 #include "csrc/log.h"
+#include "memory/ebbtide_memory.h"
+#include "memory/engine.h"
+#include "memory/routing.h"
 
 namespace {
 
 typedef int (*CudaMallocFn)(void**, size_t);
 typedef int (*CudaFreeFn)(void*);
+constexpr int kCudaSuccess = 0;
+constexpr int kCudaErrorInvalidValue = 1;
+constexpr int kCudaErrorMemoryAllocation = 2;
 constexpr int kCudaErrorInitializationError = 3;
+constexpr int kCudaErrorUnknown = 999;
 
 std::once_flag g_once;
 CudaMallocFn g_real_malloc = nullptr;
@@ -47,12 +60,51 @@ void resolve_real() {
            reinterpret_cast<void*>(g_real_free));
 }
 
+// The device of the calling thread's current context; initializes the runtime's primary context (through the
+// real cudaFree(0), as the first cudaMalloc would) when none is current yet.
+int current_device(const ebt_driver_table_t* drv) {
+  CUdevice dev = 0;
+  if (drv->cuCtxGetDevice(&dev) == CUDA_SUCCESS) return dev;
+  if (g_real_free) g_real_free(nullptr);
+  if (drv->cuCtxGetDevice(&dev) == CUDA_SUCCESS) return dev;
+  return 0;
+}
+
+int to_cuda_error(ebt_status_t st) {
+  switch (st) {
+    case EBT_SUCCESS: return kCudaSuccess;
+    case EBT_ERROR_OUT_OF_MEMORY: return kCudaErrorMemoryAllocation;
+    case EBT_ERROR_INVALID_ARGUMENT: return kCudaErrorInvalidValue;
+    default: return kCudaErrorUnknown;
+  }
+}
+
+// An allocation the engine takes (a region applies to this thread); false = forward it.
+bool engine_malloc(void** ptr, size_t size, int* err) {
+  if (size == 0 || ebbtide::memory::forked_child() || !ebbtide::memory::routing_might_capture()) return false;
+  char tag[EBT_MEM_TAG_MAX + 1];
+  int backup = 0;
+  if (!ebbtide::memory::route_current(tag, &backup)) return false;
+  const ebt_driver_table_t* drv;
+  if (ebt_driver_get(&drv) != EBT_SUCCESS) {
+    EBT_WARN(EBT_SUBSYS_SHIM, "cudaMalloc in region '%s': %s", tag, ebt_last_error());
+    *err = kCudaErrorInitializationError;
+    return true;
+  }
+  ebt_status_t st = ebbtide::memory::Engine::get().malloc(ptr, size, current_device(drv), tag, backup);
+  if (st != EBT_SUCCESS) EBT_INFO(EBT_SUBSYS_SHIM, "cudaMalloc(%zu) in region '%s': %s", size, tag, ebt_last_error());
+  *err = to_cuda_error(st);
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
 
 EBT_API int cudaMalloc(void** ptr, size_t size) {
   std::call_once(g_once, resolve_real);
+  int engine_err = 0;
+  if (ptr && engine_malloc(ptr, size, &engine_err)) return engine_err;
   if (!g_real_malloc) {
     EBT_WARN(EBT_SUBSYS_SHIM, "cudaMalloc: no CUDA runtime found behind the ebbtide shim");
     return kCudaErrorInitializationError;
@@ -67,6 +119,14 @@ EBT_API int cudaMalloc(void** ptr, size_t size) {
 
 EBT_API int cudaFree(void* ptr) {
   std::call_once(g_once, resolve_real);
+  if (ptr && !ebbtide::memory::forked_child()) {
+    int found = 0;
+    ebt_status_t st = ebbtide::memory::Engine::get().free(ptr, &found);
+    if (found) {
+      if (st != EBT_SUCCESS) EBT_WARN(EBT_SUBSYS_SHIM, "cudaFree(%p): %s", ptr, ebt_last_error());
+      return to_cuda_error(st);
+    }
+  }
   if (!g_real_free) {
     EBT_WARN(EBT_SUBSYS_SHIM, "cudaFree: no CUDA runtime found behind the ebbtide shim");
     return kCudaErrorInitializationError;
@@ -79,6 +139,12 @@ EBT_API ebt_status_t ebt_shim_forwarded(unsigned long long* allocs, unsigned lon
   if (!allocs || !bytes) return EBT_ERROR_INVALID_ARGUMENT;
   *allocs = g_forwarded_allocs.load();
   *bytes = g_forwarded_bytes.load();
+  return EBT_SUCCESS;
+}
+
+EBT_API ebt_status_t ebt_mem_shim_active(int* active) {
+  if (!active) return EBT_ERROR_INVALID_ARGUMENT;
+  *active = dlsym(RTLD_DEFAULT, "cudaMalloc") == reinterpret_cast<void*>(&cudaMalloc) ? 1 : 0;
   return EBT_SUCCESS;
 }
 

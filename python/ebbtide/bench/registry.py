@@ -19,7 +19,10 @@ __all__ = ["Row", "Context", "Skip", "Suite", "suite", "registered", "timed", "S
 # name -> module that registers it. Add a line when a capability lands its suite.
 SUITE_MODULES: dict[str, str] = {
     "limits": "ebbtide.bench.suites.limits",
+    "memory": "ebbtide.bench.suites.memory",
     "quant": "ebbtide.bench.suites.quant",
+    "optim": "ebbtide.bench.suites.optim",
+    "comm": "ebbtide.bench.suites.comm",
 }
 
 

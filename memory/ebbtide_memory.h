@@ -1,0 +1,170 @@
+/*
+ * ebbtide_memory.h — the public C interface of the memory engine (part of libebbtide.so; see csrc/ebbtide.h for
+ * the conventions every call follows: status return, out-pointers, thread-local ebt_last_error()).
+ *
+ * The engine backs allocations with CUDA virtual memory (cuMemCreate + cuMemMap at a reserved VA). pause(tag)
+ * releases the physical memory of a tag's allocations (optionally copying their content to a persistent pinned
+ * host arena first) and keeps every virtual address; resume(tag) maps new memory at the same addresses and
+ * copies the content back. One engine per process: the LD_PRELOAD interposers (cudaMalloc/cudaFree), the PyTorch
+ * pluggable-allocator entry points (ebt_torch_malloc/ebt_torch_free) and this API all reach the same state.
+ *
+ * Thread safety: every call is thread-safe. Blocking: pause/resume block until the copies finished (the _async
+ * forms return at once). In a forked child every call fails with EBT_ERROR_INVALID_STATE and the interposers
+ * forward to the real CUDA runtime (the child must not touch the parent's bookkeeping).
+ */
+#ifndef EBBTIDE_MEMORY_H_
+#define EBBTIDE_MEMORY_H_
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "csrc/ebbtide.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EBT_MEM_TAG_MAX 63 /* longest tag, in bytes (no NUL); tags are non-empty UTF-8 without NUL */
+
+typedef enum { EBT_MEM_BACKUP_NONE = 0, EBT_MEM_BACKUP_CPU = 1 } ebt_mem_backup_t;
+typedef enum { EBT_MEM_TAG_ACTIVE = 0, EBT_MEM_TAG_PAUSED = 1, EBT_MEM_TAG_BUSY = 2 } ebt_mem_tag_state_t;
+
+/* What one pause or resume did. Times in seconds, sizes in bytes. Phases: sync = draining the allocations'
+ * devices before unmap; copy = first copy issued to last copy finished (unmap of finished chunks runs inside
+ * it); unmap / map = time spent in driver unmap+release / create+map+set-access calls. driver_free_* =
+ * cuMemGetInfo free bytes of the first device touched, before and after. On an OUT_OF_MEMORY resume,
+ * oom_needed / oom_free / oom_device describe the shortfall. */
+typedef struct {
+  size_t struct_size;        /* set by the caller to sizeof(ebt_mem_report_t) (fields are only appended) */
+  int noop;                  /* 1: nothing to do (double pause/resume, unknown-but-valid empty tag) */
+  int device;                /* first device touched (-1: none) */
+  size_t allocations;        /* allocations paused or resumed */
+  size_t bytes;              /* physical bytes released or mapped (granularity-aligned) */
+  size_t bytes_copied;       /* bytes copied to or from the host arena */
+  size_t bytes_skipped_clean;/* backup bytes not copied because the host copy was marked current */
+  double sync_s, copy_s, unmap_s, map_s, total_s;
+  size_t driver_free_before, driver_free_after;
+  size_t oom_needed, oom_free;
+  int oom_device;
+} ebt_mem_report_t;
+
+/* Per (tag, device) statistics; see ebt_mem_stats. */
+typedef struct {
+  char tag[EBT_MEM_TAG_MAX + 1];
+  int device;
+  int state;                /* ebt_mem_tag_state_t of the tag */
+  size_t allocations;       /* live allocations (active + paused) */
+  size_t handles;           /* physical handles currently held (= active allocations) */
+  size_t bytes_requested;   /* sum of requested sizes of live allocations */
+  size_t bytes_active;      /* physical bytes mapped now (aligned) */
+  size_t bytes_paused;      /* physical bytes released by pause (aligned) */
+  size_t bytes_backed_up;   /* host arena bytes holding this tag's backups (kept across cycles) */
+  ebt_mem_report_t last_pause, last_resume;
+} ebt_mem_tag_stats_t;
+
+/* Host arena and interposer counters. */
+typedef struct {
+  size_t host_reserved;      /* pinned host bytes held by the arena (all segments) */
+  size_t host_used;          /* of which sub-allocated to backups */
+  size_t host_segments;      /* registered segments */
+  double host_register_s;    /* total time spent touching + registering host memory */
+  unsigned long long forwarded_allocs;  /* cudaMalloc calls the shim forwarded to the real runtime */
+  unsigned long long forwarded_bytes;
+  unsigned long long engine_allocs;     /* allocations the engine made since start */
+  unsigned long long engine_frees;
+  size_t va_reserved;        /* virtual address space reserved from the driver */
+  size_t live_allocations;
+} ebt_mem_global_stats_t;
+
+typedef struct ebt_mem_op* ebt_mem_op_t; /* an asynchronous pause or resume */
+
+/* ---- routing: which allocations the engine takes ----------------------------------------------------------
+ * A region is thread-scoped: allocations made by this thread through the interposers or ebt_torch_malloc land
+ * in `tag` with backup policy `backup`. Regions nest; pop restores the previous one (token from push). */
+EBT_API ebt_status_t ebt_mem_region_push(const char* tag, int backup, int* token);
+EBT_API ebt_status_t ebt_mem_region_pop(int token);
+/* Thread-scoped bypass (nests with regions): while disabled, this thread's cudaMalloc goes to the real runtime. */
+EBT_API ebt_status_t ebt_mem_set_disabled(int disabled, int* previous);
+/* Process-wide default region for threads that have none (autograd's device threads, NCCL threads): NULL tag
+ * clears it. Takes effect for allocations made after the call. */
+EBT_API ebt_status_t ebt_mem_set_default_region(const char* tag, int backup);
+/* The region that applies to the calling thread now (tag "" if none). `tag` must hold EBT_MEM_TAG_MAX+1 bytes. */
+EBT_API ebt_status_t ebt_mem_current_region(char* tag, int* backup, int* disabled);
+
+/* ---- allocation (what the hooks call; also usable directly) -----------------------------------------------
+ * Allocate `size` bytes (> 0) on `device` in `tag`: VA reserved, physical memory created and mapped read-write.
+ * OUT_OF_MEMORY when the device is full (nothing is left behind). Blocking, thread-safe. */
+EBT_API ebt_status_t ebt_mem_malloc(void** ptr, size_t size, int device, const char* tag, int backup);
+/* Free an engine allocation (active or paused). Synchronizes the allocation's device before unmapping an
+ * active one. *found = 0 and SUCCESS when the pointer is not the engine's (the caller forwards it). Waits for a
+ * pause/resume in flight on that allocation. */
+EBT_API ebt_status_t ebt_mem_free(void* ptr, int* found);
+
+/* ---- pause / resume ----------------------------------------------------------------------------------------
+ * pause: drain the devices, copy CPU-backed allocations to the host arena, release their physical memory; VAs
+ * are kept. resume: re-create and map memory at the same VAs (all first), then copy backups back. tag NULL =
+ * every tag. Pausing a paused tag (or resuming an active one) is a no-op with a warning (report->noop = 1).
+ * Failure rolls back: the tag keeps its previous state and the call can be retried (OOM at resume: report's
+ * oom_* fields say how much was needed and free). `report` may be NULL. */
+EBT_API ebt_status_t ebt_mem_pause(const char* tag, ebt_mem_report_t* report);
+EBT_API ebt_status_t ebt_mem_resume(const char* tag, ebt_mem_report_t* report);
+/* Same, on a runtime thread: returns at once with an op to wait on (and release). A pause and a resume of
+ * different tags (or processes) overlap; a second op on a tag that is busy fails with INVALID_STATE. */
+EBT_API ebt_status_t ebt_mem_pause_async(const char* tag, ebt_mem_op_t* op);
+EBT_API ebt_status_t ebt_mem_resume_async(const char* tag, ebt_mem_op_t* op);
+/* Wait up to timeout_s (< 0: forever) for an op; TIMEOUT if still running. On completion returns the op's
+ * status (and its error message) and fills `report`. Waiting again returns the same outcome. */
+EBT_API ebt_status_t ebt_mem_op_wait(ebt_mem_op_t op, double timeout_s, ebt_mem_report_t* report);
+/* Release an op (waits for it first). The op must not be used afterwards. */
+EBT_API ebt_status_t ebt_mem_op_release(ebt_mem_op_t op);
+
+/* Declare that the host copies of `tag`'s CPU-backed allocations are current (their device content was not
+ * modified since they were restored): the next pause skips their copies. Cleared by the next pause. */
+EBT_API ebt_status_t ebt_mem_mark_clean(const char* tag);
+
+/* ---- introspection -----------------------------------------------------------------------------------------
+ * Per (tag, device) rows: writes min(capacity, n) rows to `rows` and the total n to *count (rows may be NULL
+ * with capacity 0 to ask for n). */
+EBT_API ebt_status_t ebt_mem_stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
+EBT_API ebt_status_t ebt_mem_global_stats(ebt_mem_global_stats_t* out);
+/* The host backup of the allocation containing `ptr`: *host = backup address of ptr (NULL if the allocation
+ * has no host copy), *bytes_after = bytes of the backup from there to its end. NOT_FOUND if ptr is not an
+ * engine allocation. O(log n). The backup is current only while the allocation is paused. */
+EBT_API ebt_status_t ebt_mem_get_cpu_backup(const void* ptr, void** host, size_t* bytes_after);
+/* The allocation containing `ptr`: base address, requested size, tag (EBT_MEM_TAG_MAX+1 bytes), paused flag. */
+EBT_API ebt_status_t ebt_mem_lookup(const void* ptr, void** base, size_t* size, char* tag, int* paused);
+/* Paused VA ranges (for checkers): up to `capacity` (base, length) pairs into starts/lengths, total in *count. */
+EBT_API ebt_status_t ebt_mem_paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count);
+
+/* ---- host arena ---------------------------------------------------------------------------------------------
+ * Pin `bytes` more host memory now (pre-touched, registered by several threads), so the first pause does not
+ * pay for pinning. Blocking; call it from a background thread to pin ahead of time. */
+EBT_API ebt_status_t ebt_mem_reserve_host_memory(size_t bytes);
+/* Background pinning (default on; EBBTIDE_MEM_PREPIN=0 turns it off): a CPU-backed allocation gets its pinned host
+ * block on a runtime thread soon after it is made, so the first pause only copies. set: on/off from now on (off
+ * also drops queued work). wait: block until queued work is done. */
+EBT_API ebt_status_t ebt_mem_set_background_pinning(int enabled);
+EBT_API ebt_status_t ebt_mem_wait_background_pinning(void);
+/* Give back pinned host memory that holds no paused content: backups of active allocations are dropped (their
+ * next pause copies again) and empty segments unregistered and unmapped. *released = bytes returned. */
+EBT_API ebt_status_t ebt_mem_release_host_memory(size_t* released);
+
+/* ---- testing -------------------------------------------------------------------------------------------------
+ * Free every allocation, VA reservation, copy stream and host segment, and clear regions and stats: the state
+ * of a fresh process. Fails with INVALID_STATE while an op is in flight. For tests and benchmarks only. */
+EBT_API ebt_status_t ebt_mem_reset_for_testing(void);
+/* 1 if this library's cudaMalloc is the one the process resolves (it was preloaded). */
+EBT_API ebt_status_t ebt_mem_shim_active(int* active);
+
+/* ---- PyTorch CUDAPluggableAllocator entry points (torch's signatures; not status-returning) -----------------
+ * malloc: the calling thread's region (or the process default, else tag "default"); NULL on failure, so the
+ * caching allocator frees its cache and retries. free: of a pointer ebt_torch_malloc returned. */
+EBT_API void* ebt_torch_malloc(ssize_t size, int device, void* stream);
+EBT_API void ebt_torch_free(void* ptr, ssize_t size, int device, void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* EBBTIDE_MEMORY_H_ */

@@ -1,0 +1,213 @@
+// engine_query.cc — the engine's introspection, host-arena control and reset (invariants: engine.cc header).
+#include <algorithm>
+#include <cstring>
+
+#include "csrc/status.h"
+#include "memory/engine.h"
+
+extern "C" ebt_status_t ebt_shim_forwarded(unsigned long long* allocs, unsigned long long* bytes);
+
+namespace ebbtide::memory {
+
+ebt_status_t Engine::mark_clean(const char* tag) {
+  EBT_REQUIRE_ARG(tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX, "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tags_.find(tag);
+  if (it == tags_.end()) return ebt_set_error(EBT_ERROR_NOT_FOUND, "mark_clean: unknown tag '%s'", tag);
+  if (it->second->busy)
+    return ebt_set_error(EBT_ERROR_INVALID_STATE, "mark_clean: tag '%s' has a pause/resume in flight", tag);
+  for (Allocation* a : it->second->allocations)
+    if (a->state == AllocState::kActive && a->host_valid) a->host_clean = true;
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count) {
+  EBT_REQUIRE_ARG(count, "count is NULL");
+  EBT_REQUIRE_ARG(rows || capacity == 0, "rows is NULL with capacity > 0");
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ebt_mem_tag_stats_t> out;
+  for (auto& kv : tags_) {
+    Tag* t = kv.second.get();
+    std::map<int, ebt_mem_tag_stats_t> per_dev;
+    for (Allocation* a : t->allocations) {
+      auto ins = per_dev.emplace(a->device, ebt_mem_tag_stats_t{});
+      ebt_mem_tag_stats_t& s = ins.first->second;
+      s.allocations += 1;
+      s.bytes_requested += a->size;
+      if (a->state == AllocState::kActive) {
+        s.handles += 1;
+        s.bytes_active += a->aligned;
+      } else {
+        s.bytes_paused += a->aligned;
+      }
+      if (a->host.ptr) s.bytes_backed_up += a->host.size;
+    }
+    if (per_dev.empty()) per_dev.emplace(-1, ebt_mem_tag_stats_t{});  // a named tag with no allocation yet
+    for (auto& d : per_dev) {
+      ebt_mem_tag_stats_t s = d.second;
+      snprintf(s.tag, sizeof(s.tag), "%s", t->name.c_str());
+      s.device = d.first;
+      s.state = t->busy ? EBT_MEM_TAG_BUSY : t->state;
+      s.last_pause = t->last_pause;
+      s.last_resume = t->last_resume;
+      out.push_back(s);
+    }
+  }
+  *count = out.size();
+  for (size_t i = 0; i < std::min(capacity, out.size()); ++i) rows[i] = out[i];
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::global_stats(ebt_mem_global_stats_t* out) {
+  EBT_REQUIRE_ARG(out, "out is NULL");
+  memset(out, 0, sizeof(*out));
+  out->host_reserved = arena_.reserved();
+  out->host_used = arena_.used();
+  out->host_segments = arena_.segments();
+  out->host_register_s = arena_.register_seconds();
+  ebt_shim_forwarded(&out->forwarded_allocs, &out->forwarded_bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    out->engine_allocs = allocs_total_;
+    out->engine_frees = frees_total_;
+    out->live_allocations = by_va_.size();
+  }
+  std::lock_guard<std::mutex> lock(dev_mu_);
+  for (auto& kv : devices_) out->va_reserved += kv.second->va->reserved_bytes();
+  return EBT_SUCCESS;
+}
+
+namespace {
+// The allocation whose [va, va+size) holds p, or null (mu_ held by the caller).
+Allocation* containing(std::map<CUdeviceptr, Allocation*>& by_va, const void* p) {
+  auto addr = reinterpret_cast<CUdeviceptr>(p);
+  auto it = by_va.upper_bound(addr);
+  if (it == by_va.begin()) return nullptr;
+  --it;
+  Allocation* a = it->second;
+  return addr < a->va + a->size ? a : nullptr;
+}
+}  // namespace
+
+ebt_status_t Engine::get_cpu_backup(const void* ptr, void** host, size_t* bytes_after) {
+  EBT_REQUIRE_ARG(host && bytes_after, "host and bytes_after must not be NULL");
+  std::lock_guard<std::mutex> lock(mu_);
+  Allocation* a = containing(by_va_, ptr);
+  if (!a) return ebt_set_error(EBT_ERROR_NOT_FOUND, "%p is not in an ebbtide allocation", ptr);
+  size_t off = reinterpret_cast<CUdeviceptr>(ptr) - a->va;
+  *host = a->host.ptr && a->host_valid ? a->host.ptr + off : nullptr;
+  *bytes_after = *host ? a->size - off : 0;
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::lookup(const void* ptr, void** base, size_t* size, char* tag, int* paused) {
+  EBT_REQUIRE_ARG(base && size && tag && paused, "out-pointers must not be NULL");
+  std::lock_guard<std::mutex> lock(mu_);
+  Allocation* a = containing(by_va_, ptr);
+  if (!a) return ebt_set_error(EBT_ERROR_NOT_FOUND, "%p is not in an ebbtide allocation", ptr);
+  *base = reinterpret_cast<void*>(a->va);
+  *size = a->size;
+  snprintf(tag, EBT_MEM_TAG_MAX + 1, "%s", a->tag->name.c_str());
+  *paused = a->state == AllocState::kPaused ? 1 : 0;
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count) {
+  EBT_REQUIRE_ARG(count, "count is NULL");
+  EBT_REQUIRE_ARG((starts && lengths) || capacity == 0, "starts/lengths NULL with capacity > 0");
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (auto& kv : by_va_) {
+    Allocation* a = kv.second;
+    if (a->state != AllocState::kPaused) continue;
+    if (n < capacity) {
+      starts[n] = static_cast<uintptr_t>(a->va);
+      lengths[n] = a->aligned;
+    }
+    ++n;
+  }
+  *count = n;
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::reserve_host(size_t bytes) {
+  EBT_REQUIRE_ARG(bytes > 0, "bytes must be > 0");
+  const ebt_driver_table_t* drv;
+  EBT_CHECK(driver(&drv));
+  Device* d;
+  EBT_CHECK(device(0, &d));  // registrations are PORTABLE: any context will do
+  CtxGuard ctx(drv, d->ctx);
+  return arena_.reserve(drv, d->ctx, bytes);
+}
+
+ebt_status_t Engine::release_host(size_t* released) {
+  EBT_REQUIRE_ARG(released, "released is NULL");
+  *released = 0;
+  wait_background_pinning();
+  std::vector<HostArena::Block> drop;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : by_va_) {
+      Allocation* a = kv.second;
+      if (a->busy || a->state != AllocState::kActive || !a->host.ptr) continue;
+      drop.push_back(a->host);
+      a->host = HostArena::Block{};
+      a->host_valid = a->host_clean = false;
+    }
+  }
+  for (const auto& b : drop) arena_.free(b);
+  const ebt_driver_table_t* drv;
+  if (ebt_driver_get(&drv) != EBT_SUCCESS) {
+    ebt_clear_error();
+    return EBT_SUCCESS;  // no driver: the arena cannot hold anything
+  }
+  *released = arena_.release_unused(drv);
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::reset() {
+  const ebt_driver_table_t* drv;
+  EBT_CHECK(driver(&drv));
+  {
+    std::lock_guard<std::mutex> plock(pin_mu_);
+    pin_queue_.clear();
+  }
+  wait_background_pinning();
+  std::unique_lock<std::mutex> lock(mu_);
+  for (auto& kv : tags_)
+    if (kv.second->busy) return ebt_set_error(EBT_ERROR_INVALID_STATE, "reset: tag '%s' has an op in flight",
+                                              kv.first.c_str());
+  std::vector<Allocation*> all;
+  for (auto& kv : by_va_) all.push_back(kv.second);
+  by_va_.clear();
+  tags_.clear();
+  allocs_total_ = frees_total_ = 0;
+  lock.unlock();
+  std::lock_guard<std::mutex> dlock(dev_mu_);
+  for (Allocation* a : all) {
+    auto it = devices_.find(a->device);
+    if (it != devices_.end() && a->state == AllocState::kActive) {
+      CtxGuard ctx(drv, it->second->ctx);
+      drv->cuCtxSynchronize();
+      drv->cuMemUnmap(a->va, a->aligned);
+      drv->cuMemRelease(a->handle);
+    }
+    delete a;
+  }
+  for (auto& kv : devices_) {
+    Device* d = kv.second.get();
+    {
+      CtxGuard ctx(drv, d->ctx);
+      for (CUevent e : d->free_events) drv->cuEventDestroy(e);
+      if (d->d2h) drv->cuStreamDestroy(d->d2h);
+      if (d->h2d) drv->cuStreamDestroy(d->h2d);
+      d->va->release_all(drv);
+    }
+    drv->cuDevicePrimaryCtxRelease(d->dev);
+  }
+  devices_.clear();
+  arena_.release_all(drv);
+  return EBT_SUCCESS;
+}
+
+}  // namespace ebbtide::memory

@@ -1,0 +1,80 @@
+/*
+ * host_arena.h — the persistent pinned host arena that holds CPU backups.
+ *
+ * Policies (spec item 7):
+ *  - Pinned once, reused every cycle: segments are anonymous mmap()s, pre-touched and registered with
+ *    cuMemHostRegister(PORTABLE) by several threads at once (one registration per kPieceBytes piece), because
+ *    pinning fresh memory (cuMemHostAlloc) runs at ~2 GB/s while registering touched memory runs at ~17 GB/s
+ *    per thread.
+ *  - Exact sizes: backups are sub-allocated first-fit at 256-byte granularity from the segments' free lists;
+ *    no power-of-two rounding. When the free lists cannot hold a batch, ONE new segment sized to the batch's
+ *    shortfall (rounded up to 2 MiB) is added.
+ *  - A block never straddles two segments; it may straddle registration pieces, so copy planners cut copies
+ *    at piece boundaries (piece_remaining) and each copy lies inside one registration.
+ *  - Memory goes back to the OS only through release_unused() (explicit) or release_all() (reset).
+ * Thread-safety: mu_ guards segments_ and the counters; registration runs outside the lock on a private pool.
+ */
+#ifndef EBBTIDE_MEMORY_HOST_ARENA_H_
+#define EBBTIDE_MEMORY_HOST_ARENA_H_
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "csrc/driver.h"
+
+namespace ebbtide::memory {
+
+class HostArena {
+ public:
+  static constexpr size_t kPieceBytes = size_t(256) << 20;  // one cuMemHostRegister per piece
+  static constexpr size_t kAlign = 256;                     // sub-allocation alignment (copy engines like it)
+
+  struct Block {
+    char* ptr = nullptr;  // null: no block
+    size_t size = 0;      // bytes (exact request rounded to kAlign)
+    int segment = -1;     // index into segments_
+  };
+
+  // All blocks of `sizes` or none (HOST_OUT_OF_MEMORY / SYSTEM / DRIVER with nothing allocated). `ctx` is made
+  // current on the registering threads (PORTABLE registrations serve every context).
+  // `min_growth`: grow by at least this many bytes (background pinning passes kMinBackgroundGrowth so allocations
+  // trickling in one at a time do not each add a tiny segment; the rest stays free for the next ones).
+  ebt_status_t allocate(const ebt_driver_table_t* drv, CUcontext ctx, const std::vector<size_t>& sizes,
+                        std::vector<Block>* out, size_t min_growth = 0);
+  static constexpr size_t kMinBackgroundGrowth = size_t(64) << 20;
+  void free(const Block& b);
+  // Bytes from `b.ptr + offset` to the end of its registration piece (copies must not cross it).
+  size_t piece_remaining(const Block& b, size_t offset) const;
+  // Grow by one segment of `bytes` (rounded up to 2 MiB), pinned now.
+  ebt_status_t reserve(const ebt_driver_table_t* drv, CUcontext ctx, size_t bytes);
+  // Unregister and unmap every segment with no live block; returns the bytes given back.
+  size_t release_unused(const ebt_driver_table_t* drv);
+  void release_all(const ebt_driver_table_t* drv);
+
+  size_t reserved() const;
+  size_t used() const;
+  size_t segments() const;
+  double register_seconds() const;
+
+ private:
+  struct Segment {
+    char* base = nullptr;
+    size_t size = 0;                       // bytes mapped and registered (multiple of 2 MiB)
+    size_t used = 0;                       // bytes in live blocks
+    std::map<size_t, size_t> free_ranges;  // offset -> length, coalesced
+  };
+  ebt_status_t add_segment(const ebt_driver_table_t* drv, CUcontext ctx, size_t bytes);  // mu_ NOT held
+  static void unmap_segment(const ebt_driver_table_t* drv, Segment& s);
+
+  mutable std::mutex mu_;                       // guards segments_, register_s_
+  std::vector<std::unique_ptr<Segment>> segments_;  // index = Block::segment; null once released
+  double register_s_ = 0;                       // cumulative seconds spent touching + registering
+  std::mutex grow_mu_;                          // serializes segment creation (one pinning job at a time)
+};
+
+}  // namespace ebbtide::memory
+
+#endif  // EBBTIDE_MEMORY_HOST_ARENA_H_

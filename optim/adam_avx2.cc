@@ -1,0 +1,110 @@
+// adam_avx2.cc — AVX2 + FMA kernel (8 lanes), compiled with -mavx2 -mfma -ffp-contract=off only (never
+// -march=native). Tails run the scalar element function, which is bit-identical (adam_kernel.h, Note [Exact
+// mode]). bf16 grads are widened in registers: no scalar fallback for bf16 (DeepSpeed's AVX2 weakness).
+#if defined(__x86_64__)  // other architectures build the portable kernel only
+#include <immintrin.h>
+
+#include "optim/adam_kernel.h"
+
+namespace ebbtide::optim {
+namespace {
+
+inline __m256 load_g(const void* g, bool bf16, int64_t i) {
+  if (bf16) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+}
+
+// `stream`: 16-byte aligned output goes out with a non-temporal store (see adam_avx512_impl.h). Caller fences.
+inline void store_bf16(uint16_t* out, __m256 p, bool stream) {
+  const __m256i u = _mm256_castps_si256(p);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+inline __m256 max_nan(__m256 a, __m256 b) {
+  return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+}
+
+inline __m256 sqrt_exact(__m256 x, SqrtFlavor f) {
+  if (f != SqrtFlavor::kMklAvx512) return _mm256_sqrt_ps(x);
+  alignas(32) float in[8], out[8];  // MKL's kernel needs VRSQRT14 (adam_kernel.h Note [torch's sqrt])
+  _mm256_store_ps(in, x);
+  sqrt_mkl_avx512(in, out, 8);
+  return _mm256_load_ps(out);
+}
+
+template <bool kExact>
+void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
+  const __m256 gs = _mm256_set1_ps(a.gs), decay = _mm256_set1_ps(a.decay), wd = _mm256_set1_ps(a.wd);
+  const __m256 lc = _mm256_set1_ps(a.lerp_coeff), b2 = _mm256_set1_ps(a.b2), c2 = _mm256_set1_ps(a.c2);
+  const __m256 bc2s = _mm256_set1_ps(a.bc2s), eps = _mm256_set1_ps(a.eps), ss = _mm256_set1_ps(a.ss);
+  const __m256 b1 = _mm256_set1_ps(a.b1), c1 = _mm256_set1_ps(a.c1), rbc2s = _mm256_set1_ps(a.rbc2s);
+  const __m256 nlrwd = _mm256_set1_ps(a.neg_lrwd);
+  const bool decoupled = a.wd_kind == WeightDecay::kDecoupled, l2 = a.wd_kind == WeightDecay::kL2;
+  const bool stream = a.out && (reinterpret_cast<uintptr_t>(a.out + begin) & 15) == 0;
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    __m256 g = _mm256_mul_ps(load_g(a.g, a.grad_bf16, i), gs);
+    __m256 p = _mm256_loadu_ps(a.p + i), m = _mm256_loadu_ps(a.m + i), v = _mm256_loadu_ps(a.v + i);
+    if (kExact) {
+      if (decoupled) p = _mm256_mul_ps(p, decay);
+      if (l2) g = _mm256_fmadd_ps(p, wd, g);
+      const __m256 d = _mm256_sub_ps(g, m);
+      m = _mm256_fmadd_ps(lc, d, a.lerp_small ? m : g);
+      v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, b2));
+    } else {
+      if (l2) g = _mm256_fmadd_ps(p, wd, g);
+      m = _mm256_fmadd_ps(b1, m, _mm256_mul_ps(c1, g));
+      v = _mm256_fmadd_ps(b2, v, _mm256_mul_ps(_mm256_mul_ps(c2, g), g));
+    }
+    __m256 vv = v;
+    if (a.vmax) {
+      vv = max_nan(_mm256_loadu_ps(a.vmax + i), v);
+      _mm256_storeu_ps(a.vmax + i, vv);
+    }
+    if (kExact) {
+      const __m256 den = _mm256_add_ps(_mm256_div_ps(sqrt_exact(vv, a.sqrt_flavor), bc2s), eps);
+      p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), den));
+    } else {
+      const __m256 den = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), rbc2s, eps);
+      if (decoupled) p = _mm256_fmadd_ps(nlrwd, p, p);
+      p = _mm256_fmadd_ps(ss, _mm256_div_ps(m, den), p);
+    }
+    _mm256_storeu_ps(a.p + i, p);
+    _mm256_storeu_ps(a.m + i, m);
+    _mm256_storeu_ps(a.v + i, v);
+    if (a.out) store_bf16(a.out + i, p, stream);
+  }
+  if (stream) _mm_sfence();  // order the streaming stores before the pool reports completion
+  for (; i < end; ++i) adam_element<kExact>(a, i);
+}
+
+bool non_finite_avx2(const void* g, bool bf16, float gs_s, int64_t begin, int64_t end) {
+  const __m256 gs = _mm256_set1_ps(gs_s);
+  const __m256i expo = _mm256_set1_epi32(0x7F800000);
+  __m256i bad = _mm256_setzero_si256();
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_mul_ps(load_g(g, bf16, i), gs));
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(u, expo), expo));
+  }
+  return !_mm256_testz_si256(bad, bad) || scalar_non_finite(g, bf16, gs_s, i, end);
+}
+
+}  // namespace
+
+const KernelTable& kernels_avx2() {
+  static const KernelTable t{"avx2", &step_avx2<true>, &step_avx2<false>, &non_finite_avx2};
+  return t;
+}
+
+}  // namespace ebbtide::optim
+#endif  // __x86_64__

@@ -1,0 +1,149 @@
+/*
+ * adam_avx512_impl.h — the AVX-512 kernel body (16 lanes, masked tails: every element goes through the same
+ * vector arithmetic). Included by two translation units: adam_avx512.cc (F/BW/VL/DQ flags) and
+ * adam_avx512_bf16.cc (adds -mavx512bf16 and EBT_AVX512_BF16=1, which converts the copy-out with VCVTNEPS2BF16
+ * and blends the integer result into subnormal/NaN lanes, see adam_kernel.h Note [bf16 copy-out]).
+ * Not a public header; needs EBT_AVX512_KERNEL_NAME and EBT_AVX512_TABLE_FN defined by the includer.
+ */
+#include <immintrin.h>
+
+#include "optim/adam_kernel.h"
+
+namespace ebbtide::optim {
+namespace {
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
+
+inline __m512 load_g(const void* g, bool bf16, int64_t i, __mmask16 k) {
+  if (bf16) {
+    __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(g) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(k, static_cast<const float*>(g) + i);
+}
+
+inline __m512i bf16_rne_int(__m512 p) {  // 32-bit lanes holding the bf16 bits; NaN -> 0xFFFF
+  const __m512i u = _mm512_castps_si512(p);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), r, _mm512_set1_epi32(0xFFFF));
+}
+
+// `stream`: a full, 32-byte aligned vector goes out with a non-temporal store (the copy-out is write-only and
+// usually pinned staging the GPU reads next: no read-for-ownership, no cache pollution). Caller fences.
+inline void store_bf16(uint16_t* out, __m512 p, __mmask16 k, bool stream) {
+#if EBT_AVX512_BF16
+  __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
+  // Subnormal inputs (exponent 0, mantissa != 0) are flushed by the instruction and NaNs keep their payload:
+  // take the integer result in those lanes (rare: only computed when such a lane exists).
+  const __m512i u = _mm512_castps_si512(p);
+  const __mmask16 sub = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007FFFFF)) &
+                        _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7F800000));
+  const __mmask16 fix = sub | _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+  if (fix) h = _mm256_mask_blend_epi16(fix, h, _mm512_cvtepi32_epi16(bf16_rne_int(p)));
+#else
+  const __m256i h = _mm512_cvtepi32_epi16(bf16_rne_int(p));
+#endif
+  if (stream && k == 0xFFFF) _mm256_stream_si256(reinterpret_cast<__m256i*>(out), h);
+  else _mm256_mask_storeu_epi16(out, k, h);
+}
+
+inline __m512 max_nan(__m512 a, __m512 b) {
+  const __mmask16 un = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(un, _mm512_max_ps(a, b), _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+}
+
+// adam_kernel.h Note [torch's sqrt]: MKL vsSqrt HA, AVX-512 kernel, lane for lane. Zero, infinite and negative
+// inputs take MKL's rare path, which returns the IEEE result.
+inline __m512 sqrt_mkl(__m512 x) {
+  const __m512 y = _mm512_rsqrt14_ps(x);
+  const __m512 s = _mm512_mul_ps(x, y);
+  const __m512 h = _mm512_mul_ps(y, _mm512_set1_ps(0.5f));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(_mm512_set1_ps(0x1p39f), y, _CMP_LT_OS);
+  const __m512 xs = _mm512_mask_mul_ps(x, tiny, x, _mm512_set1_ps(0x1p78f));
+  const __m512 sc = _mm512_mask_mul_ps(s, tiny, s, _mm512_set1_ps(0x1p39f));
+  const __m512 hs = _mm512_mask_mul_ps(h, tiny, h, _mm512_set1_ps(0x1p-78f));
+  const __m512 r = _mm512_fmadd_ps(hs, _mm512_fnmadd_ps(sc, sc, xs), s);
+  const __mmask16 special = _mm512_fpclass_ps_mask(x, 0x5E);  // ±0, ±inf, negative finite
+  return _mm512_mask_sqrt_ps(r, special, x);
+}
+
+inline __m512 sqrt_exact(__m512 x, SqrtFlavor f) {
+  return f == SqrtFlavor::kMklAvx512 ? sqrt_mkl(x) : _mm512_sqrt_ps(x);
+}
+
+template <bool kExact>
+void step_avx512(const KernelArgs& a, int64_t begin, int64_t end) {
+  const __m512 gs = _mm512_set1_ps(a.gs), decay = _mm512_set1_ps(a.decay), wd = _mm512_set1_ps(a.wd);
+  const __m512 lc = _mm512_set1_ps(a.lerp_coeff), b2 = _mm512_set1_ps(a.b2), c2 = _mm512_set1_ps(a.c2);
+  const __m512 bc2s = _mm512_set1_ps(a.bc2s), eps = _mm512_set1_ps(a.eps), ss = _mm512_set1_ps(a.ss);
+  const __m512 b1 = _mm512_set1_ps(a.b1), c1 = _mm512_set1_ps(a.c1), rbc2s = _mm512_set1_ps(a.rbc2s);
+  const __m512 nlrwd = _mm512_set1_ps(a.neg_lrwd);
+  const bool decoupled = a.wd_kind == WeightDecay::kDecoupled, l2 = a.wd_kind == WeightDecay::kL2;
+  const bool stream = a.out && (reinterpret_cast<uintptr_t>(a.out + begin) & 31) == 0;
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 k = tail_mask(end - i);
+    __m512 g = _mm512_mul_ps(load_g(a.g, a.grad_bf16, i, k), gs);
+    __m512 p = _mm512_maskz_loadu_ps(k, a.p + i), m = _mm512_maskz_loadu_ps(k, a.m + i);
+    __m512 v = _mm512_maskz_loadu_ps(k, a.v + i);
+    if (kExact) {
+      if (decoupled) p = _mm512_mul_ps(p, decay);
+      if (l2) g = _mm512_fmadd_ps(p, wd, g);
+      const __m512 d = _mm512_sub_ps(g, m);
+      m = _mm512_fmadd_ps(lc, d, a.lerp_small ? m : g);
+      v = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(v, b2));
+    } else {
+      if (l2) g = _mm512_fmadd_ps(p, wd, g);
+      m = _mm512_fmadd_ps(b1, m, _mm512_mul_ps(c1, g));
+      v = _mm512_fmadd_ps(b2, v, _mm512_mul_ps(_mm512_mul_ps(c2, g), g));
+    }
+    __m512 vv = v;
+    if (a.vmax) {
+      vv = max_nan(_mm512_maskz_loadu_ps(k, a.vmax + i), v);
+      _mm512_mask_storeu_ps(a.vmax + i, k, vv);
+    }
+    if (kExact) {
+      const __m512 den = _mm512_add_ps(_mm512_div_ps(sqrt_exact(vv, a.sqrt_flavor), bc2s), eps);
+      p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(ss, m), den));
+    } else {
+      const __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), rbc2s, eps);
+      if (decoupled) p = _mm512_fmadd_ps(nlrwd, p, p);
+      p = _mm512_fmadd_ps(ss, _mm512_div_ps(m, den), p);
+    }
+    _mm512_mask_storeu_ps(a.p + i, k, p);
+    _mm512_mask_storeu_ps(a.m + i, k, m);
+    _mm512_mask_storeu_ps(a.v + i, k, v);
+    if (a.out) store_bf16(a.out + i, p, k, stream);
+  }
+  if (stream) _mm_sfence();  // order the streaming stores before the pool reports completion
+}
+
+bool non_finite_avx512(const void* g, bool bf16, float gs_s, int64_t begin, int64_t end) {
+  const __m512 gs = _mm512_set1_ps(gs_s);
+  const __m512i expo = _mm512_set1_epi32(0x7F800000);
+  __mmask16 bad = 0;
+  for (int64_t i = begin; i < end; i += 16) {
+    const __mmask16 k = tail_mask(end - i);
+    const __m512i u = _mm512_castps_si512(_mm512_mul_ps(load_g(g, bf16, i, k), gs));
+    bad |= _mm512_mask_cmpeq_epi32_mask(k, _mm512_and_si512(u, expo), expo);
+  }
+  return bad != 0;
+}
+
+}  // namespace
+
+#if !EBT_AVX512_BF16
+void sqrt_mkl_avx512(const float* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    _mm512_mask_storeu_ps(out + i, k, sqrt_mkl(_mm512_maskz_loadu_ps(k, x + i)));
+  }
+}
+#endif
+
+const KernelTable& EBT_AVX512_TABLE_FN() {
+  static const KernelTable t{EBT_AVX512_KERNEL_NAME, &step_avx512<true>, &step_avx512<false>, &non_finite_avx512};
+  return t;
+}
+
+}  // namespace ebbtide::optim

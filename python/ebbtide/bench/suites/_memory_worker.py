@@ -1,0 +1,160 @@
+"""Measurement worker of the `memory` suite: ``python -m ebbtide.bench.suites._memory_worker ours|tms <bytes>
+<small_allocs>`` prints one JSON object of timings (seconds) on its last line.
+
+Each side runs in its own process so neither inherits the other's GPU pools, pinned host memory or caches; both
+follow the same order (discard tags first and left paused, then CPU-backed tags), time wall-clock around the
+synchronous Python calls after a torch.cuda.synchronize(), and touch the data first.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+WARM = 3  # warm cycles (median)
+
+
+def _tensors(region, n: int, total: int):
+    with region:
+        ts = [torch.empty(total // n, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    for t in ts:
+        t.fill_(7)
+    torch.cuda.synchronize()
+    return ts
+
+
+def _t(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _cycles(pause, resume, n: int) -> tuple[list, list]:
+    ps, rs = [], []
+    for _ in range(n):
+        ps.append(_t(pause))
+        rs.append(_t(resume))
+    return ps, rs
+
+
+def _discard(out: dict, region_fn, pause, resume, total: int, small: int) -> list:
+    keep = []
+    for label, n in (("d8", 8), ("dmany", small)):
+        keep.append(_tensors(region_fn(label, False), n, total))
+        pause(label)
+        resume(label)  # warm-up (first map of fresh pools, streams)
+        ps, rs = _cycles(lambda: pause(label), lambda: resume(label), WARM)
+        out[f"{label}_pause"], out[f"{label}_resume"] = statistics.median(ps), statistics.median(rs)
+        pause(label)  # leave it paused: its GPU memory is free for what follows
+    return keep
+
+
+def ours(total: int, small: int) -> dict:
+    import ebbtide.memory as em  # noqa: PLC0415
+
+    out: dict = {"mode": em.hook_mode()}
+    keep = _discard(out, lambda tag, cpu: em.region(tag, backup="cpu" if cpu else "none"), em.pause, em.resume,
+                    total, small)
+    # First cycle with the pause pinning its own host memory (background pinning off) ...
+    em.set_background_pinning(False)
+    keep.append(_tensors(em.region("w0", backup="cpu"), 8, total))
+    out["cpu_first_pause_nobg"] = _t(lambda: em.pause("w0"))
+    out["cpu_first_resume_nobg"] = _t(lambda: em.resume("w0"))
+    out["host_register_s"] = em.stats()["global"]["host_register_s"]
+    # ... and the default: blocks pinned on the runtime thread after allocation, off the critical path.
+    em.set_background_pinning(True)
+    keep.append(_tensors(em.region("w", backup="cpu"), 8, total))
+    out["background_pinning_s"] = _t(em.wait_background_pinning)
+    out["cpu_first_pause"] = _t(lambda: em.pause("w"))
+    out["cpu_first_resume"] = _t(lambda: em.resume("w"))
+    ps, rs = _cycles(lambda: em.pause("w"), lambda: em.resume("w"), WARM)
+    out["cpu_warm_pause"], out["cpu_warm_resume"] = statistics.median(ps), statistics.median(rs)
+    last = [r for r in em.stats()["tags"] if r["tag"] == "w"][0]
+    out["warm_pause_phases"] = {k: last["last_pause"][k] for k in ("sync_s", "copy_s", "unmap_s", "total_s")}
+    out["warm_resume_phases"] = {k: last["last_resume"][k] for k in ("map_s", "copy_s", "total_s")}
+    # Trainer -> rollout switch: pause one tag (w0, "trainer") while resuming another (w, "rollout").
+    em.pause("w")
+    seq, ovl = [], []
+    for _ in range(WARM):
+        seq.append(_t(lambda: (em.pause("w0"), em.resume("w"))))
+        em.pause("w")
+        em.resume("w0")
+
+        def overlapped():
+            h1, h2 = em.pause_async("w0"), em.resume_async("w")
+            h1.wait()
+            h2.wait()
+
+        ovl.append(_t(overlapped))
+        em.pause("w")
+        em.resume("w0")
+    out["switch_sequential"], out["switch_overlapped"] = statistics.median(seq), statistics.median(ovl)
+    out.update(_hook_latency())
+    return out
+
+
+def _hook_latency() -> dict:
+    """cudaMalloc+cudaFree of 2 MiB outside any region through libebbtide.so's interposer vs libcudart directly
+    (ctypes both ways, so the difference is the interposer's own cost)."""
+    from ebbtide import _native  # noqa: PLC0415
+
+    shim = ctypes.CDLL(_native.runtime_library_path())
+    cudart = None
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            cudart = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if cudart is None:
+        return {}
+    res = {}
+    for label, lib in (("hook", shim), ("direct", cudart)):
+        p = ctypes.c_void_p()
+        times = []
+        for i in range(300):
+            t0 = time.perf_counter()
+            if lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(2 << 20)) != 0:
+                return {}
+            lib.cudaFree(p)
+            if i >= 50:
+                times.append(time.perf_counter() - t0)
+        res[f"malloc_free_{label}"] = statistics.median(times)
+    return res
+
+
+def tms(total: int, small: int) -> dict:
+    from torch_memory_saver import torch_memory_saver as saver  # noqa: PLC0415
+
+    saver.hook_mode = "torch"
+    out: dict = {"mode": "torch"}
+    keep = _discard(out, lambda tag, cpu: saver.region(tag=tag, enable_cpu_backup=cpu), saver.pause, saver.resume,
+                    total, small)
+    keep.append(_tensors(saver.region(tag="w", enable_cpu_backup=True), 8, total))
+    ps, rs = _cycles(lambda: saver.pause("w"), lambda: saver.resume("w"), 2)  # default: pins afresh every cycle
+    out["cpu_default_pause"], out["cpu_default_resume"] = statistics.median(ps), statistics.median(rs)
+    try:
+        saver.retain_cpu_backup = True
+    except (AttributeError, NotImplementedError) as e:
+        out["retain_error"] = f"{type(e).__name__}: {e}"
+        return out
+    keep.append(_tensors(saver.region(tag="r", enable_cpu_backup=True), 8, total))
+    out["cpu_retain_first_pause"] = _t(lambda: saver.pause("r"))
+    out["cpu_retain_first_resume"] = _t(lambda: saver.resume("r"))
+    ps, rs = _cycles(lambda: saver.pause("r"), lambda: saver.resume("r"), WARM)
+    out["cpu_retain_warm_pause"], out["cpu_retain_warm_resume"] = statistics.median(ps), statistics.median(rs)
+    return out
+
+
+if __name__ == "__main__":
+    which, total, small = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.cuda.init()
+    result = {"ours": ours, "tms": tms}[which](total, small)
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # skip interpreter teardown: pools and pinned memory go back with the process

@@ -1,0 +1,100 @@
+"""Suite `comm`: release/reload of NCCL process groups beside plain ``destroy_process_group`` + ``new_group``.
+
+Both run in the same processes on the same WORLD (ebbtide.comm.scenarios.cycle_scenario, one rank per GPU):
+the anchor first (plain torch groups created, used, destroyed, re-created and used), then ebbtide.comm adopts WORLD
+and the same groups go through release/reload cycles and a soak. Memory is cudaMemGetInfo per GPU; times are
+wall-clock on each rank (the slowest rank is reported), each followed by a device sync.
+2 GPUs: WORLD + 6 overlapping groups + a singleton per rank (the spec's case). 4 or 8 GPUs: additionally the
+Megatron-like topology (TP=2 x PP=world/2, embedding, position-embedding, model-parallel, singleton DP groups).
+"""
+from __future__ import annotations
+
+import statistics
+
+from ..registry import Row, Skip, suite
+
+GB = 1e9
+MiB = 1 << 20
+
+
+def _slowest(res: list[dict], get) -> float:
+    return max(get(r) for r in res)
+
+
+def _median_slowest(res: list[dict], key: str, field: str) -> float:
+    n = len(res[0][key])
+    return statistics.median(max(r[key][i][field] for r in res) for i in range(n))
+
+
+def _rows(res: list[dict], label: str, soak: int):
+    r0 = res[0]
+    params = {"gpus": r0["world"], "topology": r0["kind"], "torch": r0.get("torch"), "nccl": r0.get("nccl"),
+              "strategies": r0["cycles_world"][-1]["strategies"], "env": r0.get("env")}
+    row = lambda name, unit, ours, **kw: Row("comm", f"{label}: {name}", unit, ours, params=params, **kw)  # noqa: E731
+    comm_bytes = min(r["comm_bytes"] for r in res)
+    anchor_bytes = min(r["free_ctx"] - r["anchor_free_loaded"] for r in res)
+    yield row("communicator memory per GPU, all groups used", "GB", comm_bytes / GB, higher_is_better=False,
+              anchor=anchor_bytes / GB, anchor_name="plain torch groups", note="cudaMemGetInfo above the CUDA context")
+    yield row("small all_reduce issued back to back, per op", "us", 1e6 * _slowest(res, lambda r: r["op_s"]),
+              higher_is_better=False, anchor=1e6 * _slowest(res, lambda r: r["anchor_op_s"]),
+              anchor_name="plain torch group", note="the wrapper's Python forwarding cost shows here")
+    freed_world = min(statistics.median(c["free_released"] for c in r["cycles_world"]) - r["free_loaded"]
+                      for r in res)
+    yield row("freed by release(include_world=True)", "% of comm memory", 100.0 * freed_world / comm_bytes,
+              anchor_note="n/a (torch cannot re-create WORLD in place)", limit=100.0,
+              limit_name="all communicator memory", note="goal >= 95%")
+    freed_sub = min(statistics.median(c["free_released"] for c in r["cycles_subgroups"]) - r["free_loaded"]
+                    for r in res)
+    anchor_freed = min(r["anchor_free_destroyed"] - r["anchor_free_loaded"] for r in res)
+    yield row("freed by release(), WORLD kept", "GB", freed_sub / GB, anchor=anchor_freed / GB,
+              anchor_name="destroy_process_group on each subgroup")
+    rel = _median_slowest(res, "cycles_subgroups", "release_s")
+    anchor_rel = _slowest(res, lambda r: r["anchor_destroy_s"])
+    yield row("release, WORLD kept", "s", rel, higher_is_better=False, anchor=anchor_rel,
+              anchor_name="destroy_process_group on each subgroup")
+    rl = _median_slowest(res, "cycles_subgroups", "reload_first_s")
+    anchor_rl = _slowest(res, lambda r: r["anchor_recreate_first_s"])
+    yield row("reload + first collective on every group, WORLD kept", "s", rl, higher_is_better=False,
+              anchor=anchor_rl, anchor_name="new_group + first collective")
+    yield row("release + reload + first collective, WORLD kept", "s", rel + rl, higher_is_better=False,
+              anchor=anchor_rel + anchor_rl, anchor_name="destroy + re-create + first collective",
+              note="goal < 0.5 s")
+    relw = _median_slowest(res, "cycles_world", "release_s")
+    rlw = _median_slowest(res, "cycles_world", "reload_first_s")
+    yield row("release, WORLD included", "s", relw, higher_is_better=False, anchor_note="n/a")
+    yield row("release + reload + first collective, WORLD included", "s", relw + rlw, higher_is_better=False,
+              anchor_note="n/a (torch cannot re-create WORLD in place)", note="goal < 0.5 s")
+    if "cycle_shutdown" in r0:
+        yield row("release with teardown='shutdown' (ncclCommFinalize), WORLD kept", "s",
+                  _slowest(res, lambda r: r["cycle_shutdown"]["release_s"]), higher_is_better=False,
+                  anchor=anchor_rel, anchor_name="destroy_process_group on each subgroup")
+    if soak:
+        drift = max(max(row_[0] for row_ in r["soak"]) - min(row_[0] for row_ in r["soak"]) for r in res)
+        yield row(f"free-memory drift after reload over {soak} cycles (WORLD included)", "MiB", drift / MiB,
+                  higher_is_better=False, anchor_note="n/a", note="goal 0")
+        counts = [row_[1] for r in res for row_ in r["soak"]]
+        yield row(f"registered-group drift over {soak} cycles", "groups", float(max(counts) - min(counts)),
+                  higher_is_better=False, anchor_note="n/a", note="len(c10d _world.pg_map); goal 0")
+
+
+@suite("comm", needs="multigpu", description="NCCL group release/reload vs destroy + re-create, with soak")
+def run(ctx):
+    ctx.require_gpu(2)
+    try:
+        import torch.distributed as dist  # noqa: PLC0415
+    except ImportError as e:
+        raise Skip(f"torch.distributed unavailable: {e}") from e
+    if not dist.is_nccl_available():
+        raise Skip("torch was built without NCCL")
+    from ebbtide.comm import _spawn  # noqa: PLC0415
+
+    soak = 10 if ctx.quick else 50
+    runs = [(2, "flat")]
+    n = ctx.gpus - ctx.gpus % 2
+    if n > 2:
+        runs += [(n, "flat"), (n, "megatron")]
+    for world, kind in runs:
+        ctx.progress(f"comm: {kind} topology on {world} GPUs, {soak}-cycle soak")
+        res = _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios", timeout=590, kind=kind,
+                         cycles=3, soak=soak)
+        yield from _rows(res, f"{world} GPUs {kind}", soak)

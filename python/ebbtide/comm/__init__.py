@@ -1,0 +1,97 @@
+"""ebbtide.comm — reloadable process groups: free NCCL communicator memory between phases, get it back later,
+while every ProcessGroup object the program holds stays valid.
+
+Usage::
+
+    import ebbtide.comm as comm
+    comm.install()                                   # before init_process_group
+    dist.init_process_group("nccl", device_id=dev)   # WORLD, new_group, new_subgroups, split_group, DeviceMesh,
+    tp = dist.new_group([0, 1])                      # Megatron parallel_state ... are all reloadable
+    ...
+    rep = comm.release()                             # collective: every rank calls it
+    print(rep.summary())                             # per-group strategy, bytes freed, seconds
+    ...                                              # (using a released group raises ebbtide.StateError)
+    comm.reload()                                    # eager: communicators are back, barrier passed
+    with comm.released(include_world=True):          # the same as a context manager
+        rollout()
+
+Contract:
+- install() before ``init_process_group`` makes every group reloadable, WORLD included. install() after it adopts
+  WORLD (references to the WORLD object taken earlier are not managed) and leaves earlier subgroups alone.
+- release(), reload() and released() are collective over WORLD: all ranks, same order, same arguments. They are
+  idempotent (a repeated call returns a report with ``noop=True``), thread-safe (one lock) and fork-safe (a
+  child starts empty).
+- Strategy per group, chosen at run time and reported: native NCCL suspend/resume where torch >= 2.12 and
+  NCCL >= 2.29.7 with cuMem on, destroy-and-rebuild otherwise; CPU-only (Gloo) groups are kept unless
+  ``include_cpu=True``. ``install(strategy="destroy")`` forces rebuilds.
+- Creating groups while released raises StateError. CUDA graphs that captured collectives must be recaptured after
+  a destroy-and-rebuild reload.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from ._group import ReloadableGroup
+from ._report import GroupReport, Report
+from ._runtime import RUNTIME as _RT
+from ._strategy import DESTROY, KEEP, SUSPEND, Facts, env_warnings, select_strategy
+
+__all__ = [
+    "install", "uninstall", "release", "reload", "released", "is_installed", "is_released", "generation",
+    "ReloadableGroup", "Report", "GroupReport", "Facts", "select_strategy", "env_warnings",
+    "SUSPEND", "DESTROY", "KEEP",
+]
+
+
+def install(*, strategy: str = "auto", teardown: str = "abort", timeout: float | None = None,
+            check_env: bool = True) -> list[str]:
+    """Hook c10d group creation so every group becomes reloadable. Idempotent; call it before
+    ``init_process_group``. ``strategy``: "auto" (suspend where supported, else destroy), "destroy" or "suspend"
+    (falls back to destroy, with the reason, where unsupported). ``teardown``: how destroyed NCCL backends go,
+    "abort" (immediate; safe because release() drains and barriers first) or "shutdown" (ncclCommFinalize).
+    ``timeout``: seconds for control-plane barriers (default ``EBBTIDE_COMM_TIMEOUT`` or 300). Warns about NCCL
+    settings that defeat release and returns the names of the variables it warned about."""
+    return _RT.install(strategy=strategy, teardown=teardown, timeout=timeout, check_env=check_env)
+
+
+def uninstall() -> None:
+    """Undo install(): new groups are plain torch groups again; existing wrappers keep working."""
+    _RT.uninstall()
+
+
+def release(include_world: bool = False, *, include_cpu: bool = False, timeout: float | None = None) -> Report:
+    """Free the communicators of every managed group (WORLD too with ``include_world``; Gloo-only groups too with
+    ``include_cpu``). Collective. Returns a :class:`Report`; a second call without reload() is a no-op."""
+    return _RT.release(include_world=include_world, include_cpu=include_cpu, timeout=timeout)
+
+
+def reload(eager: bool = True, *, timeout: float | None = None) -> Report:
+    """Bring released groups back. ``eager``: create every communicator that existed before release now (in
+    journal order), so the first collective pays no init; otherwise they are created on first use. Collective;
+    ends with a barrier. A call while nothing is released is a no-op."""
+    return _RT.reload(eager=eager, timeout=timeout)
+
+
+@contextlib.contextmanager
+def released(include_world: bool = False, *, include_cpu: bool = False, eager: bool = True,
+             timeout: float | None = None):
+    """``with released(): ...`` releases on entry and reloads on exit (also on an exception). Yields the release
+    report; its ``reload`` field holds the reload report after the block."""
+    rep = release(include_world, include_cpu=include_cpu, timeout=timeout)
+    try:
+        yield rep
+    finally:
+        rep.reload = reload(eager, timeout=timeout)
+
+
+def is_installed() -> bool:
+    return _RT.installed
+
+
+def is_released() -> bool:
+    return _RT.state == "released"
+
+
+def generation() -> int:
+    """Number of completed reloads since the current WORLD was created."""
+    return _RT.generation

@@ -1,0 +1,202 @@
+"""Multi-process scenarios shared by the GPU tests and the ``comm`` benchmark (one rank per GPU, NCCL).
+
+``cycle_scenario`` runs, in one set of processes and on one WORLD:
+1. the anchor: plain torch groups created, first-used, destroyed with ``dist.destroy_process_group`` and
+   re-created (+ first collective), timed and measured (``cudaMemGetInfo``);
+2. ``ebbtide.comm.install()`` (adopting WORLD), the same groups, then release/reload cycles without and with
+   WORLD, each followed by the first collective on every group (``batch_isend_irecv`` first on the pipeline-like
+   group) with results checked exactly;
+3. a soak of N cycles recording free memory after each reload and the number of c10d-registered groups.
+It also runs on Gloo/CPU (``backend="gloo"``) so the scenario code itself is exercised in CI; memory figures are
+then None.
+
+Topologies: "flat" is WORLD + 6 overlapping groups over all ranks + one singleton per rank (the spec's 2-GPU case);
+"megatron" is TP=2 x PP=world/2 with embedding, position-embedding, model-parallel and singleton DP groups.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+__all__ = ["topology", "cycle_scenario"]
+
+
+def topology(kind: str, world: int) -> list[tuple[str, list[int]]]:
+    """(label, global ranks) for every group every rank creates, in creation order."""
+    if kind == "flat":
+        return [(f"overlap{i}", list(range(world))) for i in range(6)] + [(f"single{r}", [r]) for r in range(world)]
+    if kind == "megatron":
+        if world % 2:
+            raise ValueError("megatron topology needs an even world size")
+        tp, pp = 2, world // 2
+        out = [(f"tp{i}", [2 * i, 2 * i + 1]) for i in range(pp)]
+        pps = [list(range(j, world, tp)) for j in range(tp)]
+        out += [(f"pp{j}", r) for j, r in enumerate(pps)]
+        out += [(f"emb{j}", [r[0], r[-1]] if len(r) > 1 else r) for j, r in enumerate(pps)]
+        out += [(f"pos{j}", [r[0]]) for j, r in enumerate(pps)]
+        out += [("mp", list(range(world)))]
+        out += [(f"dp{r}", [r]) for r in range(world)]
+        return out
+    raise ValueError(f"unknown topology {kind!r}")
+
+
+def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", kind: str = "flat",
+                   cycles: int = 2, soak: int = 0, anchor: bool = True, bound: bool = True,
+                   teardown: str = "abort", strategy: str = "auto", payload: int = 1 << 18) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    import ebbtide.comm as comm
+    from ebbtide.errors import StateError
+
+    gpu = backend == "nccl"
+    if gpu:
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        dev = torch.device("cpu")
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
+
+    def free() -> int | None:
+        if not gpu:
+            return None
+        sync()
+        return int(torch.cuda.mem_get_info()[0])
+
+    # Payloads first, so the context-only baseline includes them.
+    bufs = {"x": torch.empty(payload, device=dev), "s": torch.empty(4096, device=dev),
+            "r": torch.empty(4096, device=dev)}
+    (bufs["x"] == 0).all()  # warm the caching allocator for the checks below (keeps the baseline honest)
+    free_ctx = free()
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            device_id=dev if (gpu and bound) else None, timeout=datetime.timedelta(seconds=120))
+    spec = topology(kind, world)
+    # The pipeline-like group that gets batch_isend_irecv as its first operation (a tensor-parallel pair when the
+    # pipeline has one stage).
+    ring = next(r for prefix in ("pp", "overlap", "tp") for label, r in spec
+                if label.startswith(prefix) and rank in r and len(r) > 1)
+
+    def create():
+        made = []
+        for label, ranks in spec:
+            g = dist.new_group(ranks, group_desc=label)
+            if rank in ranks:
+                made.append((label, g, ranks))
+        return made
+
+    def first_use(groups, world_g) -> None:
+        """First collective on every group, checked exactly; P2P first on the ring group."""
+        rg, rr = next(((g, r) for _l, g, r in groups if r == ring), (world_g, list(range(world))))
+        me = rr.index(rank)
+        nxt, prv = rr[(me + 1) % len(rr)], rr[(me - 1) % len(rr)]
+        bufs["s"].fill_(float(rank))
+        ops = [dist.P2POp(dist.isend, bufs["s"], nxt, rg), dist.P2POp(dist.irecv, bufs["r"], prv, rg)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        for _label, g, ranks in [("world", world_g, list(range(world)))] + groups:
+            bufs["x"].fill_(float(rank + 1))
+            dist.all_reduce(bufs["x"], group=g)
+            want = float(sum(r + 1 for r in ranks))
+            if not bool((bufs["x"] == want).all()):
+                raise AssertionError(f"all_reduce on {_label} gave {bufs['x'][:4].tolist()}, want {want}")
+        sync()
+        if not bool((bufs["r"] == float(prv)).all()):
+            raise AssertionError(f"ring exchange received {bufs['r'][:4].tolist()}, want {prv}")
+
+    def op_latency(g, n: int = 200) -> float:
+        """Seconds per small all_reduce issued back to back (launch cost; the wrapper's forwarding shows here)."""
+        t1 = bufs["s"][:1]
+        for _ in range(20):
+            dist.all_reduce(t1, group=g)
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(t1, group=g)
+        sync()
+        return (time.perf_counter() - t) / n
+
+    out: dict = {"world": world, "kind": kind, "backend": backend, "free_ctx": free_ctx}
+    world_g = dist.group.WORLD
+    first_use([], world_g)
+    out["free_world"] = free()
+
+    # ---- anchor: plain torch destroy + re-create of the subgroups (WORLD stays) --------------------------------
+    if anchor:
+        groups = create()
+        first_use(groups, world_g)
+        out["anchor_free_loaded"] = free()
+        out["anchor_op_s"] = op_latency(groups[0][1])
+        t = time.perf_counter()
+        for _label, g, _r in groups:
+            dist.destroy_process_group(g)
+        sync()
+        out["anchor_destroy_s"] = time.perf_counter() - t
+        out["anchor_free_destroyed"] = free()
+        t = time.perf_counter()
+        groups = create()
+        first_use(groups, world_g)
+        out["anchor_recreate_first_s"] = time.perf_counter() - t
+        for _label, g, _r in groups:
+            dist.destroy_process_group(g)
+        del groups
+        out["free_after_anchor"] = free()
+
+    # ---- ours -------------------------------------------------------------------------------------------------
+    comm.install(strategy=strategy, teardown=teardown, check_env=(rank == 0))
+    world_g = dist.group.WORLD  # adopted: now a ReloadableGroup
+    groups = create()
+    first_use(groups, world_g)
+    out["free_loaded"] = free()
+    if gpu:
+        # Communicator memory ebbtide manages: WORLD's (measured before the anchor ran) plus our groups' (measured
+        # from after the anchor's cleanup, so anything the anchor left behind is not counted against us).
+        out["comm_bytes"] = (free_ctx - out["free_world"]) + \
+            (out.get("free_after_anchor", out["free_world"]) - out["free_loaded"])
+    out["op_s"] = op_latency(groups[0][1])
+    count0 = len(c10d._world.pg_map)
+
+    def cycle(include_world: bool) -> dict:
+        t = time.perf_counter()
+        rep = comm.release(include_world, include_cpu=not gpu)
+        sync()
+        rel_s = time.perf_counter() - t
+        free_rel = free()
+        try:
+            dist.all_reduce(bufs["s"], group=groups[0][1])
+        except StateError:
+            pass
+        else:
+            raise AssertionError("collective on a released group did not raise StateError")
+        t = time.perf_counter()
+        rl = comm.reload()
+        reload_s = time.perf_counter() - t
+        first_use(groups, world_g)
+        reload_first_s = time.perf_counter() - t
+        return {"release_s": rel_s, "reload_s": reload_s, "reload_first_s": reload_first_s,
+                "free_released": free_rel, "free_reloaded": free(), "strategies": rep.by_strategy(),
+                "release_barrier_s": rep.barrier_seconds, "reload_barrier_s": rl.barrier_seconds,
+                "groups": [(g.name, g.strategy, g.reason, g.bytes) for g in rep.groups]}
+
+    out["cycles_subgroups"] = [cycle(False) for _ in range(cycles)]
+    out["cycles_world"] = [cycle(True) for _ in range(cycles)]
+    soak_rows = []
+    for _ in range(soak):
+        c = cycle(True)
+        soak_rows.append([c["free_reloaded"], len(c10d._world.pg_map), c["release_s"], c["reload_first_s"]])
+    out["soak"] = soak_rows
+    out["registered_before"], out["registered_after"] = count0, len(c10d._world.pg_map)
+    if teardown == "abort" and gpu:  # one cycle with the other teardown, for the record
+        comm.install(teardown="shutdown", check_env=False)
+        out["cycle_shutdown"] = cycle(False)
+        comm.install(teardown="abort", check_env=False)
+    out["env"] = {k: os.environ.get(k) for k in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")}
+    if gpu:
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()[:3]))
+    out["torch"] = torch.__version__
+    dist.destroy_process_group()
+    return out

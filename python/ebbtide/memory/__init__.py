@@ -1,0 +1,26 @@
+"""ebbtide.memory — release the GPU memory of live tensors and bring it back at the same addresses.
+
+    import ebbtide.memory as em
+    with em.region("weights", backup="cpu"):
+        model = build_model().cuda()         # allocations made here are pausable
+    em.pause("weights")                       # GPU memory released; content kept in pinned host memory
+    em.resume("weights")                      # same data_ptr()s, content restored
+
+Two hook modes, one API: "torch" (in-process, PyTorch pluggable allocator + one MemPool per tag and device; the
+default) and "preload" (libebbtide.so in LD_PRELOAD interposes cudaMalloc/cudaFree for the whole process; start
+children with ``preload_env()`` / ``configure_subprocess()``). Architecture and state machine: memory/NOTES.md.
+"""
+from __future__ import annotations
+
+from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, mark_clean, pause, pause_async, paused_ranges,
+                      release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
+                      stats, wait_background_pinning)
+from ._hooks import (check_paused_blocks, configure_subprocess, disable, hook_mode, preload_env, region,
+                     set_default_region, set_hook_mode)
+
+__all__ = [
+    "region", "disable", "pause", "resume", "pause_async", "resume_async", "Pending", "Report", "stats",
+    "mark_clean", "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
+    "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
+    "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
+]

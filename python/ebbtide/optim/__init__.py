@@ -1,0 +1,10 @@
+"""ebbtide.optim — Adam/AdamW on the CPU (SIMD kernel, own thread pool) and the pipelined offloaded optimizer.
+
+``CPUAdam``: a ``torch.optim.Optimizer`` over CPU fp32 masters (exact or fast numerics, bf16 grads in, bf16 copy
+out). ``OffloadedAdam``: bf16 params on the GPU, fp32 master + state in host memory, one bucketed pipeline
+(gradient download, CPU step, bf16 upload) per step. Importing this subpackage imports torch.
+"""
+from .cpu_adam import CPUAdam, available_isas
+from .offloaded import OffloadedAdam
+
+__all__ = ["CPUAdam", "OffloadedAdam", "available_isas"]

@@ -1,0 +1,329 @@
+"""CPUAdam: Adam/AdamW on the CPU through ebbtide's SIMD kernel, as a drop-in ``torch.optim.Optimizer``.
+
+Contract:
+- Params are CPU fp32 contiguous tensors (the fp32 masters); gradients are CPU, contiguous, of the param's shape, fp32
+  or bf16 (read, never written). State per param is torch's: ``step`` (float32 0-dim tensor), ``exp_avg``,
+  ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), so ``state_dict`` moves between this class and
+  ``torch.optim.AdamW``/``Adam`` both ways.
+- ``mode="exact"``: p, m, v bit-identical to ``torch.optim.AdamW(foreach=False)`` (``adamw=True``) or
+  ``torch.optim.Adam`` (``adamw=False``) in fp32, for float lr or a float32/float64 tensor lr, on every ISA and
+  thread count. Betas given as tensors are read as floats (torch then computes bias corrections in tensor
+  arithmetic, which exact mode does not replicate). ``mode="fast"``: fused arithmetic, error bound tested.
+- One native call per param group per step; the kernel runs on the optimizer's own thread pool (``threads``,
+  default the process's CPU affinity count; OMP_NUM_THREADS and torch.set_num_threads do not apply).
+- ``attach_bf16_copy(param, target)`` makes every step also write ``param.to(bfloat16)`` into ``target`` in the
+  same pass (bit-equal to ``.to(torch.bfloat16)``; NaN becomes 0xFFFF as torch's x86 conversion writes).
+- ``step(grad_scale=s)`` multiplies gradients by ``s`` first (1/loss_scale, or a clip coefficient);
+  ``skip_non_finite=True`` skips the whole step (no state, no step count changes) if any scaled gradient of a group
+  is Inf/NaN; ``last_step_applied`` then reads False for that group.
+- Bad input (a CUDA or non-contiguous param, a grad of another dtype or shape) raises InvalidArgumentError before
+  any state changes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import warnings
+
+import torch
+
+from .. import _native
+from ..errors import InvalidArgumentError
+
+__all__ = ["CPUAdam", "available_isas", "torch_sqrt_flavor", "probe_torch_sqrt_flavor"]
+
+_MODES = ("fast", "exact")
+
+
+def available_isas() -> list[str]:
+    """Kernel ISAs this CPU can run, best first (e.g. ['avx512_bf16', 'avx512', 'avx2', 'scalar'])."""
+    return list(_native.load().optim.available_isas())
+
+
+@functools.lru_cache(maxsize=None)
+def probe_torch_sqrt_flavor() -> int | None:
+    """Which sqrt torch's CPU ``Tensor.sqrt`` computes in this process: 0 correctly rounded, 1 MKL's AVX-512
+    vsSqrt (optim/adam_kernel.h, Note [torch's sqrt]), None if neither. Found once by comparing torch.sqrt bit for
+    bit on 64K log-uniform probes with each flavor the kernel can evaluate."""
+    from ..errors import UnsupportedError
+
+    C = _native.load()
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.exp2(torch.empty(1 << 16, dtype=torch.float64).uniform_(-110.0, 30.0, generator=gen)).float()
+    ref = x.sqrt()
+    for flavor in (0, 1):
+        out = torch.empty_like(x)
+        try:
+            C.optim.sqrt_flavor_eval(flavor, x.data_ptr(), out.data_ptr(), x.numel())
+        except UnsupportedError:
+            continue
+        if torch.equal(out, ref):
+            return flavor
+    return None
+
+
+def torch_sqrt_flavor() -> int:
+    """The sqrt flavor exact mode uses: torch's, or IEEE (with a warning) when torch's is unknown."""
+    flavor = probe_torch_sqrt_flavor()
+    if flavor is None:
+        warnings.warn("ebbtide.optim: torch.sqrt on this machine is neither IEEE nor MKL's AVX-512 kernel; exact "
+                      "mode uses IEEE sqrt and may differ from torch in about 0.01% of elements", RuntimeWarning,
+                      stacklevel=2)
+        return 0
+    return flavor
+
+
+_ENGINES: dict[tuple[int, str], object] = {}
+_ENGINES_LOCK = threading.Lock()  # guards _ENGINES
+
+
+def shared_engine(threads: int | None, isa: str | None):
+    """One native engine (and thread pool) per (threads, isa) per process: optimizers share it, so wrappers that
+    build one optimizer per parameter (Megatron's HybridDeviceOptimizer) do not create a pool each. Calls on an
+    engine are serialized natively."""
+    key = (threads or 0, isa or "")
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            eng = _native.load().optim.AdamEngine(*key)
+            _ENGINES[key] = eng
+        return eng
+
+
+@functools.lru_cache(maxsize=None)
+def torch_bc2_sqrt_is_pow() -> bool:
+    """True when this torch's _single_tensor_adam takes sqrt(1 - beta2^t) as ``** 0.5`` (a pow call, torch >= 2.5)
+    rather than math.sqrt (older releases); the two can differ in the last bit of the double."""
+    import inspect  # noqa: PLC0415
+
+    try:
+        src = inspect.getsource(torch.optim.adam._single_tensor_adam)
+    except (OSError, TypeError, AttributeError):
+        return True
+    return "_dispatch_sqrt(bias_correction2)" not in src and "math.sqrt(bias_correction2)" not in src
+
+
+def _scalar(x, name: str) -> float:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise InvalidArgumentError(f"{name} as a tensor must have one element (got {x.numel()})")
+        return float(x.item())
+    return float(x)
+
+
+def _check_hyper(lr, betas, eps, weight_decay, mode):
+    lr_v = _scalar(lr, "lr")
+    if not (math.isfinite(lr_v) and lr_v >= 0.0):
+        raise InvalidArgumentError(f"Invalid learning rate: {lr_v}")
+    if len(betas) != 2:
+        raise InvalidArgumentError(f"betas must be a pair (got {betas!r})")
+    for i, b in enumerate(betas):
+        bv = _scalar(b, f"betas[{i}]")
+        if not 0.0 <= bv < 1.0:
+            raise InvalidArgumentError(f"Invalid beta parameter at index {i}: {bv}")
+    if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
+        raise InvalidArgumentError(f"Invalid epsilon value: {eps}")
+    if not (math.isfinite(float(weight_decay)) and float(weight_decay) >= 0.0):
+        raise InvalidArgumentError(f"Invalid weight_decay value: {weight_decay}")
+    if mode not in _MODES:
+        raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {mode!r})")
+
+
+def make_hyper(group: dict, *, grad_scale: float = 1.0, skip_non_finite: bool = False):
+    """The native hyper-parameter record of one param group (shared with OffloadedAdam)."""
+    C = _native.load()
+    h = C.optim.AdamHyper()
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise InvalidArgumentError("lr as a tensor must have one element")
+        h.lr_f32 = lr.dtype == torch.float32
+        h.lr = float(lr.item())
+    else:
+        h.lr = float(lr)
+    b1, b2 = group["betas"]
+    h.beta1, h.beta2 = _scalar(b1, "beta1"), _scalar(b2, "beta2")
+    h.eps = float(group["eps"])
+    h.weight_decay = float(group["weight_decay"])
+    h.adamw = bool(group.get("decoupled_weight_decay", True))
+    h.amsgrad = bool(group.get("amsgrad", False))
+    h.maximize = bool(group.get("maximize", False))
+    h.exact = group.get("mode", "fast") == "exact"
+    h.grad_scale = float(grad_scale)
+    h.skip_non_finite = bool(skip_non_finite)
+    h.sqrt_flavor = torch_sqrt_flavor() if h.exact else 0
+    h.bc2_sqrt_pow = torch_bc2_sqrt_is_pow()
+    return h
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW with fp32 master weights and state in host memory, stepped by ebbtide's SIMD kernel."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
+                 amsgrad=False, maximize=False, mode="fast", threads=None, isa=None):
+        _check_hyper(lr, betas, eps, weight_decay, mode)
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise InvalidArgumentError(f"threads must be a positive int or None (got {threads!r})")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
+                        maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
+        self._threads = threads
+        self._isa = isa or ""
+        self._engine = None
+        self._copy_out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last_step_applied: list[bool] = []
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._check_param(p)
+        self.engine  # create the pool now: a bad isa/threads fails here, not at the first step
+
+    # ---- torch.optim.Optimizer protocol ----------------------------------------------------------------------
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # groups loaded from torch.optim.Adam(W) lack our keys
+            group.setdefault("mode", self.defaults.get("mode", "fast"))
+            group.setdefault("decoupled_weight_decay", self.defaults.get("decoupled_weight_decay", True))
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+        if not hasattr(self, "_engine"):
+            self._engine = None
+            self._threads, self._isa = None, ""
+            self._copy_out, self.last_step_applied = {}, []
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        if g.get("mode", "fast") not in _MODES:
+            raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {g['mode']!r})")
+        for p in g["params"]:
+            self._check_param(p)
+
+    @property
+    def engine(self):
+        """The native kernel and its thread pool (``.threads``, ``.isa``)."""
+        if self._engine is None:
+            self._engine = shared_engine(self._threads, self._isa)
+        return self._engine
+
+    @property
+    def threads(self) -> int:
+        return self.engine.threads
+
+    @property
+    def isa(self) -> str:
+        return self.engine.isa
+
+    def attach_bf16_copy(self, param: torch.Tensor, target: torch.Tensor | None) -> None:
+        """Write each step's new ``param`` as bf16 into ``target`` (CPU, contiguous, bf16, same shape; e.g. a
+        pinned staging tensor) in the same pass. ``None`` detaches."""
+        if target is None:
+            self._copy_out.pop(id(param), None)
+            return
+        if not any(param is p for g in self.param_groups for p in g["params"]):
+            raise InvalidArgumentError("attach_bf16_copy: param is not managed by this optimizer")
+        if (target.device.type != "cpu" or target.dtype != torch.bfloat16 or not target.is_contiguous()
+                or target.shape != param.shape):
+            raise InvalidArgumentError(
+                f"attach_bf16_copy: target must be a contiguous CPU bfloat16 tensor of shape {tuple(param.shape)} "
+                f"(got {target.dtype} {tuple(target.shape)} on {target.device}, contiguous={target.is_contiguous()})")
+        self._copy_out[id(param)] = (param, target)
+
+    @staticmethod
+    def _check_param(p: torch.Tensor) -> None:
+        if not isinstance(p, torch.Tensor):
+            raise InvalidArgumentError(f"params must be tensors (got {type(p).__name__})")
+        if p.device.type != "cpu":
+            raise InvalidArgumentError(f"CPUAdam params must be CPU tensors (got one on {p.device})")
+        if p.dtype != torch.float32:
+            raise InvalidArgumentError(f"CPUAdam params must be float32 masters (got {p.dtype})")
+        if p.is_sparse or not p.is_contiguous():
+            raise InvalidArgumentError("CPUAdam params must be dense and contiguous")
+
+    @staticmethod
+    def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+        if g.is_sparse:
+            raise InvalidArgumentError("CPUAdam does not support sparse gradients")
+        if g.device.type != "cpu":
+            raise InvalidArgumentError(f"gradients must be CPU tensors (got one on {g.device})")
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            raise InvalidArgumentError(f"gradients must be float32 or bfloat16 (got {g.dtype})")
+        if g.shape != p.shape:
+            raise InvalidArgumentError(f"gradient shape {tuple(g.shape)} != param shape {tuple(p.shape)}")
+        if not g.is_contiguous():
+            raise InvalidArgumentError("gradients must be contiguous")
+
+    def _state_of(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        step = state["step"]
+        if not isinstance(step, torch.Tensor) or step.dtype != torch.float32 or step.device.type != "cpu":
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            t = state.get(key)
+            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                                  or t.shape != p.shape):
+                state[key] = t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(p.shape)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | None = None, skip_non_finite: bool = False, grads=None):
+        """One Adam step over every param that has a gradient. Returns the closure's loss (or None).
+
+        ``grads`` optionally maps params to gradients that replace ``p.grad`` for this step (torch < 2.13 does not
+        let an fp32 param hold a bf16 ``.grad``; this is how bf16 gradients reach the kernel there)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = 1.0 if grad_scale is None else float(grad_scale)
+        if not math.isfinite(scale):
+            raise InvalidArgumentError(f"grad_scale must be finite (got {grad_scale})")
+        override = {id(k): v for k, v in grads.items()} if grads else {}
+        # Validate every group before touching any state (bad input changes nothing).
+        plans = []
+        for group in self.param_groups:
+            if group.get("mode", "fast") not in _MODES:
+                raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {group['mode']!r})")
+            hyper = make_hyper(group, grad_scale=scale, skip_non_finite=skip_non_finite)
+            live, live_grads = [], []
+            for p in group["params"]:
+                g = override.get(id(p), p.grad)
+                if g is None:
+                    continue
+                self._check_param(p)
+                self._check_grad(p, g)
+                live.append(p)
+                live_grads.append(g)
+            plans.append((group, hyper, live, live_grads))
+        applied_all = []
+        engine = self.engine
+        for group, hyper, live, live_grads in plans:
+            if not live:
+                applied_all.append(True)
+                continue
+            states = [self._state_of(p, hyper.amsgrad) for p in live]
+            outs = []
+            if self._copy_out:
+                outs = [self._copy_out[id(p)][1].data_ptr() if id(p) in self._copy_out else 0 for p in live]
+            applied = engine.step(
+                hyper,
+                [p.data_ptr() for p in live],
+                [s["exp_avg"].data_ptr() for s in states],
+                [s["exp_avg_sq"].data_ptr() for s in states],
+                [s["max_exp_avg_sq"].data_ptr() for s in states] if hyper.amsgrad else [],
+                [g.data_ptr() for g in live_grads],
+                [g.dtype == torch.bfloat16 for g in live_grads],
+                outs,
+                [p.numel() for p in live],
+                [s["step"].data_ptr() for s in states],
+                [],
+            )
+            applied_all.append(bool(applied))
+        self.last_step_applied = applied_all
+        return loss

@@ -1,0 +1,396 @@
+"""OffloadedAdam: bf16 params on the GPU, fp32 master + Adam state in host memory, one bucketed pipeline per step.
+
+Policies:
+- Layout. At construction every param is moved into one flat bf16 buffer on its device (params become views of
+  it, laid out in reverse registration order so backward fills buckets front to back) and gets a ``.grad`` view
+  of one flat gradient buffer of the param dtype. Host memory holds flat fp32 master / exp_avg / exp_avg_sq
+  (pageable) plus ``slots`` pinned gradient slots and ``slots`` pinned bf16 upload slots of ``bucket_numel``
+  elements each: host RAM is 12 B/param (16 with amsgrad) + O(bucket), never a full-size pinned mirror.
+- Pipeline (``step``). Buckets are contiguous ranges of the flat buffers (never crossing param groups). On
+  runtime-owned streams: gradient D2H of bucket i into slot i % slots; the CPU kernel (one native call per bucket,
+  GIL released) updates master/m/v and writes the new bf16 params straight into the pinned upload slot; H2D of
+  that slot into the flat param buffer. D2H of bucket i + slots starts as soon as the kernel is done with slot
+  i % slots; the kernel waits for H2D of bucket i - slots before reusing its upload slot. Everything queued on the
+  caller's current stream before ``step`` (backward, grad clipping, even writes to the params) is ordered before
+  the transfers, and the current stream waits for the last upload, so the next forward sees the new values.
+- Overlap with backward (optional, ``overlap_with_backward=True``): a post-accumulate-grad hook counts ready params
+  per bucket; the first ``slots`` buckets start downloading during backward. Then gradients must not be modified
+  after backward (pass a clip coefficient as ``grad_scale`` instead). Hooks are always installed to keep
+  ``.grad`` pointing into the flat buffer (``model.zero_grad()`` setting grads to None is repaired on the next
+  accumulation); ``OffloadedAdam.zero_grad`` zeroes the buffer.
+- Numerics: the CPU kernel of CPUAdam (``mode="exact"``: the fp32 master is bit-identical to torch's CPU
+  AdamW/Adam stepping the same master with the same gradients; the GPU param is exactly ``master.to(bf16)``).
+  One step count for the optimizer; every param is stepped every step (a param without a gradient this step gets
+  a zero gradient, as in Megatron's distributed optimizer).
+- State: ``state_dict`` is torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per param) plus ``master_param``
+  (fp32). ``load_state_dict`` accepts it, torch AdamW's (masters then come from the model's current params), or
+  one with an empty ``state``: masters are taken from the model (not reset, not left stale), moments zeroed.
+  Call ``sync_master_from_params()`` after loading model weights in place.
+- Params may also live on the CPU (bf16): the same pipeline with synchronous copies (used by the CPU tests).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidArgumentError, StateError
+from .cpu_adam import _MODES, _check_hyper, make_hyper, shared_engine
+
+__all__ = ["OffloadedAdam"]
+
+_ALIGN = 64  # elements: param starts in the flat buffers are 128-byte aligned for bf16
+
+
+@dataclass
+class _Bucket:
+    group: int
+    start: int  # flat element range [start, end)
+    end: int
+    n_params: int  # params overlapping this bucket (the hook's readiness target)
+
+
+class _Transport:
+    """D2H / H2D copies on runtime-owned CUDA streams with events, or synchronous copies for CPU params."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if self.cuda:
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+
+    def begin(self):
+        """Order both streams after everything already queued on the caller's current stream."""
+        if self.cuda:
+            ev = torch.cuda.current_stream(self.device).record_event()
+            self.d2h.wait_event(ev)
+            self.h2d.wait_event(ev)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor, after_current: bool = False):
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        if after_current:  # launched from a grad hook: after the accumulation on the hook's stream
+            self.d2h.wait_event(torch.cuda.current_stream(self.device).record_event())
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+            return self.d2h.record_event()
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor):
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.h2d):
+            dst.copy_(src, non_blocking=True)
+            return self.h2d.record_event()
+
+    @staticmethod
+    def wait(event):
+        if event is not None:
+            event.synchronize()
+
+    def end(self):
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+
+
+class OffloadedAdam(torch.optim.Optimizer):
+    """Adam/AdamW for bf16 params on one device with fp32 master weights and state in host memory."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
+                 amsgrad=False, maximize=False, mode="fast", threads=None, bucket_numel=16 * 2**20, slots=3,
+                 overlap_with_backward=False, isa=None):
+        _check_hyper(lr, betas, eps, weight_decay, mode)
+        if not isinstance(bucket_numel, int) or bucket_numel < _ALIGN:
+            raise InvalidArgumentError(f"bucket_numel must be an int >= {_ALIGN} (got {bucket_numel!r})")
+        if not isinstance(slots, int) or slots < 1:
+            raise InvalidArgumentError(f"slots must be an int >= 1 (got {slots!r})")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise InvalidArgumentError(f"threads must be a positive int or None (got {threads!r})")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
+                        maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
+        super().__init__(params, defaults)
+        self.overlap_with_backward = bool(overlap_with_backward)
+        self._engine = shared_engine(threads, isa)
+        self._bucket_numel = (bucket_numel // _ALIGN) * _ALIGN
+        self._slots = slots
+        self._step_count = 0
+        self._build_layout()
+        self._build_buffers()
+        self._transport = _Transport(self._device)
+        self._ready = [0] * len(self._buckets)
+        self._pending = {}  # bucket -> download event launched by a hook, not yet consumed
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self.last_step_applied = True
+
+    # ---- construction ------------------------------------------------------------------------------------------
+    def _build_layout(self):
+        params = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+        if not params:
+            raise InvalidArgumentError("OffloadedAdam got no params")
+        devices = {p.device for _, p in params}
+        if len(devices) != 1:
+            raise InvalidArgumentError(f"all params must be on one device (got {sorted(map(str, devices))})")
+        self._device = devices.pop()
+        for _, p in params:
+            if p.dtype != torch.bfloat16:
+                raise InvalidArgumentError(f"OffloadedAdam params must be bfloat16 (got {p.dtype})")
+            if not p.is_leaf or not p.requires_grad:
+                raise InvalidArgumentError("OffloadedAdam params must be leaf tensors that require grad")
+        if len({id(p) for _, p in params}) != len(params):
+            raise InvalidArgumentError("a param appears twice")
+        # Reverse order within each group (backward produces the last params first); groups stay contiguous.
+        order = []
+        for gi in range(len(self.param_groups)):
+            order += [p for g, p in params if g == gi][::-1]
+        self._params = order
+        self._group_of = {id(p): g for g, p in params}
+        self._offsets, self._buckets, self._param_buckets = [], [], []
+        off = 0
+        for gi in range(len(self.param_groups)):
+            g_start = off
+            members = [p for p in order if self._group_of[id(p)] == gi]
+            spans = []
+            for p in members:
+                self._offsets.append(off)
+                spans.append((off, off + p.numel()))
+                off += -(-p.numel() // _ALIGN) * _ALIGN
+            for b0 in range(g_start, off, self._bucket_numel):
+                b1 = min(off, b0 + self._bucket_numel)
+                n_in = sum(1 for s, e in spans if s < b1 and e > b0 and e > s)
+                self._buckets.append(_Bucket(gi, b0, b1, n_in))
+        self._total = off
+        for p, o in zip(self._params, self._offsets):
+            self._param_buckets.append([i for i, b in enumerate(self._buckets)
+                                        if p.numel() > 0 and b.start < o + p.numel() and o < b.end])
+
+    def _build_buffers(self):
+        dev, total = self._device, self._total
+        pin = dev.type == "cuda"
+        self._pflat = torch.zeros(total, dtype=torch.bfloat16, device=dev)
+        self._gflat = torch.zeros(total, dtype=torch.bfloat16, device=dev)
+        self._master = torch.zeros(total, dtype=torch.float32)
+        self._m = torch.zeros(total, dtype=torch.float32)
+        self._v = torch.zeros(total, dtype=torch.float32)
+        amsgrad = any(g["amsgrad"] for g in self.param_groups)
+        self._vmax = torch.zeros(total, dtype=torch.float32) if amsgrad else None
+        slot = min(self._bucket_numel, total)
+        self._gslots = [torch.empty(slot, dtype=torch.bfloat16, pin_memory=pin) for _ in range(self._slots)]
+        self._oslots = [torch.empty(slot, dtype=torch.bfloat16, pin_memory=pin) for _ in range(self._slots)]
+        self._pviews, self._gviews = [], []
+        with torch.no_grad():
+            for p, o in zip(self._params, self._offsets):
+                pv = self._pflat[o:o + p.numel()].view_as(p)
+                pv.copy_(p)
+                p.data = pv
+                gv = self._gflat[o:o + p.numel()].view_as(p)
+                if p.grad is not None:
+                    gv.copy_(p.grad)
+                p.grad = gv
+                self._pviews.append(pv)
+                self._gviews.append(gv)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self.sync_master_from_params()
+        self._publish_state()
+
+    def _publish_state(self):
+        """self.state[p] holds views of the flat host buffers (torch's keys, plus master_param)."""
+        self.state.clear()
+        for p, o in zip(self._params, self._offsets):
+            sl = slice(o, o + p.numel())
+            st = {"step": torch.tensor(float(self._step_count), dtype=torch.float32),
+                  "exp_avg": self._m[sl].view(p.shape), "exp_avg_sq": self._v[sl].view(p.shape),
+                  "master_param": self._master[sl].view(p.shape)}
+            if self._vmax is not None:
+                st["max_exp_avg_sq"] = self._vmax[sl].view(p.shape)
+            self.state[p] = st
+
+    # ---- public API --------------------------------------------------------------------------------------------
+    @property
+    def threads(self) -> int:
+        return self._engine.threads
+
+    @property
+    def isa(self) -> str:
+        return self._engine.isa
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Flat element ranges of the buckets, in pipeline order."""
+        return [(b.start, b.end) for b in self._buckets]
+
+    @torch.no_grad()
+    def sync_master_from_params(self):
+        """Set every fp32 master to the model's current (bf16) param value, e.g. after loading model weights."""
+        for b in self._buckets:  # bucket by bucket: no full-size fp32 temporary on the device
+            self._master[b.start:b.end].copy_(self._pflat[b.start:b.end].cpu())
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Zero the flat gradient buffer (grads stay views of it whatever set_to_none says)."""
+        self._gflat.zero_()
+        for p, gv in zip(self._params, self._gviews):
+            if p.grad is None or p.grad.data_ptr() != gv.data_ptr():
+                p.grad = gv
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_buckets", None) is not None:
+            raise StateError("OffloadedAdam lays out its buffers at construction: pass every param group there")
+        super().add_param_group(param_group)
+
+    # ---- hooks -------------------------------------------------------------------------------------------------
+    def _on_grad_ready(self, p):
+        i = self._index.get(id(p))
+        if i is None:
+            return
+        gv = self._gviews[i]
+        if p.grad is not None and p.grad.data_ptr() != gv.data_ptr():  # grads were set to None and re-created
+            gv.copy_(p.grad)
+            p.grad = gv
+        if not self.overlap_with_backward:
+            return
+        for b in self._param_buckets[i]:
+            self._ready[b] += 1
+            if self._ready[b] % self._buckets[b].n_params == 0 and b < self._slots:  # again per micro-batch
+                self._pending[b] = self._download(b, after_current=True)
+
+    def _download(self, b: int, after_current: bool = False):
+        bk = self._buckets[b]
+        n = bk.end - bk.start
+        return self._transport.download(self._gslots[b % self._slots][:n], self._gflat[bk.start:bk.end],
+                                        after_current=after_current)
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float | None = None, skip_non_finite: bool = False):
+        """One pipelined step over every bucket. Returns the closure's loss. With ``skip_non_finite``, a
+        non-finite scaled gradient anywhere skips the step (``last_step_applied`` is then False)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = 1.0 if grad_scale is None else float(grad_scale)
+        if not math.isfinite(scale):
+            raise InvalidArgumentError(f"grad_scale must be finite (got {grad_scale})")
+        for g in self.param_groups:
+            if g.get("mode", "fast") not in _MODES:
+                raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {g['mode']!r})")
+        hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
+        if self._repair_grad_views():
+            self._reset_overlap()  # a hook-started download may predate the repaired gradient: download again
+        if skip_non_finite:
+            amax = torch.linalg.vector_norm(self._gflat, float("inf")).float().item() if self._total else 0.0
+            if not math.isfinite(amax * scale):
+                self._reset_overlap()
+                self.last_step_applied = False
+                return loss
+        # Native validation fails on the first bucket, before any change, so the count moves only on success.
+        self._run_pipeline(hypers, float(self._step_count + 1))
+        self._step_count += 1
+        self.last_step_applied = True
+        return loss
+
+    def _repair_grad_views(self) -> bool:
+        """Grads replaced behind our back (e.g. assigned by the user) are copied into the flat buffer."""
+        repaired = False
+        for p, gv in zip(self._params, self._gviews):
+            g = p.grad
+            if g is None:
+                p.grad = gv.zero_()
+                repaired = True
+            elif g.data_ptr() != gv.data_ptr():
+                gv.copy_(g)
+                p.grad = gv
+                repaired = True
+        return repaired
+
+    def _reset_overlap(self):
+        for ev in self._pending.values():
+            self._transport.wait(ev)
+        self._pending.clear()
+        self._ready = [0] * len(self._buckets)
+
+    def _run_pipeline(self, hypers, step_no: float):
+        t, K, nb = self._transport, self._slots, len(self._buckets)
+        t.begin()
+        down = [None] * nb
+        up = [None] * nb
+        for b in range(min(K, nb)):
+            down[b] = self._pending.pop(b) if b in self._pending else self._download(b)
+        self._pending.clear()
+        vmax_ptr = self._vmax.data_ptr() if self._vmax is not None else 0
+        try:
+            for b, bk in enumerate(self._buckets):
+                n = bk.end - bk.start
+                slot = b % K
+                t.wait(down[b])
+                if b >= K:
+                    t.wait(up[b - K])  # its upload slot is free again
+                off4 = bk.start * 4
+                self._engine.step(
+                    hypers[bk.group],
+                    [self._master.data_ptr() + off4], [self._m.data_ptr() + off4], [self._v.data_ptr() + off4],
+                    [vmax_ptr + off4] if vmax_ptr else [], [self._gslots[slot].data_ptr()], [True],
+                    [self._oslots[slot].data_ptr()], [n], [], [step_no])
+                up[b] = t.upload(self._pflat[bk.start:bk.end], self._oslots[slot][:n])
+                if b + K < nb:
+                    down[b + K] = self._download(b + K)
+        finally:
+            t.end()
+            self._ready = [0] * nb
+
+    # ---- state -------------------------------------------------------------------------------------------------
+    def state_dict(self):
+        for st in self.state.values():
+            st["step"].fill_(float(self._step_count))
+        return super().state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise InvalidArgumentError("loaded state dict has a different number of parameter groups")
+        saved_ids = []
+        for mine, saved in zip(self.param_groups, groups):
+            if len(mine["params"]) != len(saved["params"]):
+                raise InvalidArgumentError("loaded state dict contains a parameter group that doesn't match the size "
+                                           "of optimizer's group")
+            saved_ids += list(zip(saved["params"], mine["params"]))
+        state = state_dict.get("state", {})
+        entries = {}
+        for sid, p in saved_ids:
+            if sid in state:
+                s = state[sid]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key not in s or tuple(s[key].shape) != tuple(p.shape):
+                        raise InvalidArgumentError(f"state of a param lacks {key} of shape {tuple(p.shape)}")
+                entries[id(p)] = s
+        steps = {float(s["step"]) for s in entries.values()}
+        if len(steps) > 1:
+            raise InvalidArgumentError(f"per-param steps differ ({sorted(steps)}); OffloadedAdam keeps one step count")
+        # Validated: now apply.
+        for mine, saved in zip(self.param_groups, groups):
+            for k, val in saved.items():
+                if k != "params":
+                    mine[k] = val
+            mine.setdefault("mode", self.defaults["mode"])
+            mine.setdefault("decoupled_weight_decay", True)
+        self.sync_master_from_params()  # masters of params without saved masters come from the model
+        self._m.zero_()
+        self._v.zero_()
+        if self._vmax is not None:
+            self._vmax.zero_()
+        for p, o in zip(self._params, self._offsets):
+            s = entries.get(id(p))
+            if s is None:
+                continue
+            sl = slice(o, o + p.numel())
+            self._m[sl].copy_(s["exp_avg"].reshape(-1))
+            self._v[sl].copy_(s["exp_avg_sq"].reshape(-1))
+            if self._vmax is not None and "max_exp_avg_sq" in s:
+                self._vmax[sl].copy_(s["max_exp_avg_sq"].reshape(-1))
+            if "master_param" in s:
+                self._master[sl].copy_(s["master_param"].reshape(-1))
+        self._step_count = int(steps.pop()) if steps else 0
+        self._publish_state()

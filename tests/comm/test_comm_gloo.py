@@ -1,0 +1,68 @@
+"""ebbtide.comm on the Gloo backend with 2-4 spawned ranks (CPU; runs in CI). See comm_workers.py for each scenario."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+import comm_spawn as _spawn  # noqa: E402  (tests/comm is on sys.path: conftest.py)
+
+
+def test_overlapping_groups_several_generations():
+    res = _spawn.run("overlapping", 4, timeout=150)
+    for r in res:
+        assert r["noop"] == [True, True, True]
+        assert r["released_errors"] > 0
+    # Rank 0 is in tp0, dp0, pp, emb, one0, sub, local: 7 groups x 4 ops, plus WORLD once, plus new_group x3.
+    assert res[0]["released_errors"] == 7 * 4 * 3 + 1 + 3
+
+
+def test_functional_collectives_and_device_mesh():
+    res = _spawn.run("functional", 2)
+    assert all("device_mesh" in r for r in res)
+
+
+def test_disagreeing_journals_are_refused():
+    res = _spawn.run("disagreement", 2)
+    assert all("ranks [1]" in r["msg"] for r in res)
+
+
+def test_barrier_timeout_names_missing_rank():
+    res = _spawn.run("missing_rank", 2)
+    assert "ranks [1]" in res[0]["msg"]
+
+
+def test_threads_and_fork():
+    _spawn.run("threads_and_fork", 2)
+
+
+def test_install_after_init_adopts_world():
+    _spawn.run("install_after_init", 2)
+
+
+def test_megatron_parallel_state():
+    pytest.importorskip("megatron.core.parallel_state")
+    res = _spawn.run("megatron", 2, timeout=150)  # PP=2; the 8-rank test below covers wider overlap
+    assert all(r["groups"] >= 4 for r in res), res
+
+
+def test_megatron_like_topology_8_ranks():
+    res = _spawn.run("megatron_like_8", 8, timeout=170, cycles=2)
+    assert all(len(r["cycles"]) == 2 for r in res)
+
+
+
+def test_suspend_strategy_bookkeeping():
+    res = _spawn.run("suspend_bookkeeping", 2)
+    for r in res:
+        assert r["release"] == ["suspend"] and r["reload"] == ["suspend"], r
+        assert r["same_inner"] and r["calls"] == ["suspend", "resume"], r
+
+
+def test_failed_suspend_makes_every_member_rebuild():
+    res = _spawn.run("suspend_bookkeeping", 2, fail_rank=1)
+    assert res[1]["release"] == ["destroy"]  # fell back locally
+    assert res[0]["release"] == ["suspend"]  # the peer's suspend had succeeded
+    for r in res:
+        assert r["reload"] == ["destroy"] and not r["same_inner"], r  # both rebuilt
+    assert res[0]["calls"] == ["suspend"] and "could not suspend" in res[0]["reason"], res[0]

@@ -1,0 +1,602 @@
+"""Engine scenarios against the host-memory fake driver (libebbtide_fake_cuda.so), one per process.
+
+Run as ``python fake_scenarios.py <scenario> [args...]`` with EBBTIDE_LIBCUDA pointing at the fake (the test
+module does this). Device memory of the fake is host memory, so content is read and written with ctypes while
+mapped. Every scenario ends with no leaked handle, mapping or host block (``assert_clean``). Exit status 0 = pass.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import warnings
+
+import ebbtide.memory as em
+from ebbtide import _native
+from ebbtide.errors import (DriverError, InvalidArgumentError, NotFoundError, OutOfMemoryError, StateError,
+                            WaitTimeoutError)
+
+MiB = 1 << 20
+FAKE = ctypes.CDLL(os.environ["EBBTIDE_LIBCUDA"])
+FAKE.ebt_fake_calls.restype = ctypes.c_long
+FAKE.ebt_fake_trace.restype = ctypes.c_size_t
+NATIVE = _native.load().memory
+RUNTIME = ctypes.CDLL(_native.runtime_library_path())
+RUNTIME.ebt_torch_malloc.restype = ctypes.c_void_p
+RUNTIME.ebt_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+RUNTIME.ebt_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+def counters() -> dict:
+    a = (ctypes.c_longlong * 8)()
+    FAKE.ebt_fake_counters(a)
+    keys = ["handles", "phys", "mappings", "reservations", "reserved", "registered", "registrations", "unpinned"]
+    return dict(zip(keys, a))
+
+
+def fault(name: str, nth: int = 1, err: int = CUDA_ERROR_INVALID_VALUE) -> None:
+    FAKE.ebt_fake_set_fault(name.encode(), nth, err)
+
+
+def trace(clear: bool = True) -> list:
+    buf = ctypes.create_string_buffer(1 << 16)
+    FAKE.ebt_fake_trace(buf, len(buf), 1 if clear else 0)
+    return buf.value.decode().split(",") if buf.value else []
+
+
+def alloc(size: int, tag: str, backup: str = "none") -> int:
+    """An allocation through the pluggable-allocator entry point inside a region (the torch-mode path)."""
+    with em.region(tag, backup):
+        p = RUNTIME.ebt_torch_malloc(size, 0, None)
+    assert p, f"ebt_torch_malloc({size}) failed: {_native.load().last_error()}"
+    return p
+
+
+def free(p: int) -> None:
+    assert NATIVE.free(p), hex(p)
+
+
+def fill(p: int, size: int, seed: int) -> bytes:
+    data = bytes((seed + i * 7) & 0xFF for i in range(256)) * (size // 256) + bytes(size % 256)
+    ctypes.memmove(p, data, size)
+    return data
+
+
+def read(p: int, size: int) -> bytes:
+    return ctypes.string_at(p, size)
+
+
+def tag_row(tag: str) -> dict:
+    rows = [r for r in em.stats()["tags"] if r["tag"] == tag]
+    assert rows, tag
+    return rows[0]
+
+
+def assert_clean() -> None:
+    """After freeing everything: no handle, mapping or host block left; arena releasable to zero."""
+    em.wait_background_pinning()
+    c = counters()
+    assert c["handles"] == 0 and c["mappings"] == 0 and c["phys"] == 0, c
+    assert em.stats()["global"]["host_used"] == 0, em.stats()["global"]
+    em.release_host_memory()
+    c = counters()
+    assert c["registered"] == 0 and c["registrations"] == 0, c
+    assert c["unpinned"] == 0, f"copies from unregistered host memory: {c}"
+    NATIVE.reset_for_testing()
+    c = counters()
+    assert c["reservations"] == 0, c
+
+
+# ---- scenarios ----------------------------------------------------------------------------------------------
+
+def va_stability_and_roundtrip():
+    sizes = [5 * MiB + 123, 2 * MiB, 300]
+    w = [alloc(s, "weights", "cpu") for s in sizes]
+    kv = alloc(4 * MiB, "kv", "none")
+    data = [fill(p, s, i) for i, (p, s) in enumerate(zip(w, sizes))]
+    fill(kv, 4 * MiB, 99)
+    before = counters()
+    rep = em.pause("weights")
+    assert rep.allocations == 3 and rep.bytes_copied == sum(sizes), rep
+    assert rep.bytes == 6 * MiB + 2 * MiB + 2 * MiB, rep
+    assert rep.driver_delta == rep.bytes, rep
+    after = counters()
+    assert after["handles"] == before["handles"] - 3 and after["phys"] == before["phys"] - rep.bytes, after
+    assert all(NATIVE.lookup(p)[3] for p in w) and not NATIVE.lookup(kv)[3]
+    assert read(kv, 16) == bytes((99 + i * 7) & 0xFF for i in range(16))  # untouched tag still readable
+    rep = em.resume("weights")
+    assert rep.bytes_copied == sum(sizes) and rep.allocations == 3
+    for p, s, d in zip(w, sizes, data):
+        assert NATIVE.lookup(p)[0] == p and not NATIVE.lookup(p)[3]
+        assert read(p, s) == d, "content changed across pause/resume"
+    # discard mode: memory comes back (writable), content not kept; poison (EBBTIDE_MEM_POISON=1) shows it
+    em.pause("kv")
+    em.resume("kv")
+    expect = b"\xa5" * 64 if os.environ.get("EBBTIDE_MEM_POISON") == "1" else bytes(64)
+    assert read(kv, 64) == expect
+    fill(kv, 4 * MiB, 5)
+    for p in w + [kv]:
+        free(p)
+    assert_clean()
+
+
+def selective_tags_and_stats():
+    a = alloc(2 * MiB, "a", "cpu")
+    b = alloc(2 * MiB, "b", "none")
+    fill(a, 2 * MiB, 1)
+    em.pause("b")
+    assert tag_row("a")["state"] == "active" and tag_row("b")["state"] == "paused"
+    assert tag_row("b")["bytes_paused"] == 2 * MiB and tag_row("b")["handles"] == 0
+    assert tag_row("a")["bytes_active"] == 2 * MiB and tag_row("a")["handles"] == 1
+    rep = em.pause(None)  # pauses what is still active: a
+    assert rep.allocations == 1, rep
+    assert tag_row("a")["bytes_backed_up"] >= 2 * MiB
+    assert tag_row("a")["last_pause"]["bytes_copied"] == 2 * MiB
+    rep = em.resume(None)
+    assert rep.allocations == 2, rep
+    assert tag_row("a")["state"] == tag_row("b")["state"] == "active"
+    free(a)
+    free(b)
+    assert_clean()
+
+
+def state_errors():
+    p = alloc(2 * MiB, "t", "cpu")
+    em.pause("t")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert em.pause("t").noop
+        em.resume("t")
+        assert em.resume("t").noop
+    assert len([x for x in w if "already" in str(x.message)]) == 2, [str(x.message) for x in w]
+    for bad in (lambda: em.pause("never-used"), lambda: em.resume("never-used"), lambda: em.mark_clean("nope")):
+        try:
+            bad()
+            raise AssertionError("expected NotFoundError")
+        except NotFoundError:
+            pass
+    for bad in (lambda: em.region("t", "disk").__enter__(), lambda: em.pause(""), lambda: em.pause("x" * 64),
+                lambda: NATIVE.region_pop(5), lambda: em.reserve_host_memory(0)):
+        try:
+            bad()
+            raise AssertionError("expected InvalidArgumentError")
+        except InvalidArgumentError:
+            pass
+    assert tag_row("t")["state"] == "active"
+    free(p)
+    assert not NATIVE.free(12345)  # not the engine's: reported, nothing changed
+    assert_clean()
+
+
+def regions_and_threads():
+    """Regions nest and are thread-scoped; the default region covers threads without one."""
+    with em.region("outer", "cpu"):
+        assert NATIVE.current_region() == ("outer", 1, 0)
+        with em.region("inner"):
+            p_inner = RUNTIME.ebt_torch_malloc(MiB, 0, None)
+        p_outer = RUNTIME.ebt_torch_malloc(MiB, 0, None)
+        seen = {}
+
+        def other():  # another thread: no region here
+            seen["region"] = NATIVE.current_region()
+            seen["p"] = RUNTIME.ebt_torch_malloc(MiB, 0, None)
+            em.set_default_region("grads", "cpu")
+            seen["p2"] = RUNTIME.ebt_torch_malloc(MiB, 0, None)
+            em.set_default_region(None)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        with em.disable():
+            assert NATIVE.current_region()[2] == 1
+    assert NATIVE.current_region() == ("", 0, 0)
+    assert NATIVE.lookup(p_inner)[2] == "inner" and NATIVE.lookup(p_outer)[2] == "outer"
+    assert seen["region"] == ("", 0, 0)
+    assert NATIVE.lookup(seen["p"])[2] == "default"  # ebt_torch_malloc outside any region
+    assert NATIVE.lookup(seen["p2"])[2] == "grads"
+    for p in (p_inner, p_outer, seen["p"], seen["p2"]):
+        RUNTIME.ebt_torch_free(p, 0, 0, None)
+    assert_clean()
+
+
+def oom_at_resume():
+    a = alloc(40 * MiB, "a", "cpu")
+    data = fill(a, 40 * MiB, 3)
+    em.pause("a")
+    b = alloc(40 * MiB, "b", "none")  # the fake has 64 MiB: a no longer fits
+    try:
+        em.resume("a")
+        raise AssertionError("expected OutOfMemoryError")
+    except OutOfMemoryError as e:
+        assert e.needed == 40 * MiB and e.free == 24 * MiB, (e.needed, e.free)
+        assert e.holders == {"b": 40 * MiB}, e.holders
+    assert tag_row("a")["state"] == "paused" and counters()["handles"] == 1
+    free(b)
+    em.resume("a")  # retry works, content intact
+    assert read(a, 40 * MiB) == data
+    # OOM from the driver itself half-way (pre-flight passed): rolled back, retryable.
+    c = alloc(4 * MiB, "c", "cpu")
+    d = alloc(4 * MiB, "c", "cpu")
+    fill(c, 4 * MiB, 8)
+    em.pause("c")
+    fault("cuMemCreate", 2, CUDA_ERROR_OUT_OF_MEMORY)
+    try:
+        em.resume("c")
+        raise AssertionError("expected OutOfMemoryError")
+    except OutOfMemoryError as e:
+        assert e.needed == 4 * MiB, e.needed
+    assert tag_row("c")["state"] == "paused" and tag_row("c")["handles"] == 0
+    em.resume("c")
+    assert read(c, 64) == bytes((8 + i * 7) & 0xFF for i in range(64))
+    for p in (a, c, d):
+        free(p)
+    assert_clean()
+
+
+def fault_injection(op: str, spec: str):
+    name, nth = spec.split(":")
+    sizes = [3 * MiB, 2 * MiB + 5, 6 * MiB]
+    if op == "malloc":
+        fault(name, int(nth))  # the first allocation exercises every step (VA reservation included)
+        with em.region("w", "cpu"):
+            assert not RUNTIME.ebt_torch_malloc(MiB, 0, None)
+        c = counters()
+        assert (c["handles"], c["mappings"], c["phys"]) == (0, 0, 0), c
+        assert em.stats()["global"]["live_allocations"] == 0
+        p = alloc(MiB, "w", "cpu")  # the retry succeeds
+        fill(p, MiB, 1)
+        free(p)
+        assert_clean()
+        return
+    ps = [alloc(s, "w", "cpu") for s in sizes]
+    ps.append(alloc(2 * MiB, "w", "none"))
+    data = [fill(p, s, i + 1) for i, (p, s) in enumerate(zip(ps, sizes))]
+    if op == "resume":
+        em.pause("w")
+    state_before = tag_row("w")["state"]
+    handles_before = counters()["handles"]
+    fault(name, int(nth))
+    try:
+        (em.pause if op == "pause" else em.resume)("w")
+        raise AssertionError(f"{op} with {spec} failing did not raise")
+    except DriverError:
+        pass
+    fault(name, 0)  # clear a persistent fault before the retry
+    row = tag_row("w")
+    assert row["state"] == state_before, (spec, row["state"], state_before)
+    assert counters()["handles"] == handles_before, (spec, counters(), handles_before)
+    if op == "pause":  # rolled back: every CPU-backed allocation readable with its content
+        for p, s, d in zip(ps, sizes, data):
+            assert read(p, s) == d, f"content lost after failed pause ({spec})"
+        em.pause("w")
+    em.resume("w")  # the retry succeeds
+    for p, s, d in zip(ps, sizes, data):
+        assert read(p, s) == d, f"content lost ({spec})"
+    for p in ps:
+        free(p)
+    assert_clean()
+
+
+def free_while_paused():
+    p = alloc(8 * MiB, "t", "cpu")
+    q = alloc(2 * MiB, "t", "none")
+    fill(p, 8 * MiB, 4)
+    em.pause("t")
+    assert em.stats()["global"]["host_used"] >= 8 * MiB
+    free(p)  # paused: nothing mapped; VA and host block go back
+    free(q)
+    assert em.stats()["global"]["live_allocations"] == 0 and em.stats()["global"]["host_used"] == 0
+    assert tag_row("t")["allocations"] == 0
+    # The freed VA is reused and the tag still works (resume of an empty paused tag: a no-op that activates it).
+    em.resume("t")
+    r = alloc(8 * MiB, "t", "cpu")
+    assert r == p, (hex(r), hex(p))
+    free(r)
+    assert_clean()
+
+
+def soak(cycles: str = "100"):
+    sizes = [2 * MiB, 3 * MiB + 17, 1000, 9 * MiB, 64, 2 * MiB]
+    ps = [alloc(s, "w", "cpu") for s in sizes]
+    kv = [alloc(4 * MiB, "kv", "none") for _ in range(3)]
+    data = [fill(p, s, i) for i, (p, s) in enumerate(zip(ps, sizes))]
+    em.pause("w")
+    em.pause("kv")
+    em.resume(None)
+    steady = (counters(), em.stats()["global"])
+    for i in range(int(cycles)):
+        em.pause("w" if i % 2 else None)
+        em.resume(None)
+        if i % 25 == 0:
+            for p, s, d in zip(ps, sizes, data):
+                assert read(p, s) == d, f"cycle {i}"
+    c, g = counters(), em.stats()["global"]
+    assert c == steady[0], (c, steady[0])  # no handle, mapping, VA or registration growth
+    assert g["host_reserved"] == steady[1]["host_reserved"] and g["host_used"] == steady[1]["host_used"], g
+    assert g["va_reserved"] == steady[1]["va_reserved"], g
+    for p, s, d in zip(ps, sizes, data):
+        assert read(p, s) == d
+    for p in ps + kv:
+        free(p)
+    assert_clean()
+
+
+def async_overlap():
+    a = [alloc(4 * MiB, "train", "cpu") for _ in range(4)]
+    b = [alloc(4 * MiB, "roll", "cpu") for _ in range(4)]
+    da = [fill(p, 4 * MiB, i) for i, p in enumerate(a)]
+    db = [fill(p, 4 * MiB, 50 + i) for i, p in enumerate(b)]
+    em.pause("roll")
+    h1 = em.pause_async("train")
+    h2 = em.resume("roll", wait=False)
+    try:  # the tag is owned by h1 until it finishes: a second op must be refused, not interleaved
+        em.pause("train")
+        refused = False
+    except StateError:
+        refused = True
+    r1, r2 = h1.wait(timeout=30), h2.wait()
+    assert h1.done() and h2.done() and r1.allocations == 4 and r2.allocations == 4
+    assert refused or r1.total_s < 1e-3  # refused unless h1 had already finished
+    assert tag_row("train")["state"] == "paused" and tag_row("roll")["state"] == "active"
+    for p, d in zip(b, db):
+        assert read(p, 4 * MiB) == d
+    h = em.resume_async("train")
+    h.wait()
+    for p, d in zip(a, da):
+        assert read(p, 4 * MiB) == d
+    # a failing async op reports its error at wait(), and the tag stays as it was
+    fault("cuMemcpyDtoHAsync", 1)
+    h = em.pause_async("train")
+    try:
+        h.wait()
+        raise AssertionError("expected DriverError")
+    except DriverError:
+        pass
+    assert tag_row("train")["state"] == "active"
+    for p in a + b:
+        free(p)
+    assert_clean()
+
+
+def mark_clean_skips_copy():
+    p = alloc(4 * MiB, "weights", "cpu")
+    d = fill(p, 4 * MiB, 6)
+    em.pause("weights")
+    em.resume("weights")
+    em.mark_clean("weights")
+    rep = em.pause("weights")
+    assert rep.bytes_copied == 0 and rep.bytes_skipped_clean == 4 * MiB, rep
+    em.resume("weights")
+    assert read(p, 4 * MiB) == d
+    rep = em.pause("weights")  # clean is cleared by resume: copies again
+    assert rep.bytes_copied == 4 * MiB
+    em.resume("weights")
+    free(p)
+    assert_clean()
+
+
+def batched_set_access_and_drain_order():
+    ps = [alloc(2 * MiB, "t", "none") for _ in range(8)]
+    assert all(ps[i + 1] == ps[i] + 2 * MiB for i in range(7)), "allocations are VA-contiguous"
+    trace()
+    em.pause("t")
+    calls = trace()
+    assert calls.index("cuCtxSynchronize") < calls.index("cuMemUnmap"), calls  # drain before unmap
+    em.resume("t")
+    calls = trace()
+    assert calls.count("cuMemSetAccess") == 1 and calls.count("cuMemCreate") == 8, calls
+    NATIVE.free(ps[0])
+    calls = trace()
+    assert calls.index("cuCtxSynchronize") < calls.index("cuMemUnmap"), calls  # free drains too
+    for p in ps[1:]:
+        free(p)
+    assert_clean()
+
+
+def background_pinning():
+    """CPU-backed allocations get pinned blocks on the runtime thread; the first pause then registers nothing. A
+    failed background batch costs nothing but time: the pause pins for itself."""
+    fault("cuMemHostRegister", 1)  # the first background batch fails
+    q = alloc(4 * MiB, "w2", "cpu")
+    em.wait_background_pinning()
+    assert tag_row("w2")["bytes_backed_up"] == 0 and em.stats()["global"]["host_reserved"] == 0
+    dq = fill(q, 4 * MiB, 9)
+    em.pause("w2")  # pins its own block (exactly the shortfall)
+    em.resume("w2")
+    assert read(q, 4 * MiB) == dq
+    assert em.stats()["global"]["host_reserved"] == 4 * MiB
+    sizes = [3 * MiB, 5 * MiB + 1]
+    ps = [alloc(s, "w", "cpu") for s in sizes]
+    alloc_none = alloc(2 * MiB, "kv", "none")
+    em.wait_background_pinning()
+    g = em.stats()["global"]
+    assert g["host_used"] == 4 * MiB + sum(sizes) + 255, g
+    assert g["host_reserved"] == 4 * MiB + 64 * MiB, g  # background growth is at least 64 MiB
+    data = [fill(p, s, i) for i, (p, s) in enumerate(zip(ps, sizes))]
+    trace()
+    em.pause("w")
+    assert "cuMemHostRegister" not in trace()
+    em.resume("w")
+    for p, s, d in zip(ps, sizes, data):
+        assert read(p, s) == d
+    # a block pinned for an allocation freed meanwhile goes back to the arena
+    r = alloc(2 * MiB, "w3", "cpu")
+    free(r)
+    em.wait_background_pinning()
+    for p in ps + [q, alloc_none]:
+        free(p)
+    assert_clean()
+
+
+def cpu_backup_view():
+    """get_cpu_backup(tensor): a torch view of fake device memory (host-addressable) and its pinned backup."""
+    import torch  # noqa: PLC0415
+
+    n = 3 * MiB
+    p = alloc(n, "w", "cpu")
+    dev = torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)
+    dev.copy_(torch.arange(n, dtype=torch.int64).remainder(251).to(torch.uint8))
+    t = dev[1024:].view(torch.int32).view(-1, 4)  # a view into the allocation, not at its base
+    ref = t.clone()
+    em.pause("w")
+    copy, view = em.get_cpu_backup(t), em.get_cpu_backup(t, zero_copy=True)
+    assert torch.equal(copy, ref) and torch.equal(view, ref) and view.dtype == torch.int32
+    host, _ = em.get_cpu_backup_address(p + 1024)
+    assert view.data_ptr() == host
+    try:
+        NATIVE.get_cpu_backup(12345)
+        raise AssertionError("expected NotFoundError")
+    except NotFoundError:
+        pass
+    em.resume("w")
+    del copy, view, t, dev
+    free(p)
+    assert_clean()
+
+
+def multi_device():
+    """Allocations remember their device: each device is drained in its own context, copies and maps run there,
+    and stats split per (tag, device). Runs with EBT_FAKE_DEVICES=2."""
+    with em.region("w", "cpu"):
+        a = RUNTIME.ebt_torch_malloc(3 * MiB, 0, None)
+        b = RUNTIME.ebt_torch_malloc(5 * MiB, 1, None)
+    da, db = fill(a, 3 * MiB, 1), fill(b, 5 * MiB, 2)
+    rows = {r["device"]: r for r in em.stats()["tags"] if r["tag"] == "w"}
+    assert rows[0]["bytes_active"] == 4 * MiB and rows[1]["bytes_active"] == 6 * MiB, rows
+    trace()
+    em.pause("w")
+    assert trace().count("cuCtxSynchronize") == 2  # both devices drained, not just the current one
+    rows = {r["device"]: r for r in em.stats()["tags"] if r["tag"] == "w"}
+    assert rows[0]["bytes_paused"] == 4 * MiB and rows[1]["bytes_paused"] == 6 * MiB, rows
+    em.resume("w")
+    assert read(a, 3 * MiB) == da and read(b, 5 * MiB) == db
+    trace()
+    free(b)
+    assert trace().count("cuCtxSynchronize") == 1
+    free(a)
+    assert_clean()
+
+
+def set_access_fallback():
+    """A driver that refuses one cuMemSetAccess over several mappings: resume grants access per allocation."""
+    ps = [alloc(2 * MiB, "t", "cpu") for _ in range(3)]
+    data = [fill(p, 2 * MiB, i) for i, p in enumerate(ps)]
+    em.pause("t")
+    trace()
+    fault("cuMemSetAccess", 1)
+    em.resume("t")
+    assert trace().count("cuMemSetAccess") == 4
+    for p, d in zip(ps, data):
+        assert read(p, 2 * MiB) == d
+        free(p)
+    assert_clean()
+
+
+def host_arena_exact_and_chunked():
+    # EBBTIDE_MEM_CHUNK_BYTES is set small by the test: copies are cut into many chunks with odd tails.
+    em.set_background_pinning(False)  # this scenario checks the shape a pause gives the arena
+    sizes = [1000, 3 * MiB + 7, 256, 5 * MiB]
+    ps = [alloc(s, "t", "cpu") for s in sizes]
+    data = [fill(p, s, i) for i, (p, s) in enumerate(zip(ps, sizes))]
+    trace()
+    em.pause("t")
+    copies = trace().count("cuMemcpyDtoHAsync")
+    assert copies >= sum(-(-s // (1 << 20)) for s in sizes), copies
+    g = em.stats()["global"]
+    assert g["host_used"] == sum((s + 255) // 256 * 256 for s in sizes), g  # exact sizes, 256-byte aligned
+    assert g["host_segments"] == 1 and g["host_reserved"] == 10 * MiB, g  # one segment sized to the shortfall
+    em.resume("t")
+    for p, s, d in zip(ps, sizes, data):
+        assert read(p, s) == d
+    em.pause("t")
+    assert em.release_host_memory() == 0  # paused content is never dropped
+    em.resume("t")
+    for p, s, d in zip(ps, sizes, data):
+        assert read(p, s) == d
+    assert em.release_host_memory() == 10 * MiB  # active: backups dropped, segment returned
+    assert counters()["registered"] == 0
+    em.pause("t")  # next pause copies again into a fresh segment
+    em.resume("t")
+    for p, s, d in zip(ps, sizes, data):
+        assert read(p, s) == d
+    em.reserve_host_memory(4 * MiB)
+    assert em.stats()["global"]["host_segments"] == 2
+    for p in ps:
+        free(p)
+    assert_clean()
+
+
+def fork_child_disabled():
+    p = alloc(2 * MiB, "t", "cpu")
+    fill(p, 2 * MiB, 1)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            em.pause("t")
+            code = 3  # must not reach
+        except StateError:
+            pass
+        except BaseException:  # noqa: BLE001
+            code = 4
+        if RUNTIME.ebt_torch_malloc(MiB, 0, None):
+            code = 5
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, os.WEXITSTATUS(status)
+    em.pause("t")  # the parent is unaffected
+    em.resume("t")
+    free(p)
+    assert_clean()
+
+
+def thread_safety():
+    errors = []
+    base = [alloc(2 * MiB, "cycled", "cpu") for _ in range(4)]
+    data = [fill(p, 2 * MiB, i) for i, p in enumerate(base)]
+
+    def churn(k):
+        try:
+            for i in range(30):
+                with em.region(f"worker{k}", "cpu" if i % 2 else "none"):
+                    p = RUNTIME.ebt_torch_malloc(MiB + i, 0, None)
+                assert p
+                RUNTIME.ebt_torch_free(p, 0, 0, None)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(20):
+        em.pause("cycled")
+        em.resume("cycled")
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for p, d in zip(base, data):
+        assert read(p, 2 * MiB) == d
+        free(p)
+    assert_clean()
+
+
+def timeout_wait():
+    p = alloc(2 * MiB, "t", "none")
+    h = em.pause_async("t")
+    h.wait()
+    try:  # waiting again returns the same report
+        assert h.wait(0).allocations == 1
+    except WaitTimeoutError:
+        raise AssertionError("finished op reported a timeout")
+    em.resume("t")
+    free(p)
+    assert_clean()
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
+    print("OK")

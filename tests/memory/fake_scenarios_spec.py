@@ -1,0 +1,28 @@
+"""Which fake-driver scenarios the tests run (kept apart from fake_scenarios.py, which loads the native engine)."""
+SIMPLE = [
+    "va_stability_and_roundtrip",
+    "selective_tags_and_stats",
+    "state_errors",
+    "regions_and_threads",
+    "oom_at_resume",
+    "free_while_paused",
+    "async_overlap",
+    "mark_clean_skips_copy",
+    "batched_set_access_and_drain_order",
+    "set_access_fallback",
+    "background_pinning",
+    "cpu_backup_view",
+    "fork_child_disabled",
+    "thread_safety",
+    "timeout_wait",
+]
+
+# (operation, "symbol:nth"): the nth call of symbol fails during the operation.
+FAULTS = {
+    "malloc": ["cuMemAddressReserve:1", "cuMemCreate:1", "cuMemMap:1", "cuMemSetAccess:1"],
+    "pause": ["cuCtxSynchronize:1", "cuMemHostRegister:1", "cuMemcpyDtoHAsync:2", "cuEventRecord:2",
+              "cuEventSynchronize:2", "cuMemUnmap:1", "cuMemUnmap:3", "cuMemRelease:1", "cuMemRelease:3",
+              "cuStreamCreate:1"],
+    "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:3", "cuMemMap:2", "cuMemSetAccess:-1",
+               "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
+}

@@ -1,0 +1,61 @@
+"""The memory engine's logic on CPU, against the host-memory fake driver (libebbtide_fake_cuda.so).
+
+Each scenario runs in its own interpreter (tests/memory/fake_scenarios.py) with EBBTIDE_LIBCUDA pointing at the
+fake: the driver table is loaded once per process, and fault injection must not leak into other tests.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ebbtide import _native
+
+HERE = Path(__file__).resolve().parent
+FAKE = _native.PACKAGE_DIR / "libebbtide_fake_cuda.so"
+
+pytestmark = pytest.mark.skipif(not FAKE.exists(), reason=f"{FAKE.name} not built (EBBTIDE_TEST_FAKES=OFF)")
+
+sys.path.insert(0, str(HERE))
+import fake_scenarios_spec as spec  # noqa: E402
+
+
+def run(scenario: str, *args: str, env: dict | None = None) -> None:
+    full = dict(os.environ)
+    full.update({"EBBTIDE_LIBCUDA": str(FAKE), "EBT_FAKE_DEVICE_BYTES": str(64 << 20)})
+    full.pop("LD_PRELOAD", None)
+    full.update(env or {})
+    p = subprocess.run([sys.executable, str(HERE / "fake_scenarios.py"), scenario, *args], capture_output=True,
+                       text=True, env=full, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (
+        f"{scenario} {args} failed ({p.returncode})\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
+
+
+@pytest.mark.parametrize("scenario", spec.SIMPLE)
+def test_scenario(scenario):
+    run(scenario)
+
+
+def test_poison_discarded_pages():
+    run("va_stability_and_roundtrip", env={"EBBTIDE_MEM_POISON": "1"})
+
+
+def test_chunked_copies_exact_host_sizes():
+    run("host_arena_exact_and_chunked", env={"EBBTIDE_MEM_CHUNK_BYTES": str(1 << 20)})
+
+
+@pytest.mark.parametrize("op,fault", [(op, f) for op, fs in spec.FAULTS.items() for f in fs])
+def test_fault_injection_rolls_back(op, fault):
+    # Background pinning off: the pause itself must meet the injected registration failure.
+    run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0"})
+
+
+def test_multi_device():
+    run("multi_device", env={"EBT_FAKE_DEVICES": "2"})
+
+
+def test_soak_100_cycles_no_leaks():
+    run("soak", "100")

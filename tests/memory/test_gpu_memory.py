@@ -1,0 +1,30 @@
+"""GPU tests of the memory engine: each scenario in its own interpreter, in both hook modes
+(tests/memory/gpu_scenarios.py). Skipped loudly without a GPU (conftest)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SCENARIOS = ["basic", "multi_tag", "caching_allocator", "oom_at_resume", "async_overlap", "backward_default_region"]
+
+
+def run(scenario: str, mode: str) -> None:
+    from ebbtide.memory import preload_env  # noqa: PLC0415
+
+    env = preload_env() if mode == "preload" else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    p = subprocess.run([sys.executable, str(HERE / "gpu_scenarios.py"), scenario, mode], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (
+        f"{scenario} [{mode}] failed ({p.returncode})\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-8000:]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["torch", "preload"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_gpu_scenario(scenario, mode):
+    run(scenario, mode)
