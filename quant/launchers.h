@@ -55,8 +55,10 @@ struct BlockListEntry {
 };
 static_assert(sizeof(BlockListEntry) == 64, "BlockListEntry is read as int64[8] by Python");
 
-// Quantize `count` tensors in one launch. `host_entries` is validated (pointers, shapes, tile prefix sums); the
-// kernel reads `device_entries`, which must hold the same bytes (the caller copied them there, stream-ordered).
+// Quantize `count` tensors in one launch. `host_entries` is validated (pointers, shapes, tile prefix sums). Up to
+// kBlockListParamEntries entries are passed to the kernel inside the launch (`device_entries` may be null); longer
+// lists are read from `device_entries`, which must hold the same bytes (copied there by the caller, stream-ordered).
+constexpr int kBlockListParamEntries = 128;
 ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, const void* device_entries,
                                             int64_t count, float eps, void* stream);
 
@@ -75,7 +77,8 @@ ebt_status_t sm90_bf16_fp8_group_quant(const void* src, int64_t rows, int64_t co
                                        void* stream);
 
 // INT4 symmetric group quant of bf16 [rows, cols] (row stride ld), group in {32, 64, 128}, cols % group == 0,
-// divisor_x2 = 14 (D = 7, q in [-7, 7]) or 15 (D = 7.5, q in [-8, 7]). Writes whichever outputs are non-null:
+// divisor_x2 = 14 (D = 7, q in [-7, 7]) or 15 (D = 7.5, q in [-8, 7]). Always writes scale; writes fake_quant
+// and/or packed, whichever are non-null (at least one):
 //   fake_quant bf16 [rows, cols] contiguous: RNbf16(q * s)       (the QAT forward)
 //   packed     int32 [rows, cols / 8]: nibble i of word j = q[8j + i] + 8   (compressed-tensors pack-quantized)
 //   scale      bf16 [rows, cols / group]: s = RNbf16(max(RN32(amax * RN32(1/D)), eps))

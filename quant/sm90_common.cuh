@@ -30,6 +30,7 @@ constexpr float kE4m3Max = 448.0f;
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+__device__ __forceinline__ float bf16_part(uint32_t w, int hi) { return hi ? bf16_hi(w) : bf16_lo(w); }
 
 // max over the two bf16 halves of |x| bit patterns, accumulated into m (packed 2x16, compared per half).
 __device__ __forceinline__ uint32_t absmax2(uint32_t m, uint32_t w) { return __vmaxu2(m, w & 0x7FFF7FFFu); }

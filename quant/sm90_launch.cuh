@@ -1,14 +1,12 @@
 /*
  * sm90_launch.cuh — host-side helpers of the quant launchers: argument checks that record why they failed, the
- * post-launch status, and cached device facts for persistent grids.
+ * post-launch status, and the eps range check.
  */
 #ifndef EBBTIDE_QUANT_SM90_LAUNCH_CUH_
 #define EBBTIDE_QUANT_SM90_LAUNCH_CUH_
 
 #include <cuda_runtime.h>
 #include <stdint.h>
-
-#include <atomic>
 
 #include "quant/launchers.h"
 #include "csrc/status.h"
@@ -28,21 +26,6 @@ inline ebt_status_t launch_status(const char* kernel) {
 // eps in [1e-30, 1e30]: every scale stays a normal fp32 number and every multiplier finite (a subnormal scale
 // would give an infinite multiplier and 0 * inf = NaN for zero inputs).
 inline bool eps_in_range(float eps) { return eps >= 1e-30f && eps <= 1e30f; }
-
-// Streaming multiprocessors of the current device (cached per device; 0 on error).
-inline int sm_count() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
-  if (dev < 64) {
-    const int c = cache[dev].load(std::memory_order_relaxed);
-    if (c > 0) return c;
-  }
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-  if (dev < 64) cache[dev].store(n, std::memory_order_relaxed);
-  return n;
-}
 
 }  // namespace ebbtide::quant
 

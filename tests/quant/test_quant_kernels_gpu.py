@@ -126,7 +126,7 @@ def test_block_quant_any_row_stride(offset):
 def test_block_list_one_launch_matches_reference():
     g = torch.Generator().manual_seed(0)
     shapes = [(int(torch.randint(1, 700, (1,), generator=g)), int(torch.randint(1, 700, (1,), generator=g)))
-              for _ in range(100)] + [(7168, 512), (128, 128)]
+              for _ in range(100)] + [(7168, 512), (128, 128), (129, 300), (300, 1000)]
     ts = [special_bf16(s, seed=i).to(DEV) for i, s in enumerate(shapes)]
     ts[5] = torch.zeros(130, 260, dtype=torch.bfloat16, device=DEV)
     ts[6] = with_nonfinite(ts[6])
@@ -141,8 +141,22 @@ def test_block_list_one_launch_matches_reference():
             assert_same(s, sr, f"list[{i}] scale")
 
 
+def test_block_list_longer_than_the_parameter_table():
+    """Past 128 entries the kernel reads a device copy of the table instead of its launch parameters."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(int(torch.randint(1, 300, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g)))
+              for _ in range(150)]
+    ts = [special_bf16(s, seed=i).to(DEV) for i, s in enumerate(shapes)]
+    poison_cache()
+    b = Q.fp8_block_quant_list(ts)
+    for i, (t, (q, s)) in enumerate(zip(ts, b)):
+        qr, sr = R.fp8_block_quant(t.cpu())
+        assert_same(q, qr, f"list[{i}] {tuple(t.shape)} q")
+        assert_same(s, sr, f"list[{i}] scale")
+
+
 # ---- FP8 group -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("M,K", [(1, 128), (5, 256), (130, 7168), (2048, 1024)])
+@pytest.mark.parametrize("M,K", [(1, 128), (5, 256), (37, 1664), (130, 7168), (2048, 1024)])
 @pytest.mark.parametrize("layout,scale", [("row", "fp32"), ("mn_major", "fp32"), ("row", "ue8m0"),
                                           ("mn_major", "ue8m0"), ("mn_major", "ue8m0_packed")])
 def test_group_quant_matches_reference(M, K, layout, scale):
@@ -218,6 +232,39 @@ def test_int4_quant_matches_reference(shape, group, divisor):
         assert_same(fq, R.int4_dequant(q_ref, s_ref, group), f"{kind} fake-quant")
         out, q = Q.int4_unpack(packed, s, list(shape), return_q=True)
         assert_same(q, torch.from_numpy(q_ref), f"{kind} unpacked q")
+
+
+@pytest.mark.parametrize("offset", [8, 3])  # 16-byte aligned rows / misaligned (element loads)
+def test_int4_quant_strided(offset):
+    big = special_bf16((257, 1300), seed=23).to(DEV)
+    view = big[:, offset:offset + 1024]
+    fq, packed, s = _cuda.int4_quant(view, 128, 7, 1e-5, fake_quant=True, pack=True)
+    q_ref, s_ref = R.int4_quant(view.cpu(), 128, 7)
+    assert_same(s, R.bf16_from_bits(s_ref), "scale")
+    assert_same(packed, R.int4_pack(q_ref), "packed")
+    assert_same(fq, R.int4_dequant(q_ref, s_ref, 128), "fake-quant")
+
+
+@pytest.mark.parametrize("divisor", [7, 7.5])
+def test_int4_quant_every_bf16_ratio(divisor):
+    """The kernel rounds x/s without a division (see int4_round): every finite bf16 |x| <= amax, both signs, in
+    groups whose amax runs over all 128 bf16 mantissas (every x/s ratio pattern, every tie), against IEEE division
+    in the reference."""
+    rows = []
+    for m in range(128):
+        amax_bits = 0x3F80 | m
+        mags = np.arange(0, amax_bits + 1, dtype=np.uint16)
+        vals = np.concatenate([mags, mags | 0x8000])
+        vals = np.concatenate([vals, np.zeros((-vals.size) % 127, np.uint16)]).reshape(-1, 127)
+        rows.append(np.concatenate([np.full((vals.shape[0], 1), amax_bits, np.uint16), vals], axis=1))
+    u = np.concatenate(rows).reshape(-1)
+    u = np.concatenate([u, np.zeros((-u.size) % 1024, np.uint16)])
+    w = torch.from_numpy(u.view(np.int16)).view(torch.bfloat16).reshape(-1, 1024)
+    fq, packed, s = _cuda.int4_quant(w.to(DEV), 128, divisor, 1e-5, fake_quant=True, pack=True)
+    q_ref, s_ref = R.int4_quant(w, 128, divisor)
+    assert_same(s, R.bf16_from_bits(s_ref), "scale")
+    assert_same(packed, R.int4_pack(q_ref), "packed")
+    assert_same(fq, R.int4_dequant(q_ref, s_ref, 128), "fake-quant")
 
 
 @pytest.mark.parametrize("group", [32, 128])

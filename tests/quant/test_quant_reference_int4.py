@@ -141,3 +141,28 @@ def test_bad_arguments():
         R.int4_quant(w, divisor=8)
     with pytest.raises(ValueError, match="multiple"):
         R.int4_quant(w[:, :100], group=32)
+
+
+@pytest.mark.parametrize("qmin", [-7.0, -8.0])
+def test_division_free_rounding_rule_equals_ieee_division(qmin):
+    """The CUDA kernel's int4_round (sm90_bf16_int4_quant.cu) emulated exactly: q0 = RNE(x * RN32(1/s)) (one fma
+    with 1.5 * 2^23), e = x - q0 * s (exact), an odd q0 with |e| == s/2 moves one step toward x; then the clamp.
+    It must equal clamp(RNE(RN32(x / s))) for every finite bf16 x, over every bf16 scale mantissa at the
+    exponents of tiny, unit and huge scales."""
+    x = all_finite_bf16_f32()
+    x64 = x.astype(np.float64)
+    mism = 0
+    for e in (-99, 0, 125):
+        for m in range(128):
+            s = np.array([((127 + e) << 23) | (m << 16)], np.uint32).view(np.float32)[0]
+            r = np.float32(1) / s                      # __frcp_rn
+            with np.errstate(over="ignore"):
+                want = np.clip(np.rint(x / s), qmin, 7.0)
+            q0 = np.rint(x64 * np.float64(r))          # the fma's exact product, rounded once to an integer
+            res = x64 - q0 * np.float64(s)             # exact in float64 ...
+            in_range = np.abs(x64 * np.float64(r)) < 16
+            assert np.array_equal(res[in_range].astype(np.float32).astype(np.float64), res[in_range])  # ... and fp32
+            tie = (np.abs(res) == 0.5 * np.float64(s)) & (np.mod(q0, 2) != 0)
+            got = np.clip(q0 + np.where(tie, np.sign(res), 0.0), qmin, 7.0)
+            mism += int(np.count_nonzero(got != want))
+    assert mism == 0

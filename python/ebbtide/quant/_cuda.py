@@ -12,6 +12,7 @@ from ..errors import UnsupportedError
 
 MODES = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
 LAYOUTS = {"row": 0, "mn_major": 1}
+PARAM_ENTRIES = 128  # quant/launchers.h kBlockListParamEntries: longer lists need a device copy of the table
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,40 +57,47 @@ def fp8_block_quant(w: torch.Tensor, scale: str, eps: float):
 
 
 def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float, align: int = 16):
-    """All tensors (bf16 2D, same device) in one launch. Returns (q_buffer uint8, scale_buffer fp32, q views,
-    scale views)."""
+    """All tensors (bf16 2D, same device) in one launch. Returns (q_buffer uint8, scale_buffer fp32, layout) with
+    layout = [(q offset, scale offset, N, K)] for Fp8Bucket's views. Host work per tensor is kept to a few attribute
+    reads (a 100-tensor bucket quantizes in well under a millisecond of GPU time, so Python must not be slower)."""
     device = tensors[0].device
-    q_off, s_off, tiles = [], [], []
-    qo = so = t = 0
+    mode = MODES[scale]
+    layout, flat = [], []
+    qo = so = 0
     for w in tensors:
         N, K = w.shape
-        nb, kb = -(-N // 128), -(-K // 128)
-        q_off.append(qo)
-        s_off.append(so)
-        tiles.append(t)
-        qo += -(-(N * K) // align) * align
-        so += nb * kb
-        t += nb * kb
+        nbkb = ((N + 127) >> 7) * ((K + 127) >> 7)
+        layout.append((qo, so, N, K))
+        # BlockListEntry: src, q (offset; based below), scale (offset), ld, rows, cols, tile_begin (= so), mode
+        flat += (w.data_ptr(), qo, so * 4, w.stride(0), N, K, so, mode)
+        qo += (N * K + align - 1) // align * align
+        so += nbkb
     q_buf = torch.empty(max(qo, 1), dtype=torch.uint8, device=device)
     s_buf = torch.empty(max(so, 1), dtype=torch.float32, device=device)
-    rows = []
-    for w, a, b, tb in zip(tensors, q_off, s_off, tiles):
-        N, K = w.shape
-        rows.append([w.data_ptr(), q_buf.data_ptr() + a, s_buf.data_ptr() + 4 * b, w.stride(0), N, K, tb,
-                     MODES[scale]])
-    # Pinned, so the copy below is truly asynchronous; torch's host allocator keeps the block until it completes.
-    table = torch.tensor(rows, dtype=torch.int64).pin_memory()
+    table = torch.tensor(flat, dtype=torch.int64).view(-1, 8)
+    table[:, 1] += q_buf.data_ptr()
+    table[:, 2] += s_buf.data_ptr()
     with torch.cuda.device(device):
-        dev_table = table.to(device, non_blocking=True)
-        _q().fp8_block_quant_list(host_entries=table.data_ptr(), device_entries=dev_table.data_ptr(),
+        dev_table = None  # the table travels inside the launch: no copy ahead of the kernel
+        if len(tensors) > PARAM_ENTRIES:
+            # Pinned, so the copy is truly asynchronous; torch's host allocator keeps the block until it completes.
+            table = table.pin_memory()
+            dev_table = table.to(device, non_blocking=True)
+        _q().fp8_block_quant_list(host_entries=table.data_ptr(),
+                                  device_entries=0 if dev_table is None else dev_table.data_ptr(),
                                   count=len(tensors), eps=eps, stream=_stream(tensors[0]))
+    return q_buf, s_buf, layout
+
+
+def bucket_views(q_buf: torch.Tensor, s_buf: torch.Tensor, layout) -> tuple[list, list]:
+    """The per-tensor (q float8_e4m3fn [N, K], scale fp32 [ceil(N/128), ceil(K/128)]) views of a bucket."""
     qs, ss = [], []
-    for w, a, b in zip(tensors, q_off, s_off):
-        N, K = w.shape
+    q8 = q_buf.view(torch.float8_e4m3fn)
+    for a, b, N, K in layout:
         nb, kb = -(-N // 128), -(-K // 128)
-        qs.append(q_buf[a:a + N * K].view(torch.float8_e4m3fn).view(N, K))
+        qs.append(q8[a:a + N * K].view(N, K))
         ss.append(s_buf[b:b + nb * kb].view(nb, kb))
-    return q_buf, s_buf, qs, ss
+    return qs, ss
 
 
 def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:

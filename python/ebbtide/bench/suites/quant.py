@@ -87,7 +87,7 @@ def _cases(quick: bool):
         sbytes = (n * (-(-k // 512)) * 4) if scale == "ue8m0_packed" else (-(-n // 128)) * (-(-k // 128)) * 4
         out.append((name, "block", {"shape": shape, "scale": scale}, n * k * 3 + sbytes))
     n, k = W
-    out.append((f"block {n}x{k} fp32 via the persistent list kernel", "list1", {"shape": W},
+    out.append((f"block {n}x{k} fp32 via the list kernel", "list1", {"shape": W},
                 n * k * 3 + (-(-n // 128)) * (-(-k // 128)) * 4))
     e, n, k = MOE
     out.append((f"block MoE [{e}, {n}, {k}] one launch", "moe", {"shape": MOE}, e * n * k * 3 + e * n * k // 4096))
