@@ -78,6 +78,13 @@ def _nccl_version() -> tuple[int, int, int] | None:
         return None
 
 
+def _device_kind(dev) -> str:
+    """Each rank binds its own GPU (cuda:0 on one, cuda:1 on the next): only the device type is rank-invariant."""
+    if dev is None:
+        return ""
+    return getattr(dev, "type", None) or str(dev).split(":")[0]
+
+
 def _td(t) -> str:
     return "" if t is None else f"{t.total_seconds():g}"
 
@@ -108,7 +115,7 @@ class Entry:
         opts = c.get("backend_options")
         return "|".join([self.kind, ",".join(map(str, self.ranks)), str(c.get("backend")), _td(c.get("timeout")),
                          str(c.get("group_desc")), type(opts).__name__ if opts is not None else "",
-                         str(c.get("device_id")), self.name])
+                         _device_kind(c.get("device_id")), self.name])
 
 
 class Runtime:
