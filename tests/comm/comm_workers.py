@@ -391,10 +391,14 @@ def nccl_split(rank, world, init, cycles=2):
     journaled (non-members' calls too) and rebuilt by splitting the rebuilt parent; the mesh hands back the same
     wrappers. (Gloo's own C++ split hangs or crashes intermittently in torch 2.13 even without ebbtide, so this
     path is tested on GPUs only.)"""
+    from ebbtide.comm._spawn import progress
+
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    comm.install()
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=dev)
+    comm.install(timeout=60)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=60))
+    progress(f"rank {rank}: WORLD bound to {dev}; splitting")
     pair = dist.split_group(split_ranks=[list(range(world))], group_desc="pair")
     solo = dist.split_group(split_ranks=[[r] for r in range(world)], group_desc="solo")
     first = dist.split_group(split_ranks=[[0]], group_desc="first")  # non-members get None
@@ -405,6 +409,7 @@ def nccl_split(rank, world, init, cycles=2):
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
     mesh_group = mesh.get_group("dp")
     assert isinstance(mesh_group, comm.ReloadableGroup), mesh_group
+    progress(f"rank {rank}: split groups and mesh made (mesh group {mesh_group.group_name})")
 
     def check():
         for g, ranks in ((pair, list(range(world))), (solo, [rank]), (first, [0]), (mesh_group, list(range(world)))):
@@ -413,10 +418,14 @@ def nccl_split(rank, world, init, cycles=2):
 
     check()
     for cycle in range(cycles):
+        progress(f"rank {rank}: cycle {cycle}: release(include_world={cycle % 2 == 1})")
         rep = comm.release(cycle % 2 == 1)
+        progress(f"rank {rank}: cycle {cycle}: released {rep.by_strategy()}; reload")
         comm.reload()
+        progress(f"rank {rank}: cycle {cycle}: reloaded; checking collectives")
         check()
         assert mesh.get_group("dp") is mesh_group
+    progress(f"rank {rank}: destroy_process_group")
     dist.destroy_process_group()
     return {"groups": len(rep.groups)}
 

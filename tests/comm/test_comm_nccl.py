@@ -3,6 +3,12 @@
 The scenario (ebbtide.comm.scenarios.cycle_scenario) checks every collective's result exactly inside the ranks and
 returns the memory and timing figures asserted here. Memory is cudaMemGetInfo on each rank's own GPU (it counts
 NCCL's allocations, which torch's caching allocator never sees).
+
+Fail fast: every scenario has a deadline (``DEADLINE_S``, sized so all four fit one 10-minute GPU command even if
+each ran to its deadline); a rank that fails stops its peers after a short grace; hung ranks get their Python stacks
+dumped into their logs (``$EBBTIDE_COMM_LOGDIR``, set it to a folder that comes back from the GPU machine), and
+the failure message carries each rank's last progress line and log tail. Where pytest-timeout is installed,
+tests/comm/conftest.py adds a pytest-level timeout a little above each deadline as a backstop.
 """
 from __future__ import annotations
 
@@ -13,15 +19,18 @@ torch = pytest.importorskip("torch")
 from ebbtide.comm import _spawn  # noqa: E402
 
 MiB = 1 << 20
+# Seconds per scenario (the spawn helper's deadline); conftest.py reads this for the pytest-timeout backstop.
+DEADLINE_S = {"test_scenario_code_on_gloo": 100, "test_nccl_flat_bound_world": 150, "test_nccl_lazy_world": 100,
+              "test_nccl_megatron_topology_all_gpus": 120, "test_nccl_split_group_and_device_mesh": 90}
 
 
-def _run(world, **kw):
-    return _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios", timeout=400, **kw)
+def _run(world, test, **kw):
+    return _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios", timeout=DEADLINE_S[test], **kw)
 
 
 def test_scenario_code_on_gloo():
     """The benchmark/GPU scenario itself, on CPU: anchor phase, adoption of WORLD, cycles, soak."""
-    res = _run(2, backend="gloo", cycles=1, soak=2)
+    res = _run(2, "test_scenario_code_on_gloo", backend="gloo", cycles=1, soak=2)
     for r in res:
         assert r["registered_before"] == r["registered_after"]
         assert all(row[1] == r["registered_before"] for row in r["soak"])
@@ -48,7 +57,7 @@ def _check_memory(r, soak):
 def test_nccl_flat_bound_world():
     """WORLD bound to the device (eager, subgroups split from WORLD): release frees >= 90% of communicator memory
     with WORLD included, collectives are exact after every reload, no drift over 10 cycles."""
-    res = _run(2, cycles=2, soak=10)
+    res = _run(2, "test_nccl_flat_bound_world", cycles=2, soak=10)
     for r in res:
         _check_memory(r, 10)
         print(f"rank: comm {r['comm_bytes'] / MiB:.0f} MiB; "
@@ -62,7 +71,7 @@ def test_nccl_flat_bound_world():
 def test_nccl_lazy_world():
     """No device_id: communicators are created lazily by torch; reload(eager=True) recreates them in journal
     order (ncclCommInitRank per group, no split) and results stay exact."""
-    res = _run(2, cycles=2, soak=0, anchor=False, bound=False)
+    res = _run(2, "test_nccl_lazy_world", cycles=2, soak=0, anchor=False, bound=False)
     for r in res:
         for c in r["cycles_world"]:
             assert c["free_released"] - r["free_loaded"] >= 0.9 * r["comm_bytes"]
@@ -74,7 +83,7 @@ def test_nccl_megatron_topology_all_gpus():
     GPU (2, 4 or 8), batch_isend_irecv first on the pipeline group after each reload (issue 9 on GPUs)."""
     n = torch.cuda.device_count()
     world = n if n % 2 == 0 else n - 1
-    res = _run(world, kind="megatron", cycles=2, soak=3, anchor=False)
+    res = _run(world, "test_nccl_megatron_topology_all_gpus", kind="megatron", cycles=2, soak=3, anchor=False)
     for r in res:
         assert r["registered_before"] == r["registered_after"]
         for c in r["cycles_world"]:
@@ -85,5 +94,5 @@ def test_nccl_megatron_topology_all_gpus():
 def test_nccl_split_group_and_device_mesh():
     import comm_spawn  # tests/comm is on sys.path (conftest.py)
 
-    res = comm_spawn.run("nccl_split", 2, timeout=300)
+    res = comm_spawn.run("nccl_split", 2, timeout=DEADLINE_S["test_nccl_split_group_and_device_mesh"])
     assert res[0]["groups"] >= 4  # WORLD + pair + solo + first (+ the mesh's group)

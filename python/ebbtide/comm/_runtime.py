@@ -10,12 +10,14 @@ Policies (the caller's contract is in ``__init__.py``):
 - release() and reload() are collective over WORLD: every rank calls them, in the same order, with the same
   arguments. They are idempotent (a repeated call returns a no-op report) and serialised by one lock.
 - Order of release: detach the inners (ops now raise StateError) -> drain the device -> agree on the CPU control
-  plane (journal hash, options, per-group strategy) -> tear down or suspend in journal order (a global order, so
-  overlapping groups never wait on each other in a cycle: the PP=4 deadlock of one-by-one destroys cannot happen).
+  plane (journal hash, options, per-group strategy) -> tear down or suspend in reverse journal order (children
+  before the WORLD they were split from, as c10d does; a global order, so overlapping groups never wait on each
+  other in a cycle: the PP=4 deadlock of one-by-one destroys cannot happen).
 - Order of reload: agree (journal hash, which communicators existed) -> rebuild WORLD first (subgroups split from
   it) -> every journal entry in order, with a fresh store prefix per generation (``<name>.ebt<gen>``) -> eager
-  connect of communicators that existed before release -> trailing barrier, so no rank races into a collective a
-  peer has not rebuilt yet.
+  connect of communicators that existed before release, except where replaying the creation connected them already
+  (split children, device-bound groups: ``_creation_connects``) -> trailing barrier, so no rank races into a
+  collective a peer has not rebuilt yet.
 - The control plane is the rendezvous store (never released); its barriers time out naming the missing ranks.
 - Fork: a child process starts with an empty journal and a fresh lock (groups inherited through fork are not
   usable there anyway).
@@ -343,9 +345,11 @@ class Runtime:
                 detached[e] = g._ebt_inner
                 g._ebt_inner, g._ebt_released_by = None, "pending"
             # 2. Drain outstanding device work (NCCL kernels run on internal streams; a device sync covers them).
+            log.debug("ebbtide.comm: release: detached %s", [e.group._ebt_name for e in detached])
             if any(_has_accelerator(e.group) for e in detached):
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize()
+            log.debug("ebbtide.comm: release: drained; agreeing on the control plane")
             # 3. Agree: same journal, same options; each group's strategy is the weakest of its members' choices.
             payload = {"journal": self._journal_hash(), "opts": [include_world, include_cpu],
                        "choices": {str(e.gidx): c for e, c, _ in local if e.gidx >= 0},
@@ -363,11 +367,13 @@ class Runtime:
                 raise
             barrier_s = time.perf_counter() - tb
             plans = _combine_plans(everyone)
-            # 4. Tear down / suspend in journal order.
+            # 4. Tear down / suspend in reverse journal order: children before the group they were split from
+            #    (as c10d's destroy_process_group does); one global order, so no cross-group wait cycle.
+            log.debug("ebbtide.comm: release: agreed (%.3f s); plans %s", barrier_s, plans)
             reasons = {e: r for e, _c, r in local}
             choices = {e: c for e, c, _r in local}
             reports = []
-            for e in self.journal:
+            for e in reversed(self.journal):
                 if e.local_sync:
                     e.plan = S.DESTROY if e in detached else None
                 else:
@@ -383,6 +389,7 @@ class Runtime:
                 if e.plan != choices[e]:
                     e.reason = f"{choices[e]} here, {e.plan} on a peer: {e.reason}"
                 reports.append(self._release_one(e, detached[e]))
+            reports.reverse()  # report in journal order
             for e in detached:
                 if e.plan is not None:
                     # Name lookups now reach the wrapper, whose ops raise StateError.
@@ -418,6 +425,7 @@ class Runtime:
     def _release_one(self, e: Entry, inner: ProcessGroup) -> GroupReport:
         g = e.group
         t = time.perf_counter()
+        log.debug("ebbtide.comm: release: %s group %s (%s)", e.plan, g._ebt_name, g._ebt_desc)
         before = device_free_bytes()
         if e.plan == S.SUSPEND:
             try:
@@ -454,6 +462,7 @@ class Runtime:
                        "plans": {str(e.gidx): e.plan for e in self.journal
                                  if e.gidx >= 0 and e.plan and e.group is not None}}
             tb = time.perf_counter()
+            log.debug("ebbtide.comm: reload: agreeing on the control plane")
             everyone = self._exchange(control, "reload", payload, tmo)
             self._check_agreement(everyone, "reload")
             barrier_s = time.perf_counter() - tb
@@ -472,6 +481,7 @@ class Runtime:
             finally:
                 self.replaying = False
             tb2 = time.perf_counter()
+            log.debug("ebbtide.comm: reload: rebuilt; trailing barrier")
             control.barrier("reloaded", tmo)
             barrier_s += time.perf_counter() - tb2
             self.state = RELEASED if any(e.plan and e.group is not None and e.group._ebt_inner is None
@@ -501,6 +511,8 @@ class Runtime:
     def _reload_one(self, e: Entry, connect: bool) -> list[GroupReport]:
         g = e.group
         t = time.perf_counter()
+        log.debug("ebbtide.comm: reload: %s entry %d %s '%s' (%s)", plan_word(e), e.gidx, e.kind, e.name,
+                  "member" if g is not None else "non-member")
         before = device_free_bytes()
         plan, e.plan = e.plan, None
         if plan == S.SUSPEND:
@@ -517,7 +529,13 @@ class Runtime:
                 inner._set_group_desc(g._ebt_desc)
             if g.bound_device_id is not None and inner.bound_device_id is None:
                 inner.bound_device_id = g.bound_device_id
-            connect = connect and _connect(inner, g)
+            if _creation_connects(e):
+                # Replaying the creation already made the communicator; a second eager connect would make
+                # another one (see _creation_connects).
+                connect = _has_accelerator(g)
+            else:
+                log.debug("ebbtide.comm: reload: eager connect of %s", g._ebt_name)
+                connect = connect and _connect(inner, g)
         g._ebt_inner, g._ebt_released_by, g._ebt_used = inner, None, False
         self.inner_to_wrapper[inner] = g
         _register_native(g._ebt_name, inner)
@@ -601,6 +619,10 @@ class Runtime:
                           for r in bad) + "); every rank must create the same groups in the same order")
 
 
+def plan_word(e: Entry) -> str:
+    return "resume" if e.plan == S.SUSPEND else "rebuild"
+
+
 def _combine_plans(everyone: list[dict]) -> dict[int, str]:
     """gidx -> agreed strategy. A group any member destroyed itself is left alone by everyone."""
     choices: dict[int, list[str]] = {}
@@ -664,6 +686,20 @@ def _teardown(inner: ProcessGroup, how: str) -> None:
             return
         except Exception as e:  # Gloo has no abort on some versions: try the other, then let GC free it
             log.debug("ebbtide.comm: %s failed on %s: %s", method, inner, e)
+
+
+def _creation_connects(e: Entry) -> bool:
+    """Does replaying this journal entry create its NCCL communicator by itself? True for split children
+    (``ProcessGroupNCCL::split`` ends in ``eagerConnectSingleDevice``) and for groups created with a bound device
+    (c10d's helper calls ``eager_connect_single_device(device_id)``; with a bound WORLD that is an
+    ``ncclCommSplit`` of WORLD). Such groups must not be connected again: in torch 2.x ``eagerConnectSingleDevice``
+    calls ``initNCCLComm``, which does not look at the cache and makes a *second* communicator (the first one
+    leaks, never aborted) and, for a split child, issues a second ``ncclCommSplit`` on the parent that only the
+    members call - the parent's non-members never join it, so the members hang. Derived from the journal only,
+    so every rank decides the same way."""
+    if e.kind == "split":
+        return True
+    return e.call.get("device_id") is not None
 
 
 def _connect(inner: ProcessGroup, g: ReloadableGroup) -> bool:

@@ -43,13 +43,18 @@ def topology(kind: str, world: int) -> list[tuple[str, list[int]]]:
 
 def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", kind: str = "flat",
                    cycles: int = 2, soak: int = 0, anchor: bool = True, bound: bool = True,
-                   teardown: str = "abort", strategy: str = "auto", payload: int = 1 << 18) -> dict:
+                   teardown: str = "abort", strategy: str = "auto", payload: int = 1 << 18,
+                   pg_timeout: float = 60.0, control_timeout: float = 60.0) -> dict:
+    """``pg_timeout`` bounds every NCCL collective (torch's watchdog), ``control_timeout`` every ebbtide.comm
+    control-plane barrier, so a rank whose peer failed or hangs fails too instead of waiting for minutes."""
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     import ebbtide.comm as comm
     from ebbtide.errors import StateError
+
+    from ._spawn import progress
 
     gpu = backend == "nccl"
     if gpu:
@@ -73,8 +78,10 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
             "r": torch.empty(4096, device=dev)}
     (bufs["x"] == 0).all()  # warm the caching allocator for the checks below (keeps the baseline honest)
     free_ctx = free()
+    progress(f"rank {rank}: init_process_group({backend}, bound={bound}) kind={kind} cycles={cycles} soak={soak}")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                            device_id=dev if (gpu and bound) else None, timeout=datetime.timedelta(seconds=120))
+                            device_id=dev if (gpu and bound) else None,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
     spec = topology(kind, world)
     # The pipeline-like group that gets batch_isend_irecv as its first operation (a tensor-parallel pair when the
     # pipeline has one stage).
@@ -124,12 +131,14 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     world_g = dist.group.WORLD
     first_use([], world_g)
     out["free_world"] = free()
+    progress(f"rank {rank}: WORLD used; free {_mib(out['free_world'])}")
 
     # ---- anchor: plain torch destroy + re-create of the subgroups (WORLD stays) --------------------------------
     if anchor:
         groups = create()
         first_use(groups, world_g)
         out["anchor_free_loaded"] = free()
+        progress(f"rank {rank}: anchor groups used; free {_mib(out['anchor_free_loaded'])}")
         out["anchor_op_s"] = op_latency(groups[0][1])
         t = time.perf_counter()
         for _label, g, _r in groups:
@@ -137,6 +146,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         sync()
         out["anchor_destroy_s"] = time.perf_counter() - t
         out["anchor_free_destroyed"] = free()
+        progress(f"rank {rank}: anchor groups destroyed; free {_mib(out['anchor_free_destroyed'])}")
         t = time.perf_counter()
         groups = create()
         first_use(groups, world_g)
@@ -145,13 +155,15 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
             dist.destroy_process_group(g)
         del groups
         out["free_after_anchor"] = free()
+        progress(f"rank {rank}: anchor done; free {_mib(out['free_after_anchor'])}")
 
     # ---- ours -------------------------------------------------------------------------------------------------
-    comm.install(strategy=strategy, teardown=teardown, check_env=(rank == 0))
+    comm.install(strategy=strategy, teardown=teardown, check_env=(rank == 0), timeout=control_timeout)
     world_g = dist.group.WORLD  # adopted: now a ReloadableGroup
     groups = create()
     first_use(groups, world_g)
     out["free_loaded"] = free()
+    progress(f"rank {rank}: ebbtide groups used; free {_mib(out['free_loaded'])}")
     if gpu:
         # Communicator memory ebbtide manages: WORLD's (measured before the anchor ran) plus our groups' (measured
         # from after the anchor's cleanup, so anything the anchor left behind is not counted against us).
@@ -161,11 +173,14 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     count0 = len(c10d._world.pg_map)
 
     def cycle(include_world: bool) -> dict:
+        n = len(out.get("cycles_subgroups", [])) + len(out.get("cycles_world", [])) + len(soak_rows)
+        progress(f"rank {rank}: cycle {n}: release(include_world={include_world})")
         t = time.perf_counter()
         rep = comm.release(include_world, include_cpu=not gpu)
         sync()
         rel_s = time.perf_counter() - t
         free_rel = free()
+        progress(f"rank {rank}: cycle {n}: released in {rel_s:.3f} s; free {_mib(free_rel)}; {rep.by_strategy()}")
         try:
             dist.all_reduce(bufs["s"], group=groups[0][1])
         except StateError:
@@ -175,16 +190,23 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         t = time.perf_counter()
         rl = comm.reload()
         reload_s = time.perf_counter() - t
+        progress(f"rank {rank}: cycle {n}: reloaded in {reload_s:.3f} s; first collectives")
         first_use(groups, world_g)
         reload_first_s = time.perf_counter() - t
+        free_rl = free()
+        progress(f"rank {rank}: cycle {n}: first collectives exact; free {_mib(free_rl)}")
         return {"release_s": rel_s, "reload_s": reload_s, "reload_first_s": reload_first_s,
-                "free_released": free_rel, "free_reloaded": free(), "strategies": rep.by_strategy(),
+                "free_released": free_rel, "free_reloaded": free_rl, "strategies": rep.by_strategy(),
                 "release_barrier_s": rep.barrier_seconds, "reload_barrier_s": rl.barrier_seconds,
                 "groups": [(g.name, g.strategy, g.reason, g.bytes) for g in rep.groups]}
 
-    out["cycles_subgroups"] = [cycle(False) for _ in range(cycles)]
-    out["cycles_world"] = [cycle(True) for _ in range(cycles)]
-    soak_rows = []
+    soak_rows: list = []
+    out["cycles_subgroups"] = []
+    for _ in range(cycles):
+        out["cycles_subgroups"].append(cycle(False))
+    out["cycles_world"] = []
+    for _ in range(cycles):
+        out["cycles_world"].append(cycle(True))
     for _ in range(soak):
         c = cycle(True)
         soak_rows.append([c["free_reloaded"], len(c10d._world.pg_map), c["release_s"], c["reload_first_s"]])
@@ -198,5 +220,10 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     if gpu:
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()[:3]))
     out["torch"] = torch.__version__
+    progress(f"rank {rank}: destroy_process_group")
     dist.destroy_process_group()
     return out
+
+
+def _mib(b) -> str:
+    return "n/a" if b is None else f"{b / (1 << 20):.0f} MiB"
