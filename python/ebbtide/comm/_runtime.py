@@ -283,7 +283,13 @@ class Runtime:
     def user_destroyed(self, g: ReloadableGroup, how: str) -> None:
         """dist.destroy_process_group reached a wrapper: tear its inner down and forget the group."""
         with self.lock:
-            inner = g._ebt_inner or g._ebt_held
+            if g is self.world:
+                # c10d is destroying every group and will clear its registries. Children first (reverse journal
+                # order, as c10d shuts groups down), then WORLD they were split from; start over at the next init.
+                for e in reversed(self.journal):
+                    if e.group is not None and e.group is not g and not e.group._ebt_destroyed:
+                        self.user_destroyed(e.group, how)
+            inner = g._ebt_inner if g._ebt_inner is not None else g._ebt_held
             g._ebt_inner, g._ebt_held, g._ebt_destroyed = None, None, True
             self.inner_to_wrapper.pop(inner, None)
             if inner is not None:
@@ -292,10 +298,6 @@ class Runtime:
                 except Exception as e:  # destroying is best effort, as in c10d
                     log.warning("ebbtide.comm: %s of group %s failed: %s", how, g._ebt_name, e)
             if g is self.world:
-                # c10d is destroying every group and will clear its registries; start over at the next init.
-                for e in self.journal:
-                    if e.group is not None and e.group is not g and not e.group._ebt_destroyed:
-                        self.user_destroyed(e.group, how)
                 self._reset_journal()
 
     def _adopt_existing_world(self) -> None:

@@ -3,9 +3,11 @@ the comm tests and the comm benchmark (process groups are process-global state, 
 interpreters).
 
 Contract (fail fast, never hang silently):
-- Each rank logs to ``<logdir>/<run>/rank<r>.log`` and to its stderr, line-buffered and flushed: its progress
-  lines (:func:`progress`), the ``ebbtide.comm`` logger at DEBUG (every release/reload step), its traceback on
-  failure, and Python stacks of all its threads when it crashes (faulthandler) or when the parent asks (SIGUSR1).
+- Each rank logs to ``<logdir>/<run>/rank<r>.log``, line-buffered and flushed: its progress lines
+  (:func:`progress`), the ``ebbtide.comm`` logger at DEBUG (every release/reload step), its traceback on failure,
+  and Python stacks of all its threads when it crashes (faulthandler) or when the parent asks (SIGUSR1). The rank's
+  file descriptors 1 and 2 go to ``rank<r>.out`` (torch's C++ warnings, the NCCL watchdog, ``NCCL_DEBUG`` output),
+  which also gets a copy of every progress line.
   ``<logdir>`` is ``$EBBTIDE_COMM_LOGDIR`` (a GPU job sets it to its output folder) or a kept temporary folder;
   the error message names it.
 - The parent polls. At the deadline, or ``grace`` seconds after the first rank failed (its peers are then usually
@@ -84,6 +86,10 @@ def _entry(rank: int, world: int, init: str, rundir: str, module: str, fn: str, 
     _T0 = time.monotonic()
     sys.path[:0] = path
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    native = os.open(os.path.join(rundir, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(native, 1)  # native code writes to the fds, not to sys.stdout/sys.stderr
+    os.dup2(native, 2)
+    os.close(native)
     _RANK_LOG = open(os.path.join(rundir, f"rank{rank}.log"), "a", buffering=1)
     # Native crashes and the parent's SIGUSR1 dump every thread's Python stack into the log (raw fd writes).
     faulthandler.enable(file=_RANK_LOG, all_threads=True)
@@ -167,6 +173,7 @@ def run(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: float
     t0 = time.monotonic()
     deadline = t0 + timeout
     first_fail: tuple[int, float] | None = None
+    alive: list[int] = []
     why_stopped = ""
     try:
         for p in procs:
@@ -204,13 +211,15 @@ def run(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: float
                 why = f"had not finished ({why_stopped}); killed. Last progress: {_last_progress(lpath)}"
             else:
                 why = f"died without a report (exit code {procs[r].exitcode})"
-            errors.append(f"rank {r}: {why}\n  log tail ({lpath}):\n{_tail(lpath, tail)}")
+            errors.append(f"rank {r}: {why}\n  log tail ({lpath}):\n{_tail(lpath, tail)}\n"
+                          f"  native output tail ({lpath[:-4]}.out):\n{_tail(lpath[:-4] + '.out', tail // 4)}")
             results.append(None)
             continue
         with open(rpath) as f:
             rec = json.load(f)
         if not rec["ok"]:
-            errors.append(f"rank {r}:\n{rec['error']}")
+            errors.append(f"rank {r}:\n{rec['error']}\n  native output tail ({lpath[:-4]}.out):\n"
+                          f"{_tail(lpath[:-4] + '.out', tail // 4)}")
         results.append(rec.get("result"))
     elapsed = time.monotonic() - t0
     progress(f"spawn {fn}: done in {elapsed:.1f} s, {len(errors)} rank(s) failed")

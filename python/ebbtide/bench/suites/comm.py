@@ -95,6 +95,8 @@ def run(ctx):
         runs += [(n, "flat"), (n, "megatron")]
     for world, kind in runs:
         ctx.progress(f"comm: {kind} topology on {world} GPUs, {soak}-cycle soak")
-        res = _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios", timeout=590, kind=kind,
-                         cycles=3, soak=soak)
+        # A deadline inside one 10-minute device command; a failing rank stops its peers within seconds, and
+        # hung ranks' stacks land in $EBBTIDE_COMM_LOGDIR (see ebbtide.comm._spawn).
+        res = _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios",
+                         timeout=240 if ctx.quick else 540, kind=kind, cycles=3, soak=soak)
         yield from _rows(res, f"{world} GPUs {kind}", soak)
