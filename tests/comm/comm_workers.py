@@ -478,3 +478,31 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
            "same_inner": g.inner is before, "calls": calls, "reason": rl.groups[0].reason}
     dist.destroy_process_group()
     return out
+
+
+def teardown_order(rank, world, init):
+    """release() tears groups down children first, WORLD last (reverse journal order, as c10d's
+    destroy_process_group does): with a device-bound WORLD every subgroup is an ncclCommSplit child of WORLD."""
+    import ebbtide.comm._runtime as R
+
+    order = []
+    real = R._teardown
+
+    def recording(inner, how):
+        order.append(inner.group_name)
+        real(inner, how)
+
+    R._teardown = recording
+    _init(rank, world, init)
+    names = [dist.group.WORLD.group_name]
+    for _ in range(3):
+        g = dist.new_group(list(range(world)))
+        _expect_sum(g, list(range(world)), rank)
+        names.append(g.group_name)
+    rep = comm.release(True, include_cpu=True)
+    assert [x.name for x in rep.groups] == names, (rep.groups, names)  # the report stays in journal order
+    comm.reload()
+    for g in (dist.group.WORLD,):
+        _expect_sum(g, list(range(world)), rank)
+    dist.destroy_process_group()
+    return {"order": order, "names": names}

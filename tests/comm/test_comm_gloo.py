@@ -66,3 +66,9 @@ def test_failed_suspend_makes_every_member_rebuild():
     for r in res:
         assert r["reload"] == ["destroy"] and not r["same_inner"], r  # both rebuilt
     assert res[0]["calls"] == ["suspend"] and "could not suspend" in res[0]["reason"], res[0]
+
+
+def test_teardown_children_before_world():
+    res = _spawn.run("teardown_order", 2)
+    for r in res:
+        assert r["order"] == list(reversed(r["names"])), r

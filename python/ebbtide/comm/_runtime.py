@@ -53,6 +53,7 @@ from ..errors import InvalidArgumentError, StateError
 from . import _strategy as S
 from ._control import ControlPlane
 from ._group import ReloadableGroup
+from ._registry import _forget_registration, _global_ranks, _move_registration, _register_native
 from ._report import GroupReport, Report, device_free_bytes
 
 log = logging.getLogger("ebbtide.comm")
@@ -348,9 +349,7 @@ class Runtime:
                 g._ebt_inner, g._ebt_released_by = None, "pending"
             # 2. Drain outstanding device work (NCCL kernels run on internal streams; a device sync covers them).
             log.debug("ebbtide.comm: release: detached %s", [e.group._ebt_name for e in detached])
-            if any(_has_accelerator(e.group) for e in detached):
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize()
+            _drain([e.group for e in detached if _has_accelerator(e.group)])
             log.debug("ebbtide.comm: release: drained; agreeing on the control plane")
             # 3. Agree: same journal, same options; each group's strategy is the weakest of its members' choices.
             payload = {"journal": self._journal_hash(), "opts": [include_world, include_cpu],
@@ -668,6 +667,20 @@ def _facts(g: ReloadableGroup, tv, nv, cumem, split_share_env: bool, include_cpu
                    cumem=cumem, split_share=split_share, comm_initialized=initialized, include_cpu=include_cpu)
 
 
+def _drain(groups: list) -> None:
+    """Wait for the device work of these groups: a synchronize of every device they are bound to, and of the
+    current device (where unbound groups run). A bare ``torch.cuda.synchronize()`` covers the current device
+    only, so a group bound to another device would still have kernels running while it is torn down."""
+    if not groups:
+        return
+    devices = {g.bound_device_id for g in groups if g.bound_device_id is not None}
+    with contextlib.suppress(Exception):
+        devices.add(torch.device("cuda", torch.cuda.current_device()))
+    for dev in devices:
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(dev)
+
+
 def _suspend_backend(inner: ProcessGroup) -> None:
     """Native suspend (torch >= 2.12: ``ncclCommSuspend(NCCL_SUSPEND_MEM)``): collective over the group's ranks,
     keeps connections and virtual addresses, frees the dynamic buffers."""
@@ -726,51 +739,6 @@ def _connect(inner: ProcessGroup, g: ReloadableGroup) -> bool:
         log.warning("ebbtide.comm: eager connect of group %s failed (%s); it connects on first use", g._ebt_name, e)
         return False
     return True
-
-
-def _global_ranks(g: ReloadableGroup) -> list[int]:
-    m = c10d._world.pg_group_ranks.get(g)
-    return sorted(m, key=m.get) if m else []
-
-
-_WORLD_DICTS = ("pg_map", "pg_names", "pg_backend_config", "pg_to_tag", "pg_group_ranks", "pg_coalesce_state")
-
-
-def _move_registration(inner: ProcessGroup, wrapper: ReloadableGroup) -> None:
-    """Put the wrapper where c10d registered the inner (same name, tag, store, ranks); the native name registry
-    keeps pointing at the inner (functional collectives run on it directly)."""
-    w = c10d._world
-    for attr in _WORLD_DICTS:
-        d = getattr(w, attr, None)
-        if d is not None and inner in d:
-            d[wrapper] = d.pop(inner)
-    for pgs in w.tags_to_pg.values():
-        for i, pg in enumerate(pgs):
-            if pg is inner:
-                pgs[i] = wrapper
-    if w.default_pg is inner:
-        w.default_pg = wrapper
-
-
-def _forget_registration(pg: ProcessGroup, name: str) -> None:
-    """Remove a temporary rebuild group from every c10d registry (the wrapper stays the registered one)."""
-    w = c10d._world
-    for attr in _WORLD_DICTS:
-        d = getattr(w, attr, None)
-        if d is not None:
-            d.pop(pg, None)
-    for tag in list(w.tags_to_pg):
-        w.tags_to_pg[tag] = [x for x in w.tags_to_pg[tag] if x is not pg]
-        if not w.tags_to_pg[tag]:
-            del w.tags_to_pg[tag]
-    with contextlib.suppress(Exception):
-        c10d._unregister_process_group(name)
-
-
-def _register_native(name: str, pg: ProcessGroup) -> None:
-    with contextlib.suppress(Exception):
-        c10d._unregister_process_group(name)
-    c10d._register_process_group(name, pg)
 
 
 # ---- replacements installed into torch.distributed modules ------------------------------------------------------
