@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-_BACKSTOP_S = 30
+_BACKSTOP_S = 20
 
 
 def pytest_collection_modifyitems(config, items):
