@@ -34,3 +34,11 @@ def native_write(rank, world, init):
     os.write(1, f"fd1 from rank {rank}\n".encode())  # as a C library writes: below Python's sys.stdout
     os.write(2, f"fd2 from rank {rank}\n".encode())
     return {}
+
+
+def returns_then_hangs_at_exit(rank, world, init):
+    """The result is written, then the process does not exit (as a native destructor stuck at exit would)."""
+    import threading
+
+    threading.Thread(target=_stuck_in_a_collective, daemon=False).start()  # joined at interpreter shutdown
+    return {"rank": rank}

@@ -174,6 +174,7 @@ def run(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: float
     deadline = t0 + timeout
     first_fail: tuple[int, float] | None = None
     alive: list[int] = []
+    all_reported: float | None = None
     why_stopped = ""
     try:
         for p in procs:
@@ -187,6 +188,15 @@ def run(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: float
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
                     first_fail = (failed[0], now)
+            reported = [r for r in range(world) if os.path.exists(os.path.join(rundir, f"rank{r}.json"))]
+            if len(reported) == world and all_reported is None:
+                all_reported = now
+            if all_reported is not None and now >= all_reported + grace:
+                # Every rank returned its result but some process does not exit (a native destructor at exit):
+                # nothing is lost by stopping it; say so without failing the run.
+                progress(f"spawn {fn}: ranks {alive} reported but did not exit within {grace:.0f} s; stopping them")
+                _stop(procs, alive, rundir)
+                break
             if now >= deadline:
                 why_stopped = f"deadline of {timeout:.0f} s reached"
             elif first_fail is not None and now >= first_fail[1] + grace:
