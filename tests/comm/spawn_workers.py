@@ -24,16 +24,12 @@ def all_hang(rank, world, init):
 
 
 def ok(rank, world, init, value=0):
-    progress(f"rank {rank}: ok")
-    return {"rank": rank, "value": value}
-
-
-def native_write(rank, world, init):
     import os
 
+    progress(f"rank {rank}: ok")
     os.write(1, f"fd1 from rank {rank}\n".encode())  # as a C library writes: below Python's sys.stdout
     os.write(2, f"fd2 from rank {rank}\n".encode())
-    return {}
+    return {"rank": rank, "value": value}
 
 
 def returns_then_hangs_at_exit(rank, world, init):

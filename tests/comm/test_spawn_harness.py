@@ -18,18 +18,21 @@ def test_results_and_logs(tmp_path, monkeypatch):
     (rundir,) = [p for p in tmp_path.iterdir() if p.name.startswith("ok-")]
     log = (rundir / "rank1.log").read_text()
     assert "rank 1: ok" in log and "rank 1: finished" in log, log
+    # What native code writes to fds 1/2 (torch's C++ warnings, NCCL_DEBUG) lands in rank<r>.out.
+    out = (rundir / "rank1.out").read_text()
+    assert "fd2 from rank 1" in out and "fd1 from rank 1" in out, out
 
 
 def test_failure_stops_peers_after_grace(tmp_path, monkeypatch):
     monkeypatch.setenv("EBBTIDE_COMM_LOGDIR", str(tmp_path))
     t0 = time.monotonic()
     with pytest.raises(AssertionError) as ei:
-        comm_spawn.run("one_fails_one_hangs", 2, module="spawn_workers", timeout=60, grace=2)
+        comm_spawn.run("one_fails_one_hangs", 2, module="spawn_workers", timeout=60, grace=1)
     took = time.monotonic() - t0
     msg = str(ei.value)
     assert took < 30, took  # not the 60 s deadline
     assert "injected failure on rank 0" in msg, msg
-    assert "rank 1: had not finished (still running 2 s after rank 0 failed" in msg, msg
+    assert "rank 1: had not finished (still running 1 s after rank 0 failed" in msg, msg
     assert "Last progress: [ebt-comm" in msg and "rank 1: entering the collective" in msg, msg
     assert "_stuck_in_a_collective" in msg, msg  # the faulthandler stack dump reached the log tail
     assert str(tmp_path) in msg
@@ -39,12 +42,12 @@ def test_hang_stops_at_deadline_with_stacks(tmp_path, monkeypatch):
     monkeypatch.setenv("EBBTIDE_COMM_LOGDIR", str(tmp_path))
     t0 = time.monotonic()
     with pytest.raises(AssertionError) as ei:
-        comm_spawn.run("all_hang", 2, module="spawn_workers", timeout=5)
+        comm_spawn.run("all_hang", 2, module="spawn_workers", timeout=4)
     took = time.monotonic() - t0
     msg = str(ei.value)
-    assert 5 <= took < 20, took
+    assert 4 <= took < 20, took
     for r in (0, 1):
-        assert f"rank {r}: had not finished (deadline of 5 s reached)" in msg, msg
+        assert f"rank {r}: had not finished (deadline of 4 s reached)" in msg, msg
     (rundir,) = [p for p in tmp_path.iterdir() if p.name.startswith("all_hang-")]
     for r in (0, 1):
         log = (rundir / f"rank{r}.log").read_text()
@@ -52,19 +55,10 @@ def test_hang_stops_at_deadline_with_stacks(tmp_path, monkeypatch):
     assert not any(n.endswith(".json") for n in os.listdir(rundir))
 
 
-def test_native_output_is_kept(tmp_path, monkeypatch):
-    """What native code writes to fds 1/2 (torch's C++ warnings, NCCL_DEBUG) lands in rank<r>.out."""
-    monkeypatch.setenv("EBBTIDE_COMM_LOGDIR", str(tmp_path))
-    comm_spawn.run("native_write", 2, module="spawn_workers")
-    (rundir,) = [p for p in tmp_path.iterdir() if p.name.startswith("native_write-")]
-    out = (rundir / "rank1.out").read_text()
-    assert "fd2 from rank 1" in out and "fd1 from rank 1" in out, out
-
-
 def test_reported_but_stuck_at_exit_is_not_a_failure(tmp_path, monkeypatch):
     monkeypatch.setenv("EBBTIDE_COMM_LOGDIR", str(tmp_path))
     t0 = time.monotonic()
-    res = comm_spawn.run("returns_then_hangs_at_exit", 2, module="spawn_workers", timeout=60, grace=2)
+    res = comm_spawn.run("returns_then_hangs_at_exit", 2, module="spawn_workers", timeout=60, grace=1)
     took = time.monotonic() - t0
     assert res == [{"rank": 0}, {"rank": 1}]
-    assert 2 <= took < 30, took  # waited the grace, not the deadline
+    assert 1 <= took < 30, took  # waited the grace, not the deadline

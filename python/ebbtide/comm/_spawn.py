@@ -148,7 +148,7 @@ def _stop(procs, alive: list[int], rundir: str) -> None:
             os.kill(procs[r].pid, signal.SIGUSR1)
         except OSError:
             pass
-    time.sleep(2.0)
+    time.sleep(1.0)  # faulthandler writes from the signal handler at once; this is only for the disk
     for r in alive:
         procs[r].kill()
     for r in alive:
