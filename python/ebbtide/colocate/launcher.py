@@ -54,6 +54,7 @@ class RunConfig:
     verify_len: int = 64
     timeout_s: int = 900
     out: str = "colocate-out"
+    device: str = "cuda"
 
     def validate(self) -> "RunConfig":
         self.model.validate()
@@ -80,6 +81,11 @@ class RunConfig:
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad or not self.variants or len(set(self.variants)) != len(self.variants):
             raise InvalidArgumentError(f"variants must be distinct names from {VARIANTS}, got {self.variants!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.device == "cpu" and self.variants != ("ebbtide",):
+            raise InvalidArgumentError("device 'cpu' (the orchestration check) runs the ebbtide variant only: "
+                                       "pass --variants ebbtide")
         if self.scratch_backup not in ("cpu", "none"):
             raise InvalidArgumentError(f"scratch_backup must be 'cpu' or 'none', got {self.scratch_backup!r}")
         return self
@@ -89,7 +95,7 @@ class RunConfig:
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
                 "seed": self.seed, "scratch_backup": self.scratch_backup, "verify_batch": self.verify_batch,
-                "verify_len": self.verify_len, "timeout_s": self.timeout_s}
+                "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -111,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=d.new_tokens)
     p.add_argument("--kv-reserve-gb", type=float, default=d.kv_reserve_gb,
                    help="extra KV-cache pool the rollout holds (as an engine would), paused with it")
+    p.add_argument("--verify-batch", type=int, default=d.verify_batch, help="prompts of the logits check")
+    p.add_argument("--verify-len", type=int, default=d.verify_len, help="tokens per prompt of the logits check")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--variants", default=",".join(d.variants), help="comma list of: ebbtide, anchor")
@@ -118,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="what the rollout's default tag (untagged allocations) keeps across a pause")
     p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
     p.add_argument("--out", default=d.out, help="directory for results.json, timeline.png and logs")
+    p.add_argument("--device", default=d.device, choices=("cuda", "cpu"),
+                   help="cpu: check the orchestration without a GPU (no pause/resume, no NVML; ranks use Gloo)")
     return p
 
 
@@ -130,7 +140,8 @@ def parse_args(argv=None) -> RunConfig:
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
     kw = {k: getattr(a, k) for k in ("gpus", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
                                      "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "timeout_s",
-                                     "out")}
+                                     "verify_batch", "verify_len",
+                                     "out", "device")}
     if a.quick:
         q = quick_overrides()
         for k, v in q.items():
@@ -177,7 +188,8 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
         logf = open(logp, "w")  # noqa: SIM115 (closed below)
         procs.append((r, subprocess.Popen([sys.executable, "-m", "ebbtide.colocate.trainer", spec, res], env=env,
                                           stdout=logf, stderr=subprocess.STDOUT), res, logp, logf))
-    log(f"colocate: {variant} on {cfg.gpus} GPU(s), logs in {cfg.out}/{variant}-rank*.log")
+    where = f"{cfg.gpus} GPU(s)" if cfg.device == "cuda" else f"{cfg.gpus} CPU rank(s)"
+    log(f"colocate: {variant} on {where}, logs in {cfg.out}/{variant}-rank*.log")
     deadline = time.monotonic() + cfg.timeout_s
     ranks, failed = [], []
     for r, p, res, logp, logf in procs:
@@ -206,8 +218,12 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
 def _checks(ranks: list[dict], warmup: int) -> dict:
     verify = [v for r in ranks for v in r.get("checks", {}).get("verify", [])]
     growth = [growth_check(r.get("memory", []), warmup) for r in ranks]
+    by_step: dict = {}
+    for v in verify:
+        by_step.setdefault(v["step"], set()).add(v.get("trainer_weights_digest"))
     return {
         "correct": all(v["ok"] for v in verify) if verify else None,
+        "ranks_in_sync": all(len(d) == 1 for d in by_step.values()) if len(ranks) > 1 and by_step else None,
         "verify": verify,
         "no_growth": all(g["ok"] for g in growth) if all(g["ok"] is not None for g in growth) else None,
         "growth": [{k: g.get(k) for k in ("ok", "growth_bytes", "tolerance", "phase", "why")} for g in growth],
@@ -240,7 +256,7 @@ def run(cfg: RunConfig, log=print) -> dict:
     import torch  # noqa: PLC0415
 
     have = torch.cuda.device_count()
-    if have < cfg.gpus:
+    if cfg.device == "cuda" and have < cfg.gpus:
         raise InvalidArgumentError(f"--gpus {cfg.gpus} but {have} CUDA device(s) are visible")
     results = {"config": dataclasses.asdict(cfg), "variants": {}}
     for variant in cfg.variants:

@@ -86,6 +86,12 @@ class NvmlProbe:
         except Exception as e:  # noqa: BLE001
             self.why = f"NVML unavailable: {type(e).__name__}: {e}"
 
+    @classmethod
+    def unavailable(cls, why: str) -> "NvmlProbe":
+        probe = cls.__new__(cls)
+        probe.why, probe._nvml, probe._h, probe.roles = why, None, None, {}
+        return probe
+
     @property
     def ok(self) -> bool:
         return self._h is not None
@@ -270,8 +276,10 @@ def _check_lines(ck: dict) -> list:
     if not ck:
         return []
     out = [f"check correctness (rollout after sync == trainer's weights dequantized): {ck.get('correct')}"]
+    if ck.get("ranks_in_sync") is not None:
+        out.append(f"check data-parallel ranks hold the same weights at each verified step: {ck['ranks_in_sync']}")
     for e in ck.get("verify", []):
-        out.append(f"  step {e['step']}: weights bitwise equal {e['weights_bitwise_equal']}"
+        out.append(f"  rank {e.get('rank', 0)} step {e['step']}: weights bitwise equal {e['weights_bitwise_equal']}"
                    f"{' (mismatch: ' + ', '.join(e['mismatching_weights']) + ')' if e['mismatching_weights'] else ''}"
                    f", logits bitwise equal {e['logits_bitwise_equal']}, max |diff| {e['logits_max_abs_diff']:.3g} "
                    f"(atol {e['logits_atol']}); cached decode vs full forward max |diff| "
@@ -296,11 +304,13 @@ def plot_timeline(results: dict, path: str) -> str:
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
         return "matplotlib not installed"
+    warmup = results.get("config", {}).get("warmup", 0)
     lanes = []
     for n, info in results["variants"].items():
         ranks = info.get("ranks") or []
-        if ranks:
-            lanes.append((n, ranks[0]["phases"]))
+        phases = [p for p in (ranks[0].get("phases", []) if ranks else []) if p["step"] >= warmup]
+        if phases:
+            lanes.append((n, phases))
     if not lanes:
         return "nothing measured"
     fig, axes = plt.subplots(len(lanes), 1, figsize=(12, 1.8 + 1.3 * len(lanes)), squeeze=False)
@@ -310,7 +320,9 @@ def plot_timeline(results: dict, path: str) -> str:
             y = 0 if p["phase"] in ROLLOUT_PHASES else 1
             ax.broken_barh([(p["t0"] - t_start, p["s"])], (y + 0.1, 0.8), color=_COLORS.get(p["phase"], "k"))
         ax.set_yticks([0.5, 1.5], ["rollout", "trainer"])
-        ax.set_title(n, loc="left", fontsize=10)
+        step_s = (results["variants"][n].get("summary") or {}).get("step_s")
+        ax.set_title(f"{n} (rank 0, steps after warm-up; median step {step_s * 1e3:.1f} ms; gaps: untimed checks "
+                     f"and memory sampling)" if step_s else n, loc="left", fontsize=9)
         ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
     fig.legend(handles, list(_COLORS), ncol=5, loc="lower center", fontsize=8)

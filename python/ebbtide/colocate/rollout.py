@@ -46,11 +46,16 @@ class _Rollout:
     def __init__(self, spec: dict):
         self.spec = spec
         self.variant = spec["variant"]
-        self.dev = torch.device("cuda", spec["device"])
-        torch.cuda.set_device(self.dev)
+        self.cuda = spec["device"] != "cpu"
+        self.dev = torch.device("cuda", spec["device"]) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.dev)
         self.cfg = ModelConfig(**spec["model"])
         self.codec = "ebbtide" if self.variant == "ebbtide" else "torch"
-        if self.variant == "ebbtide":
+        self.em = self.tms = None
+        if not self.cuda:  # the orchestration check without a GPU: nothing to pause
+            region = lambda tag: contextlib.nullcontext()  # noqa: E731
+        elif self.variant == "ebbtide":
             import ebbtide.memory as em  # noqa: PLC0415
 
             if em.hook_mode() != "preload":
@@ -75,18 +80,24 @@ class _Rollout:
             self.reserve = torch.empty(extra, dtype=torch.uint8, device=self.dev) if extra else None
         with region("sync_staging"):
             self.staging = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.dev)
-        self.buffer = SharedHostBuffer(spec["buf_fd"], spec["buf_bytes"], pin=True)
+        self.buffer = SharedHostBuffer(spec["buf_fd"], spec["buf_bytes"], pin=self.cuda)
         self.prompts = prompts(self.cfg, B, P, spec["seed"] + 7, self.dev)
         self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, self.dev)
-        torch.cuda.synchronize()
+        self._sync()
         self.info = {"pid": os.getpid(), "weights_bytes": 2 * self.cfg.n_params(),
                      "kv_cache_bytes": self.cache.nbytes + extra, "staging_bytes": self.layout.nbytes,
-                     "hook_mode": self.em.hook_mode() if self.variant == "ebbtide" else "tms-torch"}
+                     "hook_mode": self.em.hook_mode() if self.em else "tms-torch" if self.tms else "none (cpu)"}
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
 
     # ---- commands --------------------------------------------------------------------------------------------
     def pause(self):
-        torch.cuda.synchronize()
-        if self.variant == "ebbtide":
+        self._sync()
+        if not self.cuda:
+            return {}
+        if self.em:
             torch.cuda.empty_cache()  # cached scratch blocks go back now instead of being paused
             rep = self.em.pause()
             return {"bytes": rep.bytes_copied, "bytes_released": rep.bytes, "driver_delta": rep.driver_delta}
@@ -95,7 +106,9 @@ class _Rollout:
         return {}
 
     def resume(self):
-        if self.variant == "ebbtide":
+        if not self.cuda:
+            return {}
+        if self.em:
             rep = self.em.resume()
             return {"bytes": rep.bytes_copied, "bytes_mapped": rep.bytes}
         self.tms.resume()
@@ -105,7 +118,7 @@ class _Rollout:
         n = unpack(self.model, self.layout, self.buffer.tensor, self.codec, self.staging)
         out = {"bytes": n}
         if verify:
-            torch.cuda.synchronize()
+            self._sync()
             out["logits"] = self.model(self.verify_tokens)[:, -1].float().cpu().tolist()
             out["digests"] = weight_digests(dict(self.model.named_parameters()))
         return out
@@ -120,7 +133,7 @@ class _Rollout:
         return out
 
     def self_memory(self) -> dict:
-        if self.variant == "ebbtide":
+        if self.em:
             return {"rollout": sum(r["bytes_active"] for r in self.em.stats()["tags"])}
         return {}
 
@@ -149,7 +162,7 @@ def serve(conn, spec: dict) -> int:
                 raise ValueError(f"unknown command {cmd!r}")
             t0 = time.perf_counter()
             out = getattr(r, cmd)(**msg.get("args", {}))
-            torch.cuda.synchronize()
+            r._sync()
             out["inside_s"] = time.perf_counter() - t0
             out["mem"] = r.self_memory()
             conn.send({"ok": True, **out})

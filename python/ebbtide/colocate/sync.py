@@ -111,6 +111,8 @@ class SharedHostBuffer:
 
     @classmethod
     def create(cls, nbytes: int, *, pin: bool) -> "SharedHostBuffer":
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgumentError(f"shared buffer size must be a positive int, got {nbytes!r}")
         fd = os.memfd_create("ebbtide-colocate-sync", 0)  # no MFD_CLOEXEC: the rollout inherits it (pass_fds)
         os.ftruncate(fd, nbytes)
         return cls(fd, nbytes, pin=pin)

@@ -18,9 +18,12 @@ Policies:
   its logits and per-weight digests after the load.
 - Results (phases, memory samples, checks, setup) go to the output JSON; any failure writes the traceback there
   too and exits non-zero, after asking the rollout to exit.
+- ``device="cpu"`` (variant "ebbtide" only) runs the same processes, sync, decode and checks on the CPU with Gloo
+  and without memory pause/resume or NVML: how the orchestration is tested on machines without a GPU.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -121,7 +124,10 @@ class _Comm:
 
             self.comm = comm
             comm.install()
-            dist.init_process_group("nccl", device_id=dev, timeout=timedelta(minutes=10))
+            if dev.type == "cuda":
+                dist.init_process_group("nccl", device_id=dev, timeout=timedelta(minutes=10))
+            else:
+                dist.init_process_group("gloo", timeout=timedelta(minutes=10))
         else:
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timedelta(minutes=10))
@@ -138,7 +144,7 @@ class _Comm:
 
     def release(self) -> dict:
         if self.variant == "ebbtide":
-            rep = self.comm.release(include_world=True)
+            rep = self.comm.release(include_world=True, include_cpu=self.dev.type == "cpu")
             return {"report": rep.summary()}
         self.dist.destroy_process_group()
         return {}
@@ -160,25 +166,32 @@ class _Comm:
 class _Trainer:
     def __init__(self, spec: dict, rank: int, world: int):
         self.spec, self.rank, self.world, self.variant = spec, rank, world, spec["variant"]
-        self.dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(self.dev)
+        self.cuda = spec.get("device", "cuda") == "cuda"
+        if self.cuda:
+            self.dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(self.dev)
+        else:
+            self.dev = torch.device("cpu")
         self.cfg = ModelConfig(**spec["model"])
         self.codec = "ebbtide" if self.variant == "ebbtide" else "torch"
         self.rec = Recorder()
         self.checks: dict = {"verify": []}
         self.setup: dict = {"variant": self.variant, "rank": rank, "world": world,
-                            "device_name": torch.cuda.get_device_name(self.dev), "torch": torch.__version__,
-                            "pid": os.getpid()}
+                            "device_name": torch.cuda.get_device_name(self.dev) if self.cuda else "cpu",
+                            "torch": torch.__version__, "pid": os.getpid()}
         torch.zeros(1, device=self.dev)  # the CUDA context
-        props = torch.cuda.get_device_properties(self.dev)
-        self.nvml = NvmlProbe(uuid=str(getattr(props, "uuid", "") or ""), index=self.dev.index)
+        if self.cuda:
+            props = torch.cuda.get_device_properties(self.dev)
+            self.nvml = NvmlProbe(uuid=str(getattr(props, "uuid", "") or ""), index=self.dev.index)
+        else:
+            self.nvml = NvmlProbe.unavailable("device is cpu")
         self.setup["nvml"] = self.nvml.why or "ok"
         self.nvml.claim("trainer")
         self.setup["context_bytes"] = self._sample(-1, "context")["nvml"].get("trainer")
         self.comm = _Comm(self.variant, rank, world, self.dev) if world > 1 else None
         self._build_model()
         self.layout = SyncLayout.of_model(self.model)
-        self.buffer = SharedHostBuffer.create(self.layout.nbytes, pin=True)
+        self.buffer = SharedHostBuffer.create(self.layout.nbytes, pin=self.cuda)
         self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, self.dev)
         self.rollout = self._start_rollout()
         self.nvml.claim("rollout")
@@ -198,8 +211,10 @@ class _Trainer:
             # DP: grads are all-reduced before the step, so downloads may not start during backward
             self.opt = OffloadedAdam(self.model.parameters(), lr=s["lr"], weight_decay=0.1, mode="fast",
                                      overlap_with_backward=self.world == 1)
-            retag_offloaded_adam(self.opt, lambda: em.region("weights", backup="cpu"), lambda: em.region("grads"))
-            torch.cuda.empty_cache()  # the construction-time buffers in the default pool go back
+            if self.cuda:
+                retag_offloaded_adam(self.opt, lambda: em.region("weights", backup="cpu"),
+                                     lambda: em.region("grads"))
+                torch.cuda.empty_cache()  # the construction-time buffers in the default pool go back
             self.setup["optimizer"] = f"OffloadedAdam(isa={self.opt.isa}, threads={self.opt.threads})"
         else:
             from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
@@ -218,20 +233,20 @@ class _Trainer:
         s = self.spec
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
                                   "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s")}
-        spec.update(device=self.dev.index, buf_bytes=self.layout.nbytes)
+        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes)
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        if self.variant == "ebbtide":
+        if self.variant == "ebbtide" and self.cuda:
             env = self.em.preload_env(env, default_tag="rollout_scratch", default_backup=s["scratch_backup"])
         return _RolloutClient(spec, env, self.buffer.fd)
 
     # ---- measurement -----------------------------------------------------------------------------------------
     def _sample(self, step: int, phase: str, rollout_mem: dict | None = None) -> dict:
         m = self.nvml.sample()
-        if m.get("device_used") is None:
+        if m.get("device_used") is None and self.cuda:
             free, total = torch.cuda.mem_get_info(self.dev)
             m["device_used"] = total - free
         selfm = dict(rollout_mem or {})
-        if self.variant == "ebbtide":
+        if self.variant == "ebbtide" and self.cuda:
             selfm["trainer"] = (sum(r["bytes_active"] for r in self.em.stats()["tags"])
                                 + torch.cuda.memory_reserved(self.dev) - self._region_reserved())
         m["self"] = selfm
@@ -272,8 +287,12 @@ class _Trainer:
                     p.copy_(m.detach().to(torch.bfloat16))
                     p.grad = None
             moved = 2 * 2 * sum(p.numel() for p in self.params)
-        torch.cuda.synchronize(self.dev)
+        self._sync()
         return {"loss": float(loss.item()), "bytes": moved}
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
 
     @torch.no_grad()
     def _reference(self) -> dict:
@@ -294,8 +313,9 @@ class _Trainer:
         logits = torch.tensor(got["logits"])
         diff = float((logits - ref["logits"]).abs().max().item())
         ok = not digests_equal and diff <= LOGITS_ATOL
+        whole = hashlib.sha256("".join(ref["digests"][n] for n in sorted(ref["digests"])).encode()).hexdigest()
         self.checks["verify"].append({
-            "step": step, "ok": ok, "weights_bitwise_equal": not digests_equal,
+            "step": step, "rank": self.rank, "ok": ok, "trainer_weights_digest": whole, "weights_bitwise_equal": not digests_equal,
             "mismatching_weights": digests_equal[:8], "logits_bitwise_equal": bool(torch.equal(logits, ref["logits"])),
             "logits_max_abs_diff": diff, "logits_atol": LOGITS_ATOL,
             "decode_vs_full_max_abs": gen.get("decode_vs_full_max_abs"),
@@ -311,12 +331,15 @@ class _Trainer:
             info["bytes"] = pack(self.model, self.layout, self.buffer.tensor, self.codec)
         self._sample(step, "sync_pack")
         with rec.phase(step, "trainer_pause") as info:
-            torch.cuda.synchronize(self.dev)
-            torch.cuda.empty_cache()  # activations and other scratch of the default pool
-            if self.variant == "ebbtide":
+            self._sync()
+            if not self.cuda:
+                pass  # nothing to release on the CPU
+            elif self.variant == "ebbtide":
+                torch.cuda.empty_cache()  # activations and other scratch of the default pool
                 rep = self.em.pause()
                 info.update(bytes=rep.bytes_copied, bytes_released=rep.bytes)
             else:
+                torch.cuda.empty_cache()
                 self.tms.pause()
                 torch.cuda.empty_cache()
         self._sample(step, "trainer_pause")
@@ -328,7 +351,8 @@ class _Trainer:
                                 ("generate", "generate", {"verify": verify}), ("rollout_pause", "pause", {})):
             with rec.phase(step, name) as info:
                 out = R.call(cmd, timeout=self.spec["timeout_s"], **args)
-            info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released")})
+                info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released",
+                                                                   "bytes_mapped")})
             self._sample(step, name, out.get("mem"))
             if cmd == "load":
                 loaded = out
@@ -337,12 +361,14 @@ class _Trainer:
         if verify:
             self._verify(step, ref, loaded, gen)
         with rec.phase(step, "trainer_resume") as info:
-            if self.variant == "ebbtide":
+            if not self.cuda:
+                pass
+            elif self.variant == "ebbtide":
                 rep = self.em.resume()
                 info["bytes"] = rep.bytes_copied
             else:
                 self.tms.resume()
-            torch.cuda.synchronize(self.dev)
+            self._sync()
         self._sample(step, "trainer_resume")
         if self.comm:
             with rec.phase(step, "comm_reload") as info:
