@@ -24,7 +24,7 @@ import sys
 import time
 
 from ..errors import InvalidArgumentError
-from .measure import format_report, growth_check, plot_timeline, summarize
+from .measure import format_report, growth_check, nvml_all_pids, plot_timeline, summarize
 from .model import ModelConfig
 
 __all__ = ["RunConfig", "parse_args", "run", "main", "QUICK_MODEL"]
@@ -173,7 +173,10 @@ def _tail(path: str, n: int = 30) -> str:
 def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     """Run one variant on cfg.gpus ranks; returns {"ranks": [...], "failed": [...], ...}."""
     os.makedirs(cfg.out, exist_ok=True)
-    spec = json.dumps(cfg.worker_spec(variant))
+    spec = cfg.worker_spec(variant)
+    spec["baseline_pids"] = [p for p in nvml_all_pids() if p != os.getpid()] if cfg.device == "cuda" else []
+    spec["baseline_pids"].append(os.getpid())  # the launcher itself (the bench runner holds a context)
+    spec = json.dumps(spec)
     port = _free_port()
     procs = []
     base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}

@@ -8,8 +8,9 @@ Policies:
 - Per-step time is the sum of the step's phases (the verification work between phases is excluded); across ranks
   the slowest rank's step counts. Summaries take the median over steps after ``warmup``.
 - GPU memory per process comes from NVML (``nvmlDeviceGetComputeRunningProcesses``). Containers often report host
-  PIDs, so processes are identified by appearance: the PIDs present before the rollout starts are the trainer's,
-  the new one is the rollout's. Each process also reports its own view (torch reserved + ebbtide active bytes).
+  PIDs, so a process NVML does not list under its own PID is identified by appearance: the launcher snapshots the
+  PIDs on every GPU before starting anything ("other"), then each process's PIDs are those that appear right
+  after it made its context. Each process also reports its own view (ebbtide: bytes active in the engine).
 - Growth check: device memory used (NVML, else cudaMemGetInfo) at the end of every step after ``warmup`` must stay
   within ``GROWTH_TOLERANCE`` of the first such step.
 """
@@ -19,7 +20,7 @@ import dataclasses
 import statistics
 import time
 
-__all__ = ["PHASES", "Recorder", "NvmlProbe", "summarize", "growth_check", "format_report", "plot_timeline",
+__all__ = ["PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check", "format_report", "plot_timeline",
            "GROWTH_TOLERANCE"]
 
 # The order of one RL step (issue 8). "comm_*" only run with 2+ GPUs.
@@ -115,9 +116,15 @@ class NvmlProbe:
         except Exception:  # noqa: BLE001
             return None
 
-    def claim(self, role: str, own_pids: set[int] = frozenset()) -> list[int]:
-        """Assign every PID not yet known to ``role`` (call right after that process created its context)."""
-        new = [p for p in self.processes() if p not in self.roles]
+    def assign(self, pids, role: str) -> None:
+        for p in pids:
+            self.roles.setdefault(int(p), role)
+
+    def claim(self, role: str, pid: int | None = None) -> list[int]:
+        """Assign ``pid`` to ``role`` when NVML lists it (same PID namespace); otherwise every PID NVML lists that
+        has no role yet (containers: NVML shows host PIDs; call right after that process made its context)."""
+        procs = self.processes()
+        new = [pid] if pid is not None and pid in procs else [p for p in procs if p not in self.roles]
         for p in new:
             self.roles[p] = role
         return new
@@ -136,6 +143,21 @@ class NvmlProbe:
         if unknown:
             out["nvml_unknown"] = unknown
         return out
+
+
+def nvml_all_pids() -> list[int]:
+    """PIDs with a compute context on any GPU, as NVML reports them ([] without NVML)."""
+    try:
+        import pynvml  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out += [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+        return sorted(set(out))
+    except Exception:  # noqa: BLE001
+        return []
 
 
 # ---- summaries -----------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class _Rollout:
             from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
 
             self.tms = tms
+            tms.hook_mode = "torch"  # its default is preload (LD_PRELOAD of its own shim)
             region = lambda tag: tms.region(tag=tag)  # noqa: E731
         self.layout = SyncLayout.of_model(_shapes_model(self.cfg))
         B, P, N = spec["gen_batch"], spec["prompt_len"], spec["new_tokens"]
@@ -81,8 +82,9 @@ class _Rollout:
         with region("sync_staging"):
             self.staging = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.dev)
         self.buffer = SharedHostBuffer(spec["buf_fd"], spec["buf_bytes"], pin=self.cuda)
-        self.prompts = prompts(self.cfg, B, P, spec["seed"] + 7, self.dev)
-        self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, self.dev)
+        # kept on the CPU and moved per call: device scratch is discarded on pause with --scratch-backup none
+        self.prompts = prompts(self.cfg, B, P, spec["seed"] + 7, "cpu")
+        self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, "cpu")
         self._sync()
         self.info = {"pid": os.getpid(), "weights_bytes": 2 * self.cfg.n_params(),
                      "kv_cache_bytes": self.cache.nbytes + extra, "staging_bytes": self.layout.nbytes,
@@ -119,12 +121,12 @@ class _Rollout:
         out = {"bytes": n}
         if verify:
             self._sync()
-            out["logits"] = self.model(self.verify_tokens)[:, -1].float().cpu().tolist()
+            out["logits"] = self.model(self.verify_tokens.to(self.dev))[:, -1].float().cpu().tolist()
             out["digests"] = weight_digests(dict(self.model.named_parameters()))
         return out
 
     def generate(self, verify: bool = False):
-        seq, last = greedy_decode(self.model, self.prompts, self.spec["new_tokens"], self.cache)
+        seq, last = greedy_decode(self.model, self.prompts.to(self.dev), self.spec["new_tokens"], self.cache)
         out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item())}
         if verify:  # the cached decode's last logits against one full forward over the same sequence
             full = self.model(seq[:, :-1])[:, -1].float()
@@ -180,4 +182,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no teardown of paused pools and registrations: they go with the process
