@@ -11,8 +11,8 @@ import pytest
 
 def _run(tmp_path, gpus: int):
     cmd = [sys.executable, "-m", "ebbtide.colocate", "--quick", "--steps", "4", "--warmup", "1", "--gpus",
-           str(gpus), "--out", str(tmp_path), "--timeout", "900"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=2000)
+           str(gpus), "--out", str(tmp_path), "--timeout", "300"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=800)
     logs = "".join(f"\n--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(tmp_path.glob("*.log")))
     print(p.stdout)  # the table, shown with -s or on failure
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}{logs}"

@@ -2,6 +2,7 @@
 shared buffer, FP8 sync, decode, the checks; 2 ranks through ebbtide.comm on Gloo). Memory pause/resume and NVML
 need a GPU: test_colocate_gpu.py."""
 import json
+import math
 import subprocess
 import sys
 
@@ -64,8 +65,23 @@ def test_the_loop_runs_on_cpu(tmp_path, ranks):
             "trainer_resume"} | ({"comm_release", "comm_reload"} if ranks == 2 else set())
     assert phases == want
     losses = [ph["loss"] for ph in v["ranks"][0]["phases"] if ph["phase"] == "train"]
-    assert len(losses) == 3 and all(x == x for x in losses)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert "step" in p.stdout and "per-phase time" in p.stdout
     if ranks == 2:
         rel = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "comm_release"]
         assert rel and "ebbtide.comm release" in rel[0]["report"]
+
+
+def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():
+    from ebbtide.colocate.launcher import _wait_all
+
+    def spawn(code):
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    procs = [spawn("import sys; sys.exit(3)"), spawn("import time; time.sleep(60)")]
+    killed = _wait_all(procs, timeout=50, grace=1)
+    assert killed == {1: "killed 1 s after rank 0 failed"} and procs[0].returncode == 3
+    procs = [spawn("pass"), spawn("import time; time.sleep(60)")]
+    assert _wait_all(procs, timeout=1) == {1: "timed out after 1 s"}
+    procs = [spawn("pass"), spawn("pass")]
+    assert _wait_all(procs, timeout=50) == {} and all(p.returncode == 0 for p in procs)

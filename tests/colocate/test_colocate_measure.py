@@ -38,9 +38,8 @@ def test_recorder_times_phases_and_refuses_unknown_names():
 
 def test_a_failing_phase_is_not_recorded():
     rec = Recorder()
-    with pytest.raises(RuntimeError):
-        with rec.phase(0, "train"):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), rec.phase(0, "train"):
+        raise RuntimeError("boom")
     assert rec.phases == []
 
 

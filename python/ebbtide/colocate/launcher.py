@@ -170,6 +170,36 @@ def _tail(path: str, n: int = 30) -> str:
         return f"(no log: {e})"
 
 
+PEER_GRACE_S = 60  # after one rank failed, how long the others get to finish before they are killed
+
+
+def _wait_all(procs: list, timeout: float, grace: float = PEER_GRACE_S) -> dict:
+    """Wait for every process; kill the rest at the deadline, or ``grace`` seconds after one exits non-zero (its
+    peers would wait for it in a collective until NCCL's own timeout). Returns {index: why it was killed}."""
+    deadline = time.monotonic() + timeout
+    first_failure = None  # (time, index)
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_failure is None:
+            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                first_failure = (now, bad[0])
+        why = None
+        if now > deadline:
+            why = f"timed out after {timeout} s"
+        elif first_failure is not None and now > first_failure[0] + grace:
+            why = f"killed {grace:.0f} s after rank {first_failure[1]} failed"
+        if why:
+            killed = {}
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    p.kill()
+                    killed[i] = why
+            return killed
+        time.sleep(0.2)
+    return {}
+
+
 def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     """Run one variant on cfg.gpus ranks; returns {"ranks": [...], "failed": [...], ...}."""
     os.makedirs(cfg.out, exist_ok=True)
@@ -193,18 +223,13 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
                                           stdout=logf, stderr=subprocess.STDOUT), res, logp, logf))
     where = f"{cfg.gpus} GPU(s)" if cfg.device == "cuda" else f"{cfg.gpus} CPU rank(s)"
     log(f"colocate: {variant} on {where}, logs in {cfg.out}/{variant}-rank*.log")
-    deadline = time.monotonic() + cfg.timeout_s
+    killed = _wait_all([p for _, p, *_ in procs], cfg.timeout_s)
     ranks, failed = [], []
     for r, p, res, logp, logf in procs:
-        try:
-            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for _, q, *_ in procs:  # one rank stuck: the others are stuck on it
-                if q.poll() is None:
-                    q.kill()
-            rc = p.wait()
-            failed.append({"rank": r, "rc": rc, "why": f"timed out after {cfg.timeout_s} s", "log": _tail(logp)})
+        rc = p.wait()
         logf.close()
+        if r in killed:
+            failed.append({"rank": r, "rc": rc, "why": killed[r], "log": _tail(logp)})
         try:
             with open(res) as f:
                 out = json.load(f)

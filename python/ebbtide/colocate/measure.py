@@ -16,7 +16,6 @@ Policies:
 """
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 

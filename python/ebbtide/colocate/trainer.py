@@ -91,7 +91,15 @@ class _RolloutClient:
     def _recv(self, timeout: float):
         if not self.conn.poll(timeout):
             raise TimeoutError(f"the rollout did not answer within {timeout} s (exit code {self.proc.poll()})")
-        msg = self.conn.recv()
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError) as e:
+            try:
+                rc = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                rc = None
+            raise RuntimeError(f"the rollout process went away ({type(e).__name__}; exit code {rc}); its output "
+                               f"is in this log above") from None
         if not msg.get("ok"):
             raise RuntimeError(f"rollout failed:\n{msg.get('error', msg)}")
         return msg
@@ -171,7 +179,7 @@ class _Trainer:
         self.spec, self.rank, self.world, self.variant = spec, rank, world, spec["variant"]
         self.cuda = spec.get("device", "cuda") == "cuda"
         if self.cuda:
-            self.dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            self.dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", str(rank))))
             torch.cuda.set_device(self.dev)
         else:
             self.dev = torch.device("cpu")
@@ -231,9 +239,9 @@ class _Trainer:
 
             self.tms = tms
             tms.hook_mode = "torch"
+            tms.retain_cpu_backup = True  # keep the pinned backup across cycles (its best setting)
             with tms.region(tag="weights", enable_cpu_backup=True):
                 self.model = TinyLM.random(self.cfg, seed=s["seed"], device=self.dev)
-            tms.retain_cpu_backup = True
             self.params = list(self.model.parameters())
             self.masters = [p.detach().float().cpu().requires_grad_(True) for p in self.params]
             self.opt = torch.optim.AdamW(self.masters, lr=s["lr"], weight_decay=0.1, fused=True)
@@ -403,7 +411,7 @@ class _Trainer:
 def main(argv=None) -> int:
     args = argv or sys.argv[1:]
     spec, out_path = json.loads(args[0]), args[1]
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     result: dict = {"ok": False, "rank": rank}
     tr = None
     t0 = time.perf_counter()

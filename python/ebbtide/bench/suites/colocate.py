@@ -69,7 +69,7 @@ def run(ctx):
     for gpus in runs:
         out = tempfile.mkdtemp(prefix=f"ebbtide-colocate-{gpus}gpu-")
         if ctx.quick:
-            cfg = RunConfig(model=QUICK_MODEL, gpus=gpus, out=out, timeout_s=600, **quick_overrides())
+            cfg = RunConfig(model=QUICK_MODEL, gpus=gpus, out=out, timeout_s=300, **quick_overrides())
         else:
             cfg = RunConfig(gpus=gpus, out=out, timeout_s=1200)
         ctx.progress(f"colocate: {gpus} GPU(s), model {cfg.model}, {cfg.steps} steps (out: {out})")
