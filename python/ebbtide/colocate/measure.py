@@ -19,8 +19,8 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check", "format_report", "plot_timeline",
-           "GROWTH_TOLERANCE"]
+__all__ = ["PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check", "format_report",
+           "plot_timeline", "GROWTH_TOLERANCE"]
 
 # The order of one RL step (issue 8). "comm_*" only run with 2+ GPUs.
 PHASES = ("train", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",

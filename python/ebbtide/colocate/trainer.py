@@ -334,8 +334,9 @@ class _Trainer:
         ok = not digests_equal and diff <= tol
         whole = hashlib.sha256("".join(ref["digests"][n] for n in sorted(ref["digests"])).encode()).hexdigest()
         self.checks["verify"].append({
-            "step": step, "rank": self.rank, "ok": ok, "trainer_weights_digest": whole, "weights_bitwise_equal": not digests_equal,
-            "mismatching_weights": digests_equal[:8], "logits_bitwise_equal": bool(torch.equal(logits, ref["logits"])),
+            "step": step, "rank": self.rank, "ok": ok, "trainer_weights_digest": whole,
+            "weights_bitwise_equal": not digests_equal, "mismatching_weights": digests_equal[:8],
+            "logits_bitwise_equal": bool(torch.equal(logits, ref["logits"])),
             "logits_max_abs_diff": diff, "logits_atol": tol,
             "decode_vs_full_max_abs": gen.get("decode_vs_full_max_abs"),
             "decode_vs_full_argmax_equal": gen.get("decode_vs_full_argmax_equal")})
