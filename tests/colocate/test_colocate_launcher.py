@@ -70,6 +70,13 @@ def test_the_loop_runs_on_cpu(tmp_path, ranks):
     if ranks == 2:
         rel = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "comm_release"]
         assert rel and "ebbtide.comm release" in rel[0]["report"]
+    # the bench suite's rows from the same results
+    from ebbtide.bench.suites.colocate import _rows
+
+    rows = list(_rows(res, ranks, {"out": str(tmp_path)}))
+    assert rows[0].name.startswith("RL step") and rows[0].ours == pytest.approx(v["summary"]["step_s"])
+    assert rows[0].anchor is None and rows[0].anchor_note == "n/a"
+    assert len(rows) == (5 if ranks == 2 else 4) and rows[-1].unit == "GB" and rows[-1].ours is None
 
 
 def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():

@@ -45,6 +45,7 @@ def _rows(res: dict, gpus: int, params: dict):
     if gpus > 1:
         yield row("process groups release + reload", phase_sum(s, "comm_release", "comm_reload"),
                   phase_sum(a_sum, "comm_release", "comm_reload"))
+
     def held(vr):
         m = (vr.get("summary") or {}).get("memory", {}).get("generate", {}).get("trainer_nvml")
         c = ((vr.get("ranks") or [{}])[0].get("setup") or {}).get("context_bytes")
