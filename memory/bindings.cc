@@ -166,6 +166,20 @@ void register_bindings(py::module_& m) {
   }, py::arg("tag") = py::none());
 
   m.def("mark_clean", [](const std::string& tag) { EBT_PY_CHECK(ebt_mem_mark_clean(tag.c_str())); }, py::arg("tag"));
+  m.def("tag_state", [](const std::string& tag) {
+    int state = 0;
+    unsigned long long pauses = 0;
+    EBT_PY_CHECK(ebt_mem_tag_state(tag.c_str(), &state, &pauses));
+    const char* name = state == EBT_MEM_TAG_ACTIVE ? "active" : state == EBT_MEM_TAG_PAUSED ? "paused" : "busy";
+    return py::make_tuple(std::string(name), pauses);
+  }, py::arg("tag"), "(state, pauses completed) of a tag; NotFoundError if no region named it.");
+  m.def("set_memory_margin", [](size_t bytes) { EBT_PY_CHECK(ebt_mem_set_memory_margin(bytes)); }, py::arg("bytes"),
+        "Allocations and resumes that would leave less than `bytes` free fail with OOM (0: off).");
+  m.def("memory_margin", [] {
+    size_t b = 0;
+    EBT_PY_CHECK(ebt_mem_get_memory_margin(&b));
+    return b;
+  });
   m.def("stats", [] {
     size_t n = 0;
     EBT_PY_CHECK(ebt_mem_stats(nullptr, 0, &n));

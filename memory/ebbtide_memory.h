@@ -137,6 +137,19 @@ EBT_API ebt_status_t ebt_mem_lookup(const void* ptr, void** base, size_t* size, 
 /* Paused VA ranges (for checkers): up to `capacity` (base, length) pairs into starts/lengths, total in *count. */
 EBT_API ebt_status_t ebt_mem_paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count);
 
+/* State of one tag: ebt_mem_tag_state_t (busy while an op owns it) and how many pauses it has completed (an
+ * epoch: the Python layer gives a region entered while its tag is paused a pool that holds no paused block).
+ * NOT_FOUND for a tag no region ever named. O(log tags). */
+EBT_API ebt_status_t ebt_mem_tag_state(const char* tag, int* state, unsigned long long* pauses);
+
+/* ---- memory margin -------------------------------------------------------------------------------------------
+ * An allocation that would leave less than `bytes` free on its device (cuMemGetInfo) fails with OUT_OF_MEMORY
+ * (the hooks return NULL / cudaErrorMemoryAllocation, so PyTorch frees its cache and retries), and a resume that
+ * would leave less than `bytes` free fails before touching anything (the tag stays paused). 0 (the default) turns
+ * the check off; it then costs nothing. EBBTIDE_MEM_MARGIN_BYTES sets it at library load. */
+EBT_API ebt_status_t ebt_mem_set_memory_margin(size_t bytes);
+EBT_API ebt_status_t ebt_mem_get_memory_margin(size_t* bytes);
+
 /* ---- host arena ---------------------------------------------------------------------------------------------
  * Pin `bytes` more host memory now (pre-touched, registered by several threads), so the first pause does not
  * pay for pinning. Blocking; call it from a background thread to pin ahead of time. */

@@ -195,6 +195,15 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
   a->device = device_ordinal;
   a->backup = backup;
   CtxGuard ctx(drv, d->ctx);
+  if (const size_t margin = this->margin()) {  // refuse what would leave less than the margin free (OOM: retry)
+    size_t free_b = 0, total = 0;
+    EBT_CU_CHECK(drv->cuMemGetInfo(&free_b, &total));
+    if (free_b < a->aligned || free_b - a->aligned < margin)
+      return ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
+                           "allocating %zu bytes on device %d would leave %zu of %zu free, under the memory margin "
+                           "of %zu bytes", a->aligned, device_ordinal, free_b > a->aligned ? free_b - a->aligned : 0,
+                           free_b, margin);
+  }
   EBT_CHECK(d->va->allocate(drv, a->aligned, &a->va));
   CUmemAllocationProp prop = device_prop(device_ordinal);
   CUmemAccessDesc access{{CU_MEM_LOCATION_TYPE_DEVICE, device_ordinal}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
@@ -328,6 +337,7 @@ void Engine::commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r) {
       const bool any_paused = has_paused.count(t) != 0;
       if (plan.kind == OpKind::kPause) {
         t->state = (st == EBT_SUCCESS || any_paused) ? EBT_MEM_TAG_PAUSED : EBT_MEM_TAG_ACTIVE;
+        if (t->state == EBT_MEM_TAG_PAUSED) ++t->pauses;
         if (st == EBT_SUCCESS) t->last_pause = r;
       } else {
         t->state = (st == EBT_SUCCESS && !any_paused) ? EBT_MEM_TAG_ACTIVE : EBT_MEM_TAG_PAUSED;
@@ -497,7 +507,7 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     if (!released.empty()) {  // roll back: map and restore what this pause released
       ebt_mem_report_t rr;
       memset(&rr, 0, sizeof(rr));
-      if (run_resume(released, &rr) != EBT_SUCCESS)
+      if (run_resume(released, &rr, /*rollback=*/true) != EBT_SUCCESS)
         msg += " (rollback failed too: the released allocations stay paused; resume() retries)";
     }
     return ebt_set_error(st, "%s", msg.c_str());
@@ -590,11 +600,12 @@ ebt_status_t Engine::set_access_runs(const std::vector<Allocation*>& allocs) {
   return EBT_SUCCESS;
 }
 
-ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r) {
+ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
   r->device = allocs[0]->device;
-  // 0. Pre-flight: enough free memory on each device? (Fail before touching anything.)
+  const size_t margin = rollback ? 0 : this->margin();
+  // 0. Pre-flight: enough free memory (plus the margin) on each device? (Fail before touching anything.)
   std::map<int, size_t> need;
   for (Allocation* a : allocs) need[a->device] += a->aligned;
   for (auto& kv : need) {
@@ -604,13 +615,13 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
     size_t free_b = 0, total = 0;
     EBT_CU_CHECK(drv->cuMemGetInfo(&free_b, &total));
     if (kv.first == r->device) r->driver_free_before = free_b;
-    if (free_b < kv.second) {
+    if (free_b < kv.second || free_b - kv.second < margin) {
       r->oom_device = kv.first;
-      r->oom_needed = kv.second;
+      r->oom_needed = kv.second + margin;
       r->oom_free = free_b;
       return ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
-                           "resume needs %zu bytes on device %d but only %zu are free; the tag stays paused "
-                           "(pause or free other memory, then retry)", kv.second, kv.first, free_b);
+                           "resume needs %zu bytes on device %d (+ memory margin %zu) but only %zu are free; the tag "
+                           "stays paused (pause or free other memory, then retry)", kv.second, kv.first, margin, free_b);
     }
     EBT_CHECK(streams(d));
   }

@@ -5,6 +5,7 @@
 #ifndef EBBTIDE_MEMORY_ENGINE_H_
 #define EBBTIDE_MEMORY_ENGINE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -44,6 +45,7 @@ struct Tag {
   std::string name;
   int state = EBT_MEM_TAG_ACTIVE;  // EBT_MEM_TAG_ACTIVE or EBT_MEM_TAG_PAUSED (busy is separate)
   bool busy = false;               // an op in flight owns this tag
+  unsigned long long pauses = 0;   // pauses completed (the tag went PAUSED); an epoch for pool selection
   std::unordered_set<Allocation*> allocations;  // live allocations of this tag
   ebt_mem_report_t last_pause{}, last_resume{};
 };
@@ -84,6 +86,9 @@ class Engine {
 
   ebt_status_t register_tag(const char* tag);  // a region names a tag: pause/resume of it is then valid
   ebt_status_t mark_clean(const char* tag);
+  ebt_status_t tag_state(const char* tag, int* state, unsigned long long* pauses);
+  void set_margin(size_t bytes) { margin_.store(bytes, std::memory_order_relaxed); }
+  size_t margin() const { return margin_.load(std::memory_order_relaxed); }
   ebt_status_t stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
   ebt_status_t global_stats(ebt_mem_global_stats_t* out);
   ebt_status_t get_cpu_backup(const void* ptr, void** host, size_t* bytes_after);
@@ -108,7 +113,8 @@ class Engine {
   Tag* tag_locked(const std::string& name);  // find or create (mu_ held)
 
   ebt_status_t run_pause(Plan& plan, ebt_mem_report_t* r);
-  ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
+  // rollback: mapping back what a failed pause released (the memory margin does not apply).
+  ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback = false);
   ebt_status_t map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
   void unmap_all(const std::vector<Allocation*>& allocs);
   ebt_status_t set_access_runs(const std::vector<Allocation*>& allocs);
@@ -123,6 +129,7 @@ class Engine {
   std::map<CUdeviceptr, Allocation*> by_va_;         // live allocations by base address (O(log n) lookups)
   std::map<std::string, std::unique_ptr<Tag>> tags_;  // every tag ever named; never erased until reset
   unsigned long long allocs_total_ = 0, frees_total_ = 0;
+  std::atomic<size_t> margin_{0};  // bytes an allocation or resume must leave free (0: no check)
 
   std::mutex dev_mu_;           // guards devices_ (the map, not the Device contents)
   std::map<int, std::unique_ptr<Device>> devices_;

@@ -597,6 +597,70 @@ def timeout_wait():
     assert_clean()
 
 
+
+def memory_margin_and_tag_epochs():
+    """The memory margin refuses allocations (both entry points) and resumes that would leave less than it free;
+    rollback of a failed pause ignores it. tag_state counts pauses (the epoch behind the paused-block guard)."""
+    from ebbtide.memory._hooks import pool_epoch  # noqa: PLC0415
+
+    assert em.memory_margin() == 0
+    a = alloc(16 * MiB, "w", "cpu")  # 64 MiB device: 48 left
+    data = fill(a, 16 * MiB, 3)
+    em.set_memory_margin(40 * MiB)
+    assert em.memory_margin() == 40 * MiB
+    b = alloc(8 * MiB, "w", "none")  # leaves 40: allowed (not under the margin)
+    with em.region("w", "none"):
+        assert RUNTIME.ebt_torch_malloc(2 * MiB, 0, None) is None  # would leave 38: NULL (torch frees cache, retries)
+    try:
+        NATIVE.malloc(2 * MiB, 0, "w", 0)
+        raise AssertionError("allocation under the margin succeeded")
+    except OutOfMemoryError as e:
+        assert "margin" in str(e), e
+    assert counters()["handles"] == 2, counters()  # the refused ones left nothing behind
+    assert pool_epoch("w") == "main" and NATIVE.tag_state("w") == ("active", 0)
+    em.set_memory_margin(0)
+    em.pause("w")
+    assert NATIVE.tag_state("w") == ("paused", 1) and pool_epoch("w") == ("paused", 1)
+    em.set_memory_margin(56 * MiB)  # resume needs 24 of 64 free: 40 would be left, under 56
+    try:
+        em.resume("w")
+        raise AssertionError("resume under the margin succeeded")
+    except OutOfMemoryError as e:
+        assert e.needed == 24 * MiB + 56 * MiB and e.free == 64 * MiB, (e.needed, e.free)
+    assert NATIVE.tag_state("w") == ("paused", 1) and counters()["handles"] == 0
+    em.set_memory_margin(40 * MiB)  # exactly 40 left: allowed
+    em.resume("w")
+    assert read(a, 16 * MiB) == data
+    assert NATIVE.tag_state("w") == ("active", 1) and pool_epoch("w") == "main"
+    # A pause that fails after releasing some allocations maps them back even when the margin would refuse it.
+    em.set_memory_margin(60 * MiB)
+    fault("cuMemUnmap", 2)
+    try:
+        em.pause("w")
+        raise AssertionError("pause with an injected unmap failure succeeded")
+    except DriverError:
+        pass
+    assert NATIVE.tag_state("w") == ("active", 1), NATIVE.tag_state("w")
+    assert read(a, 16 * MiB) == data
+    em.set_memory_margin(0)
+    em.pause("w")
+    assert NATIVE.tag_state("w") == ("paused", 2) and pool_epoch("w") == ("paused", 2)
+    try:
+        NATIVE.tag_state("never-named")
+        raise AssertionError("tag_state of an unknown tag succeeded")
+    except NotFoundError:
+        pass
+    for bad in (-1, 1.5, True):
+        try:
+            em.set_memory_margin(bad)
+            raise AssertionError(f"margin {bad!r} accepted")
+        except InvalidArgumentError:
+            pass
+    free(a)
+    free(b)
+    assert_clean()
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
     print("OK")

@@ -15,6 +15,7 @@ SIMPLE = [
     "fork_child_disabled",
     "thread_safety",
     "timeout_wait",
+    "memory_margin_and_tag_epochs",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation.

@@ -26,12 +26,12 @@ from .. import _native
 from ..errors import InvalidArgumentError, UnsupportedError
 from ._engine import backup_code, check_tag
 
-__all__ = ["region", "disable", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
-           "configure_subprocess", "check_paused_blocks"]
+__all__ = ["region", "disable", "graph", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
+           "configure_subprocess", "check_paused_blocks", "check"]
 
 _lock = threading.Lock()           # guards the state below
 _mode: Optional[str] = None        # "preload" | "torch", fixed at first use
-_pools: dict = {}                  # (kind, tag, device) -> MemPool; kept alive for the process (torch #146431)
+_pools: dict = {}                  # (kind, tag, device, epoch) -> MemPool; kept alive for the process (torch #146431)
 _pluggable = None                  # the CUDAPluggableAllocator (torch mode), created once
 
 
@@ -75,14 +75,28 @@ def _expandable_segments_requested() -> bool:
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
-def _pool(torch, kind: str, tag: str, device: int):
+def pool_epoch(tag: str):
+    """Which pool generation a region of ``tag`` uses now (the paused-block guard, spec item 13).
+
+    A tag's pool caches free blocks inside the tag's segments; while the tag is paused those segments are unmapped,
+    and the caching allocator would hand such a block to a new allocation (a crash on first touch: miles #3207,
+    slime #1690). So while the tag is paused (or an op owns it), its regions use a pool of that pause's own:
+    ("paused", n) for the n-th pause, which holds no paused block until the tag is paused again, when n moves on.
+    An active tag uses its main pool ("main"), whose blocks are all mapped again after the resume."""
+    state, pauses = _mem().tag_state(tag)
+    if state == "active":
+        return "main"
+    return ("paused", pauses)
+
+
+def _pool(torch, kind: str, tag: str, device: int, epoch="main"):
     global _pluggable
-    key = (kind, tag, device)
+    key = (kind, tag, device, epoch)
     with _lock:
         pool = _pools.get(key)
         if pool is not None:
             return pool
-        if kind == "torch":
+        if kind in ("torch", "graph-torch"):
             if _pluggable is None:
                 _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
                     _native.runtime_library_path(), "ebt_torch_malloc", "ebt_torch_free")
@@ -103,10 +117,7 @@ def region(tag: str = "default", backup: str = "none", *, device: Optional[int] 
     check_tag(tag, allow_none=False)
     code = backup_code(backup)
     mode = hook_mode()
-    if mode == "preload" and _expandable_segments_requested():
-        raise UnsupportedError(
-            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: its memory bypasses cudaMalloc, so the preload "
-            "shim would silently miss it. Turn it off, or use the torch hook mode (ebbtide.memory.set_hook_mode).")
+    _refuse_expandable_segments(mode)
     mem = _mem()
     token = mem.region_push(tag, code)
     try:
@@ -115,17 +126,63 @@ def region(tag: str = "default", backup: str = "none", *, device: Optional[int] 
             yield
             return
         dev = torch.cuda.current_device() if device is None else int(device)
-        pool = _pool(torch, mode, tag, dev)
+        pool = _pool(torch, mode, tag, dev, pool_epoch(tag))
         with torch.cuda.use_mem_pool(pool, device=dev):
             yield
     finally:
         mem.region_pop(token)
 
 
+def _refuse_expandable_segments(mode: str) -> None:
+    if mode == "preload" and _expandable_segments_requested():
+        raise UnsupportedError(
+            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: its memory bypasses cudaMalloc, so the preload "
+            "shim would silently miss it. Turn it off, or use the torch hook mode (ebbtide.memory.set_hook_mode).")
+
+
 @contextlib.contextmanager
-def disable(*, device: Optional[int] = None):
+def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", pool=None, stream=None,
+          capture_error_mode: str = "global", device: Optional[int] = None):
+    """``torch.cuda.graph(cuda_graph, ...)`` whose private memory is pausable: the capture allocates from a
+    graph pool of ``tag`` (engine memory in both hook modes), so ``pause(tag)`` releases the graph's buffers and
+    ``resume(tag)`` maps them back at the same addresses; replay after resume then works as before. With
+    ``backup="none"`` the graph's intermediate buffers are scratch (their content is recomputed by replay).
+
+    ``pool``: preload mode uses it as given (graphs sharing a pool share memory; the shim routes the capture's
+    cudaMalloc calls into ``tag``). Torch mode needs a pool whose allocator is ebbtide's, so every capture with the
+    same tag and device shares the tag's graph pool instead, and a given ``pool`` is ignored with a warning."""
+    torch = _torch_cuda()
+    if torch is None:
+        raise UnsupportedError("ebbtide.memory.graph needs torch with a CUDA device")
+    check_tag(tag, allow_none=False)
+    code = backup_code(backup)
+    mode = hook_mode()
+    _refuse_expandable_segments(mode)
+    dev = torch.cuda.current_device() if device is None else int(device)
+    if pool is not None and mode == "torch":
+        import warnings  # noqa: PLC0415
+
+        warnings.warn("ebbtide.memory.graph: torch hook mode captures into the tag's own graph pool; the pool "
+                      "argument is ignored (graphs of one tag share that pool)", stacklevel=3)
+        pool = None
+    mem = _mem()
+    token = mem.region_push(tag, code)
+    try:
+        if pool is None:
+            pool = _pool(torch, "graph-" + mode, tag, dev, pool_epoch(tag)).id
+        with torch.cuda.device(dev), torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
+                                                     capture_error_mode=capture_error_mode):
+            yield
+    finally:
+        mem.region_pop(token)
+
+
+@contextlib.contextmanager
+def disable(*, device: Optional[int] = None, transient_pool: bool = False):
     """Allocations this thread makes inside bypass ebbtide (plain cudaMalloc memory, e.g. for CUDA IPC), even
-    inside a region. They come from a separate pool, never from a region's cached blocks."""
+    inside a region. They come from a separate pool, never from a region's cached blocks. ``transient_pool=True``
+    uses a fresh pool that is dropped on exit, so its cached memory goes back to the driver (tensors made inside
+    must not outlive the block; torch_memory_saver's disable() behaves this way)."""
     mem = _mem()
     prev = mem.set_disabled(1)
     mem.set_disabled(prev + 1)
@@ -135,9 +192,14 @@ def disable(*, device: Optional[int] = None):
             yield
             return
         dev = torch.cuda.current_device() if device is None else int(device)
-        pool = _pool(torch, "disabled", "", dev)
+        if transient_pool:
+            with torch.cuda.device(dev):
+                pool = torch.cuda.MemPool()
+        else:
+            pool = _pool(torch, "disabled", "", dev)
         with torch.cuda.use_mem_pool(pool, device=dev):
             yield
+        del pool  # transient: ~MemPool gives its cached blocks back (the persistent one stays in _pools)
     finally:
         mem.set_disabled(prev)
 
@@ -149,6 +211,7 @@ def set_default_region(tag: Optional[str], backup: str = "none") -> None:
         _mem().set_default_region(None, 0)
         return
     check_tag(tag, allow_none=False)
+    _refuse_expandable_segments(hook_mode())
     _mem().set_default_region(tag, backup_code(backup))
 
 
@@ -206,4 +269,18 @@ def check_paused_blocks() -> list:
                 bad.append({"address": addr, "size": blk["size"], "state": blk["state"],
                             "segment_pool_id": seg.get("segment_pool_id")})
             addr += blk["size"]
+    return bad
+
+
+def check(*, raise_on_error: bool = False) -> list:
+    """The paused-block checker: live PyTorch blocks that lie inside paused ranges (each dict: address, size,
+    state, segment_pool_id). Such a block is a tensor that will fault on first touch -- something allocated from
+    a pool whose segments are paused. Empty when all is well. ``raise_on_error=True`` raises StateError instead
+    of returning a non-empty list."""
+    bad = check_paused_blocks()
+    if bad and raise_on_error:
+        from ..errors import StateError  # noqa: PLC0415
+
+        lines = ", ".join(f"{b['size']} B at {b['address']:#x}" for b in bad[:8])
+        raise StateError(f"{len(bad)} live block(s) inside paused memory: {lines}")
     return bad
