@@ -661,6 +661,34 @@ def memory_margin_and_tag_epochs():
     assert_clean()
 
 
+def release_report_without_torch():
+    """The release report from the engine's own view (no PyTorch GPU here): paused bytes vs the driver's free
+    memory delta, active tags; check() refuses to judge without its pause records."""
+    a = alloc(8 * MiB, "w", "cpu")
+    b = alloc(4 * MiB, "kv", "none")
+    rep = em.pause("w")
+    rr = em.release_report(rep)
+    assert rr.bytes_paused == 8 * MiB and rr.driver_freed == 8 * MiB and rr.missing == 0, rr
+    assert rr.active_tags == {"kv": 4 * MiB}, rr.active_tags
+    assert rr.driver_free_now is None and any("torch" in n for n in rr.notes), rr.notes
+    assert not rr.shim_active and rr.forwarded_allocs == 0
+    text = str(rr)
+    assert "paused 0.008 GiB" in text and "kv=" in text, text
+    now = em.release_report()  # no report: the current state
+    assert now.bytes_paused == 8 * MiB and now.driver_freed is None and now.missing is None
+    try:
+        em.check()
+        raise AssertionError("check() without pause records did not raise")
+    except StateError as e:
+        assert "set_checking" in str(e)
+    em.set_checking(True)
+    assert em.check() == []  # no PyTorch GPU: nothing to judge
+    em.resume("w")
+    free(a)
+    free(b)
+    assert_clean()
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
     print("OK")

@@ -16,6 +16,7 @@ SIMPLE = [
     "thread_safety",
     "timeout_wait",
     "memory_margin_and_tag_epochs",
+    "release_report_without_torch",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation.

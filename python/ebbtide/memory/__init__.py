@@ -16,7 +16,7 @@ from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, m
                       release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
                       set_memory_margin, memory_margin, stats, wait_background_pinning)
 from ._hooks import (check, check_paused_blocks, configure_subprocess, disable, graph, hook_mode, preload_env,
-                     region, set_default_region, set_hook_mode)
+                     region, set_checking, set_default_region, set_hook_mode)
 from ._report import ReleaseReport, release_report
 
 __all__ = [
@@ -24,5 +24,5 @@ __all__ = [
     "mark_clean", "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
     "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
     "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
-    "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport",
+    "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
 ]

@@ -76,6 +76,12 @@ class Report:
         return self.driver_free_after - self.driver_free_before
 
 
+def _record_baseline() -> None:
+    from ._hooks import record_pause_baseline  # noqa: PLC0415 (the hooks module imports this one)
+
+    record_pause_baseline()
+
+
 def _holders(device: int) -> dict:
     held: dict = {}
     for row in _mem().stats():
@@ -113,6 +119,7 @@ def pause(tag: Optional[str] = None, *, wait: bool = True):
     if not wait:
         return pause_async(tag)
     check_tag(tag, allow_none=True)
+    _record_baseline()
     try:
         return _finish("pause", tag, _mem().pause(tag))
     except OutOfMemoryError as e:
@@ -178,6 +185,7 @@ def pause_async(tag: Optional[str] = None) -> Pending:
     """Start a pause on a runtime thread and return at once. A pause and a resume of different tags (or
     processes) overlap: D2H and H2D run on separate copy streams."""
     check_tag(tag, allow_none=True)
+    _record_baseline()
     return Pending(_mem().pause_async(tag), "pause", tag)
 
 

@@ -27,7 +27,7 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from ._engine import backup_code, check_tag
 
 __all__ = ["region", "disable", "graph", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
-           "configure_subprocess", "check_paused_blocks", "check"]
+           "configure_subprocess", "check_paused_blocks", "check", "set_checking"]
 
 _lock = threading.Lock()           # guards the state below
 _mode: Optional[str] = None        # "preload" | "torch", fixed at first use
@@ -272,15 +272,47 @@ def check_paused_blocks() -> list:
     return bad
 
 
-def check(*, raise_on_error: bool = False) -> list:
-    """The paused-block checker: live PyTorch blocks that lie inside paused ranges (each dict: address, size,
-    state, segment_pool_id). Such a block is a tensor that will fault on first touch -- something allocated from
-    a pool whose segments are paused. Empty when all is well. ``raise_on_error=True`` raises StateError instead
-    of returning a non-empty list."""
-    bad = check_paused_blocks()
-    if bad and raise_on_error:
-        from ..errors import StateError  # noqa: PLC0415
+_checking = os.environ.get("EBBTIDE_MEM_CHECK") == "1"  # record live blocks at each pause (debug)
+_baseline: set = set()             # (address, size) of blocks live when a pause was requested
 
+
+def set_checking(enabled: bool) -> None:
+    """Debug: from now on every ``pause()`` records the live PyTorch blocks (one memory_snapshot per pause), so
+    ``check()`` can tell a paused tensor (live at its pause: expected) from a block handed out after the pause
+    inside paused memory (the bug). EBBTIDE_MEM_CHECK=1 turns it on at import."""
+    global _checking
+    _checking = bool(enabled)
+
+
+def record_pause_baseline() -> None:
+    """Called by pause()/pause_async() before pausing (only while checking is on)."""
+    if not _checking:
+        return
+    torch = _torch_cuda()
+    if torch is None:
+        return
+    for seg in torch.cuda.memory_snapshot():
+        addr = seg["address"]
+        for blk in seg.get("blocks", []):
+            if blk.get("state") == "active_allocated":
+                _baseline.add((addr, blk["size"]))
+            addr += blk["size"]
+
+
+def check(*, raise_on_error: bool = False) -> list:
+    """The paused-block checker: live PyTorch blocks inside paused memory that were not live when their memory
+    was paused -- an allocation the caching allocator placed in a paused segment, which faults on first touch.
+    Each is a dict (address, size, state, segment_pool_id); empty when all is well. Needs checking on before the
+    pauses it judges (``set_checking(True)`` or EBBTIDE_MEM_CHECK=1); pauses made through the C API directly are
+    not recorded, so their tensors would be reported. ``raise_on_error=True`` raises StateError instead."""
+    from ..errors import StateError  # noqa: PLC0415
+
+    if not _checking:
+        raise StateError("ebbtide.memory.check() needs checking on before pausing: call "
+                         "ebbtide.memory.set_checking(True) (or set EBBTIDE_MEM_CHECK=1)")
+    live_now = check_paused_blocks()
+    bad = [b for b in live_now if (b["address"], b["size"]) not in _baseline]
+    if bad and raise_on_error:
         lines = ", ".join(f"{b['size']} B at {b['address']:#x}" for b in bad[:8])
-        raise StateError(f"{len(bad)} live block(s) inside paused memory: {lines}")
+        raise StateError(f"{len(bad)} block(s) allocated inside paused memory: {lines}")
     return bad

@@ -54,7 +54,7 @@ class ReleaseReport:
                  f"{g(self.driver_freed)}, missing {g(self.missing)}",
                  f"  driver free now {g(self.driver_free_now)} of {g(self.driver_total)}; NVML process used "
                  f"{g(self.nvml_process_used)}",
-                 f"  still active tags: " + (", ".join(f"{t}={g(b)}" for t, b in self.active_tags.items()) or "none"),
+                 "  still active tags: " + (", ".join(f"{t}={g(b)}" for t, b in self.active_tags.items()) or "none"),
                  f"  PyTorch outside paused memory: {len(self.torch_unpaused_segments)} segments, allocated "
                  f"{g(self.torch_allocated_unpaused)}, cached-but-unpaused {g(self.torch_cached_unpaused)}",
                  f"  bypassed the runtime: {self.forwarded_allocs} forwarded cudaMalloc calls "
@@ -151,7 +151,7 @@ def release_report(report=None, *, device: Optional[int] = None) -> ReleaseRepor
     engine_in_torch = 0
     for s in segs:
         try:
-            base, _size, _tag, paused = mem.lookup(s["address"])
+            paused = mem.lookup(s["address"])[3]
             if not paused:
                 engine_in_torch += s["size"]
         except Exception:  # noqa: BLE001 (NotFoundError: a plain cudaMalloc segment)
