@@ -152,6 +152,10 @@ namespace {
   } while (0)
 
 bool valid_tag(const char* tag) { return tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX; }
+bool valid_backup(int backup) {
+  const int base = backup & ~EBT_MEM_SHAREABLE;
+  return base == EBT_MEM_BACKUP_NONE || base == EBT_MEM_BACKUP_CPU;
+}
 
 ebt_status_t run_sync(OpKind kind, const char* tag, ebt_mem_report_t* report) {
   EBT_NOT_IN_FORK();
@@ -201,7 +205,7 @@ extern "C" {
 ebt_status_t ebt_mem_region_push(const char* tag, int backup, int* token) {
   EBT_REQUIRE_ARG(token, "token is NULL");
   EBT_REQUIRE_ARG(valid_tag(tag), "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
-  EBT_REQUIRE_ARG(backup == EBT_MEM_BACKUP_NONE || backup == EBT_MEM_BACKUP_CPU, "backup must be NONE(0) or CPU(1)");
+  EBT_REQUIRE_ARG(valid_backup(backup), "backup must be NONE(0) or CPU(1), optionally | EBT_MEM_SHAREABLE");
   EBT_NOT_IN_FORK();
   ThreadRouting& t = t_routing;
   if (t.depth >= kMaxDepth) return ebt_set_error(EBT_ERROR_INVALID_STATE, "regions nested deeper than %d", kMaxDepth);
@@ -236,7 +240,7 @@ ebt_status_t ebt_mem_set_default_region(const char* tag, int backup) {
     return EBT_SUCCESS;
   }
   EBT_REQUIRE_ARG(valid_tag(tag), "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
-  EBT_REQUIRE_ARG(backup == EBT_MEM_BACKUP_NONE || backup == EBT_MEM_BACKUP_CPU, "backup must be NONE(0) or CPU(1)");
+  EBT_REQUIRE_ARG(valid_backup(backup), "backup must be NONE(0) or CPU(1), optionally | EBT_MEM_SHAREABLE");
   EBT_CHECK(Engine::get().register_tag(tag));
   std::lock_guard<std::mutex> lock(g_default_mu);
   snprintf(g_default.tag, sizeof(g_default.tag), "%s", tag);
@@ -305,6 +309,21 @@ ebt_status_t ebt_mem_mark_clean(const char* tag) {
 ebt_status_t ebt_mem_tag_state(const char* tag, int* state, unsigned long long* pauses) {
   EBT_NOT_IN_FORK();
   return Engine::get().tag_state(tag, state, pauses);
+}
+
+ebt_status_t ebt_mem_export_fd(const void* ptr, int* fd, size_t* offset, size_t* size) {
+  EBT_NOT_IN_FORK();
+  return Engine::get().export_fd(ptr, fd, offset, size);
+}
+
+ebt_status_t ebt_mem_import_fd(int fd, size_t size, int device, void** ptr) {
+  EBT_NOT_IN_FORK();
+  return Engine::get().import_fd(fd, size, device, ptr);
+}
+
+ebt_status_t ebt_mem_close_import(void* ptr) {
+  EBT_NOT_IN_FORK();
+  return Engine::get().close_import(ptr);
 }
 
 ebt_status_t ebt_mem_set_memory_margin(size_t bytes) {

@@ -33,6 +33,7 @@ struct Allocation {
   int device = -1;           // CUDA ordinal; every driver call for this allocation runs in its primary context
   Tag* tag = nullptr;        // owning tag (never null; tags outlive allocations)
   int backup = EBT_MEM_BACKUP_NONE;
+  bool shareable = false;    // physical memory created exportable as a POSIX fd (every create, resume included)
   AllocState state = AllocState::kActive;
   bool busy = false;         // owned by an op in flight: only that op changes state/handle/host (engine mu_)
   CUmemGenericAllocationHandle handle = 0;  // valid iff state == kActive
@@ -55,6 +56,7 @@ struct Device {
   CUdevice dev = 0;
   CUcontext ctx = nullptr;   // the primary context (retained once, released at reset)
   size_t granularity = 0;    // cuMemGetAllocationGranularity(MINIMUM), bytes
+  bool posix_fd = false;     // the device supports POSIX-fd shareable handles
   std::unique_ptr<VaSpace> va;
   std::mutex mu;             // guards d2h, h2d, free_events
   CUstream d2h = nullptr;    // runtime-owned non-blocking copy streams, created on first use
@@ -94,6 +96,9 @@ class Engine {
   ebt_status_t get_cpu_backup(const void* ptr, void** host, size_t* bytes_after);
   ebt_status_t lookup(const void* ptr, void** base, size_t* size, char* tag, int* paused);
   ebt_status_t paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count);
+  ebt_status_t export_fd(const void* ptr, int* fd, size_t* offset, size_t* size);  // engine_ipc.cc
+  ebt_status_t import_fd(int fd, size_t size, int device, void** ptr);
+  ebt_status_t close_import(void* ptr);
   ebt_status_t reserve_host(size_t bytes);
   ebt_status_t release_host(size_t* released);
   ebt_status_t reset();
@@ -107,6 +112,10 @@ class Engine {
   Engine() = default;
   ebt_status_t driver(const ebt_driver_table_t** drv);
   ebt_status_t device(int ordinal, Device** out);
+ public:
+  static CUmemAllocationProp device_prop(int ordinal, bool shareable);
+
+ private:
   ebt_status_t streams(Device* d);
   CUevent take_event(Device* d);
   void give_event(Device* d, CUevent e);
@@ -130,6 +139,14 @@ class Engine {
   std::map<std::string, std::unique_ptr<Tag>> tags_;  // every tag ever named; never erased until reset
   unsigned long long allocs_total_ = 0, frees_total_ = 0;
   std::atomic<size_t> margin_{0};  // bytes an allocation or resume must leave free (0: no check)
+
+  struct Import {
+    CUmemGenericAllocationHandle handle = 0;
+    size_t size = 0;
+    int device = -1;
+  };
+  std::map<CUdeviceptr, Import> imports_;  // mappings of other processes' memory (mu_)
+  void close_all_imports();                // reset()
 
   std::mutex dev_mu_;           // guards devices_ (the map, not the Device contents)
   std::map<int, std::unique_ptr<Device>> devices_;

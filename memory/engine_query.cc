@@ -188,6 +188,9 @@ ebt_status_t Engine::reset() {
   for (auto& kv : tags_)
     if (kv.second->busy) return ebt_set_error(EBT_ERROR_INVALID_STATE, "reset: tag '%s' has an op in flight",
                                               kv.first.c_str());
+  lock.unlock();
+  close_all_imports();
+  lock.lock();
   std::vector<Allocation*> all;
   for (auto& kv : by_va_) all.push_back(kv.second);
   by_va_.clear();

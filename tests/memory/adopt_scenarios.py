@@ -239,6 +239,51 @@ def expandable_segments(mode: str):
     assert torch.equal(x.cpu(), ref)
 
 
+def shareable_ipc(mode: str):
+    """A tensor of a shareable region exported as a POSIX fd, sent over a Unix socket to a second process, which
+    maps it, checks the bytes and writes; the writer's change is visible here. Then pause/resume still work."""
+    import pickle  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    check_mode(mode)
+    with em.region("s", backup="cpu", shareable=True):
+        x = torch.arange(64 * MiB, dtype=torch.int32, device="cuda")  # 256 MiB
+    torch.cuda.synchronize()
+    fd, handle = em.export_tensor(x)
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, __file__, "_ipc_child", mode, str(child.fileno())],
+                            pass_fds=[child.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.close()
+    socket.send_fds(parent, [pickle.dumps(handle)], [fd])
+    os.close(fd)
+    reply = parent.recv(16)
+    out, err = proc.communicate(timeout=240)
+    print(out[-3000:], err[-3000:], sep="\n")
+    assert proc.returncode == 0 and reply == b"written", f"child failed ({proc.returncode}, {reply!r})"
+    assert torch.all(x[:8] == -1).item(), "the child's write is not visible here"
+    assert torch.equal(x[8:], torch.arange(8, 64 * MiB, dtype=torch.int32, device="cuda"))
+    em.pause("s")
+    em.resume("s")
+    assert torch.all(x[:8] == -1).item()
+
+
+def _ipc_child(mode: str, sock_fd: str):
+    import pickle  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    sock = socket.socket(fileno=int(sock_fd))
+    msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+    handle = pickle.loads(msg)
+    with em.import_tensor(handle, fds[0]) as imp:
+        t = imp.tensor
+        assert t.shape == (64 * MiB,) and t.dtype == torch.int32, (t.shape, t.dtype)
+        assert torch.equal(t, torch.arange(64 * MiB, dtype=torch.int32, device="cuda")), "imported bytes differ"
+        t[:8] = -1
+        torch.cuda.synchronize()
+    sock.sendall(b"written")
+
+
 def _diagnostics() -> None:
     try:
         print("--- ebbtide stats:", em.stats(), sep="\n")

@@ -689,6 +689,72 @@ def release_report_without_torch():
     assert_clean()
 
 
+def shareable_ipc():
+    """A shareable allocation exported as a POSIX fd, sent to a second process (SCM_RIGHTS), mapped there: both see
+    the same bytes. Refusals: not shareable, paused. An import in this process is closed without leaks."""
+    import socket  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    size = 4 * MiB + 100
+    p = NATIVE.malloc(size, 0, "s", NATIVE.SHAREABLE | 1)
+    data = fill(p, size, 11)
+    plain = alloc(2 * MiB, "plain", "cpu")
+    try:
+        NATIVE.export_fd(plain)
+        raise AssertionError("export of a non-shareable allocation succeeded")
+    except InvalidArgumentError:
+        pass
+    fd, off, mapped = NATIVE.export_fd(p + 4096)
+    assert off == 4096 and mapped == 6 * MiB, (off, mapped)
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, __file__, "_ipc_child", str(child.fileno()), str(mapped), str(off)],
+                            pass_fds=[child.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.close()
+    socket.send_fds(parent, [data[4096:4096 + 100]], [fd])
+    os.close(fd)
+    reply = parent.recv(16)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and reply == b"written", f"child failed: {reply!r}\n{out}\n{err}"
+    assert read(p, 8) == b"IMPORTED", "the child's write through its mapping is not visible here"
+    # import in this process too; close it; counters return
+    fd2, _, _ = NATIVE.export_fd(p)
+    base = NATIVE.import_fd(fd2, mapped, 0)
+    os.close(fd2)
+    assert base != p and read(base, 8) == b"IMPORTED" and read(base + 4096, 100) == data[4096:4196]
+    NATIVE.close_import(base)
+    try:
+        NATIVE.close_import(base)
+        raise AssertionError("double close_import succeeded")
+    except NotFoundError:
+        pass
+    em.pause("s")
+    try:
+        NATIVE.export_fd(p)
+        raise AssertionError("export of a paused allocation succeeded")
+    except StateError:
+        pass
+    em.resume("s")  # resumed memory is created shareable again
+    fd3, _, _ = NATIVE.export_fd(p)
+    os.close(fd3)
+    assert read(p, 8) == b"IMPORTED"  # CPU backup restored the child's write
+    free(p)
+    free(plain)
+    assert_clean()
+
+
+def _ipc_child(sock_fd: str, mapped: str, off: str):
+    import socket  # noqa: PLC0415
+
+    sock = socket.socket(fileno=int(sock_fd))
+    expect, fds, _, _ = socket.recv_fds(sock, 100, 1)
+    base = NATIVE.import_fd(fds[0], int(mapped), 0)
+    os.close(fds[0])
+    assert read(base + int(off), 100) == expect, "imported memory differs from the exporter's"
+    ctypes.memmove(base, b"IMPORTED", 8)
+    NATIVE.close_import(base)
+    sock.sendall(b"written")
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
     print("OK")

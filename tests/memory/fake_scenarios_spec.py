@@ -17,6 +17,7 @@ SIMPLE = [
     "timeout_wait",
     "memory_margin_and_tag_epochs",
     "release_report_without_torch",
+    "shareable_ipc",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation.

@@ -11,7 +11,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 SCENARIOS = ["graph_replay", "paused_block_guard", "poison", "memory_margin", "release_report",
-             "expandable_segments"]
+             "expandable_segments", "shareable_ipc"]
 EXTRA_ENV = {"poison": {"EBBTIDE_MEM_POISON": "1"},
              "expandable_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 

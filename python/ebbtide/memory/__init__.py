@@ -17,6 +17,7 @@ from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, m
                       set_memory_margin, memory_margin, stats, wait_background_pinning)
 from ._hooks import (check, check_paused_blocks, configure_subprocess, disable, graph, hook_mode, preload_env,
                      region, set_checking, set_default_region, set_hook_mode)
+from ._ipc import ImportedTensor, SharedHandle, export_tensor, import_tensor
 from ._report import ReleaseReport, release_report
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
     "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
     "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
+    "export_tensor", "import_tensor", "SharedHandle", "ImportedTensor",
 ]

@@ -96,7 +96,7 @@ def _pool(torch, kind: str, tag: str, device: int, epoch="main"):
         pool = _pools.get(key)
         if pool is not None:
             return pool
-        if kind in ("torch", "graph-torch"):
+        if kind.startswith(("torch", "graph-torch")):
             if _pluggable is None:
                 _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
                     _native.runtime_library_path(), "ebt_torch_malloc", "ebt_torch_free")
@@ -110,12 +110,13 @@ def _pool(torch, kind: str, tag: str, device: int, epoch="main"):
 
 
 @contextlib.contextmanager
-def region(tag: str = "default", backup: str = "none", *, device: Optional[int] = None):
+def region(tag: str = "default", backup: str = "none", *, device: Optional[int] = None, shareable: bool = False):
     """Allocations this thread makes inside land in ``tag`` and become pausable. ``backup="cpu"`` keeps their
     content across pause/resume (pinned host copy); ``"none"`` discards it. Regions nest. ``device`` picks the
-    CUDA device whose pool to use (default: current)."""
+    CUDA device whose pool to use (default: current). ``shareable=True`` makes the memory exportable to other
+    processes (``ebbtide.memory.export_tensor``); it comes from a pool of its own."""
     check_tag(tag, allow_none=False)
-    code = backup_code(backup)
+    code = backup_code(backup) | (_mem().SHAREABLE if shareable else 0)
     mode = hook_mode()
     _refuse_expandable_segments(mode)
     mem = _mem()
@@ -126,7 +127,8 @@ def region(tag: str = "default", backup: str = "none", *, device: Optional[int] 
             yield
             return
         dev = torch.cuda.current_device() if device is None else int(device)
-        pool = _pool(torch, mode, tag, dev, pool_epoch(tag))
+        kind = mode + ("-shareable" if shareable else "")
+        pool = _pool(torch, kind, tag, dev, pool_epoch(tag))
         with torch.cuda.use_mem_pool(pool, device=dev):
             yield
     finally:
