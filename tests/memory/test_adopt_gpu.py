@@ -45,3 +45,13 @@ def test_adopt_scenario(scenario, mode):
 @pytest.mark.gpu
 def test_cupy_program_under_the_shim_keeps_its_data():
     _run([str(HERE / "cupy_prog.py")], _env("preload", default_tag="cupy", default_backup="cpu"), "cupy program")
+
+
+@pytest.mark.gpu
+def test_colocation_example_takes_turns():
+    """The README's colocation example: two processes whose working sets cannot fit at once take turns."""
+    p = subprocess.run([sys.executable, "-m", "ebbtide.memory.colocate", "--steps", "2"], capture_output=True,
+                       text=True, env=_env("torch"), timeout=300)
+    print(p.stdout)
+    assert p.returncode == 0 and "colocation: OK" in p.stdout, p.stdout[-6000:] + p.stderr[-6000:]
+    assert p.stdout.count(": running, free") == 4, p.stdout

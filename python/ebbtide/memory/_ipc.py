@@ -59,7 +59,7 @@ class ImportedTensor:
         self._base = _mem().import_fd(fd, handle.size, dev)
         addr = self._base + handle.offset
         dtype = getattr(torch, handle.dtype)
-        typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<V2", torch.int32: "<i4",
+        typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int32: "<i4",
                    torch.int64: "<i8", torch.uint8: "|u1", torch.int8: "|i1", torch.float64: "<f8"}.get(dtype)
         if typestr is None:
             _mem().close_import(self._base)
