@@ -32,6 +32,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "csrc/cuda_driver_types.h"
@@ -468,6 +469,13 @@ FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* o
   h->imported = true;
   g_handles[h] = true;
   *out = reinterpret_cast<CUmemGenericAllocationHandle>(h);
+  return CUDA_SUCCESS;
+}
+FAKE_API CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
+  ENTER("cuThreadExchangeStreamCaptureMode");
+  if (!mode || *mode < 0 || *mode > 2) return CUDA_ERROR_INVALID_VALUE;
+  static thread_local int t_mode = 0;  // global (0) until changed
+  std::swap(*mode, t_mode);
   return CUDA_SUCCESS;
 }
 FAKE_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle*, void*) {

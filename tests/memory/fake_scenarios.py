@@ -605,6 +605,8 @@ def memory_margin_and_tag_epochs():
 
     assert em.memory_margin() == 0
     a = alloc(16 * MiB, "w", "cpu")  # 64 MiB device: 48 left
+    em.wait_background_pinning()  # the pinning thread runs in relaxed capture mode (never breaks a graph capture)
+    assert FAKE.ebt_fake_calls(b"cuThreadExchangeStreamCaptureMode") == 1
     data = fill(a, 16 * MiB, 3)
     em.set_memory_margin(40 * MiB)
     assert em.memory_margin() == 40 * MiB

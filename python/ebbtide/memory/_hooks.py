@@ -168,6 +168,7 @@ def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", pool=None, st
                       "argument is ignored (graphs of one tag share that pool)", stacklevel=3)
         pool = None
     mem = _mem()
+    mem.wait_background_pinning()  # no host registration in flight when the capture starts
     token = mem.region_push(tag, code)
     try:
         if pool is None:
