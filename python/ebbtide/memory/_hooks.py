@@ -89,6 +89,13 @@ def pool_epoch(tag: str):
     return ("paused", pauses)
 
 
+def region_pool_kind(mode: str, backup: str, shareable: bool) -> str:
+    """Regions of one tag with different backup policies (or shareability) use different pools: a cached block of
+    a CPU-backed segment must never serve a discard-mode tensor or the other way round (the segment's policy
+    decides what a pause keeps)."""
+    return f"{mode}/{backup}" + ("/shareable" if shareable else "")
+
+
 def _pool(torch, kind: str, tag: str, device: int, epoch="main"):
     global _pluggable
     key = (kind, tag, device, epoch)
@@ -127,8 +134,7 @@ def region(tag: str = "default", backup: str = "none", *, device: Optional[int] 
             yield
             return
         dev = torch.cuda.current_device() if device is None else int(device)
-        kind = mode + ("-shareable" if shareable else "")
-        pool = _pool(torch, kind, tag, dev, pool_epoch(tag))
+        pool = _pool(torch, region_pool_kind(mode, backup, shareable), tag, dev, pool_epoch(tag))
         with torch.cuda.use_mem_pool(pool, device=dev):
             yield
     finally:
@@ -172,7 +178,7 @@ def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", pool=None, st
     token = mem.region_push(tag, code)
     try:
         if pool is None:
-            pool = _pool(torch, "graph-" + mode, tag, dev, pool_epoch(tag)).id
+            pool = _pool(torch, "graph-" + region_pool_kind(mode, backup, False), tag, dev, pool_epoch(tag)).id
         with torch.cuda.device(dev), torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                                                      capture_error_mode=capture_error_mode):
             yield
