@@ -9,6 +9,7 @@ its CUDA context). --quick: the small model, 5 steps; otherwise the example's de
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 
 from ..registry import Row, Skip, suite
@@ -68,7 +69,12 @@ def run(ctx):
 
     runs = [1] + ([2] if ctx.gpus >= 2 else [])
     for gpus in runs:
-        out = tempfile.mkdtemp(prefix=f"ebbtide-colocate-{gpus}gpu-")
+        art = os.environ.get("EBBTIDE_TEST_ARTIFACTS")  # scripts/gpu-check packs this folder into logs.tgz
+        if art:
+            out = os.path.join(art, f"colocate-bench-{gpus}gpu")
+            os.makedirs(out, exist_ok=True)
+        else:
+            out = tempfile.mkdtemp(prefix=f"ebbtide-colocate-{gpus}gpu-")
         if ctx.quick:
             cfg = RunConfig(model=QUICK_MODEL, gpus=gpus, out=out, timeout_s=300, **quick_overrides())
         else:
