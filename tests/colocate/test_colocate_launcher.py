@@ -92,3 +92,12 @@ def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():
     assert _wait_all(procs, timeout=1) == {1: "timed out after 1 s"}
     procs = [spawn("pass"), spawn("pass")]
     assert _wait_all(procs, timeout=50) == {} and all(p.returncode == 0 for p in procs)
+
+
+def test_more_gpus_than_visible_is_a_clear_error():
+    import torch
+
+    n = torch.cuda.device_count()
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--gpus", str(n + 1), "--quick"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"{n} CUDA device(s) are visible" in p.stderr and "Traceback" not in p.stderr

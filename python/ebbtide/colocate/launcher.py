@@ -233,6 +233,7 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
         try:
             with open(res) as f:
                 out = json.load(f)
+            os.remove(res)  # its content goes into results.json (fewer files to carry back from a GPU host)
         except (OSError, ValueError) as e:
             out = {"ok": False, "error": f"no result file ({e})"}
         out["rc"] = rc
@@ -312,10 +313,10 @@ def run(cfg: RunConfig, log=print) -> dict:
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
+        results = run(cfg)
     except InvalidArgumentError as e:
         print(f"python -m ebbtide.colocate: {e}", file=sys.stderr)
         return 2
-    results = run(cfg)
     print(format_report(results))
     print(f"\nresults: {cfg.out}/results.json, timeline: {results['timeline']}")
     v = results["variants"].get("ebbtide", {})
