@@ -30,7 +30,7 @@ from .model import ModelConfig
 __all__ = ["RunConfig", "parse_args", "run", "main", "QUICK_MODEL"]
 
 GiB = 1 << 30
-QUICK_MODEL = ModelConfig(vocab=4096, d_model=512, n_layers=4, n_heads=8, d_ff=2048, max_seq=512)
+QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
 VARIANTS = ("ebbtide", "anchor")
 
 

@@ -4,7 +4,7 @@ on CPU with plain copies, the torch quant formula), each variant in fresh proces
 
 Rows (1 GPU; with 2+ GPUs also the 2-GPU data-parallel loop): seconds per RL step (the headline), the weight
 sync (pack + load), the trainer's pause + resume, and the trainer's GPU memory during generation (NVML, above
-its CUDA context). --quick: the small model, 5 steps; otherwise the example's default model, 10 steps.
+its CUDA context). --quick: the 0.12 B-param model, 5 steps; otherwise the example's default 0.39 B model, 10 steps.
 """
 from __future__ import annotations
 
