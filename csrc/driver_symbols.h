@@ -70,6 +70,7 @@
                                    unsigned long long flags), EBT_DRIVER_OPTIONAL)                         \
   X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle * handle, void* shareable, int type),    \
     EBT_DRIVER_OPTIONAL)                                                                                   \
-  X(cuMemRetainAllocationHandle, (CUmemGenericAllocationHandle * handle, void* addr), EBT_DRIVER_OPTIONAL)
+  X(cuMemRetainAllocationHandle, (CUmemGenericAllocationHandle * handle, void* addr), EBT_DRIVER_OPTIONAL)   \
+  X(cuThreadExchangeStreamCaptureMode, (int* mode), EBT_DRIVER_OPTIONAL)
 
 #endif  // EBBTIDE_CSRC_DRIVER_SYMBOLS_H_

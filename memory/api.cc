@@ -61,18 +61,45 @@ void on_fork_child() { g_forked.store(true); }
 // Library load: install the fork handler; EBBTIDE_MEM_DEFAULT_TAG (+ EBBTIDE_MEM_DEFAULT_BACKUP=none|cpu) sets
 // the process default region, so a process started under the shim captures every allocation from its start.
 void apply_default_from_env();
+void apply_margin_from_env();
 struct LoadTimeSetup {
   LoadTimeSetup() {
     pthread_atfork(nullptr, nullptr, on_fork_child);
+    apply_margin_from_env();
     apply_default_from_env();
   }
 };
 
+void apply_margin_from_env() {
+  const char* m = getenv("EBBTIDE_MEM_MARGIN_BYTES");
+  if (!m || !*m) return;
+  char* end = nullptr;
+  unsigned long long v = strtoull(m, &end, 10);
+  if (end && *end == '\0') Engine::get().set_margin(static_cast<size_t>(v));
+  else EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_MARGIN_BYTES=%s ignored: not a byte count", m);
+}
+
+// torch_memory_saver's equivalent (TMS_INIT_ENABLE=1, TMS_INIT_ENABLE_CPU_BACKUP=1: tag "default") is honoured when
+// EBBTIDE_MEM_DEFAULT_TAG is unset, so a launcher written for it (slime) runs unchanged under this shim.
 void apply_default_from_env() {
   const char* tag = getenv("EBBTIDE_MEM_DEFAULT_TAG");
-  if (!tag || !*tag) return;
   const char* b = getenv("EBBTIDE_MEM_DEFAULT_BACKUP");
   int backup = (b && strcmp(b, "cpu") == 0) ? EBT_MEM_BACKUP_CPU : EBT_MEM_BACKUP_NONE;
+  if (!tag || !*tag) {
+    const char* tms = getenv("TMS_INIT_ENABLE");
+    if (!tms || strcmp(tms, "1") != 0) return;
+    tag = "default";
+    const char* tb = getenv("TMS_INIT_ENABLE_CPU_BACKUP");
+    backup = (tb && strcmp(tb, "1") == 0) ? EBT_MEM_BACKUP_CPU : EBT_MEM_BACKUP_NONE;
+  }
+  const char* conf = getenv("PYTORCH_CUDA_ALLOC_CONF");
+  if (conf && (strstr(conf, "expandable_segments:True") || strstr(conf, "expandable_segments:true"))) {
+    // Expandable segments map memory with cuMemCreate, never through cudaMalloc: the default region would
+    // silently miss PyTorch's allocations. Refuse loudly instead (Python's region() raises UnsupportedError).
+    EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_DEFAULT_TAG=%s refused: PYTORCH_CUDA_ALLOC_CONF=%s enables expandable "
+             "segments, whose memory bypasses cudaMalloc and could not be paused", tag, conf);
+    return;
+  }
   if (ebt_mem_set_default_region(tag, backup) != EBT_SUCCESS)
     EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_DEFAULT_TAG=%s ignored: %s", tag, ebt_last_error());
 }
@@ -125,6 +152,10 @@ namespace {
   } while (0)
 
 bool valid_tag(const char* tag) { return tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX; }
+bool valid_backup(int backup) {
+  const int base = backup & ~EBT_MEM_SHAREABLE;
+  return base == EBT_MEM_BACKUP_NONE || base == EBT_MEM_BACKUP_CPU;
+}
 
 ebt_status_t run_sync(OpKind kind, const char* tag, ebt_mem_report_t* report) {
   EBT_NOT_IN_FORK();
@@ -174,7 +205,7 @@ extern "C" {
 ebt_status_t ebt_mem_region_push(const char* tag, int backup, int* token) {
   EBT_REQUIRE_ARG(token, "token is NULL");
   EBT_REQUIRE_ARG(valid_tag(tag), "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
-  EBT_REQUIRE_ARG(backup == EBT_MEM_BACKUP_NONE || backup == EBT_MEM_BACKUP_CPU, "backup must be NONE(0) or CPU(1)");
+  EBT_REQUIRE_ARG(valid_backup(backup), "backup must be NONE(0) or CPU(1), optionally | EBT_MEM_SHAREABLE");
   EBT_NOT_IN_FORK();
   ThreadRouting& t = t_routing;
   if (t.depth >= kMaxDepth) return ebt_set_error(EBT_ERROR_INVALID_STATE, "regions nested deeper than %d", kMaxDepth);
@@ -209,7 +240,7 @@ ebt_status_t ebt_mem_set_default_region(const char* tag, int backup) {
     return EBT_SUCCESS;
   }
   EBT_REQUIRE_ARG(valid_tag(tag), "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
-  EBT_REQUIRE_ARG(backup == EBT_MEM_BACKUP_NONE || backup == EBT_MEM_BACKUP_CPU, "backup must be NONE(0) or CPU(1)");
+  EBT_REQUIRE_ARG(valid_backup(backup), "backup must be NONE(0) or CPU(1), optionally | EBT_MEM_SHAREABLE");
   EBT_CHECK(Engine::get().register_tag(tag));
   std::lock_guard<std::mutex> lock(g_default_mu);
   snprintf(g_default.tag, sizeof(g_default.tag), "%s", tag);
@@ -273,6 +304,38 @@ ebt_status_t ebt_mem_op_release(ebt_mem_op_t op) {
 ebt_status_t ebt_mem_mark_clean(const char* tag) {
   EBT_NOT_IN_FORK();
   return Engine::get().mark_clean(tag);
+}
+
+ebt_status_t ebt_mem_tag_state(const char* tag, int* state, unsigned long long* pauses) {
+  EBT_NOT_IN_FORK();
+  return Engine::get().tag_state(tag, state, pauses);
+}
+
+ebt_status_t ebt_mem_export_fd(const void* ptr, int* fd, size_t* offset, size_t* size) {
+  EBT_NOT_IN_FORK();
+  return Engine::get().export_fd(ptr, fd, offset, size);
+}
+
+ebt_status_t ebt_mem_import_fd(int fd, size_t size, int device, void** ptr) {
+  EBT_NOT_IN_FORK();
+  return Engine::get().import_fd(fd, size, device, ptr);
+}
+
+ebt_status_t ebt_mem_close_import(void* ptr) {
+  EBT_NOT_IN_FORK();
+  return Engine::get().close_import(ptr);
+}
+
+ebt_status_t ebt_mem_set_memory_margin(size_t bytes) {
+  EBT_NOT_IN_FORK();
+  Engine::get().set_margin(bytes);
+  return EBT_SUCCESS;
+}
+
+ebt_status_t ebt_mem_get_memory_margin(size_t* bytes) {
+  EBT_REQUIRE_ARG(bytes, "bytes is NULL");
+  *bytes = Engine::get().margin();
+  return EBT_SUCCESS;
 }
 
 ebt_status_t ebt_mem_stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count) {

@@ -166,6 +166,45 @@ void register_bindings(py::module_& m) {
   }, py::arg("tag") = py::none());
 
   m.def("mark_clean", [](const std::string& tag) { EBT_PY_CHECK(ebt_mem_mark_clean(tag.c_str())); }, py::arg("tag"));
+  m.def("tag_state", [](const std::string& tag) {
+    int state = 0;
+    unsigned long long pauses = 0;
+    EBT_PY_CHECK(ebt_mem_tag_state(tag.c_str(), &state, &pauses));
+    const char* name = state == EBT_MEM_TAG_ACTIVE ? "active" : state == EBT_MEM_TAG_PAUSED ? "paused" : "busy";
+    return py::make_tuple(std::string(name), pauses);
+  }, py::arg("tag"), "(state, pauses completed) of a tag; NotFoundError if no region named it.");
+  m.attr("SHAREABLE") = static_cast<int>(EBT_MEM_SHAREABLE);
+  m.def("export_fd", [](uintptr_t ptr) {
+    int fd = -1;
+    size_t offset = 0, size = 0;
+    EBT_PY_CHECK(ebt_mem_export_fd(reinterpret_cast<void*>(ptr), &fd, &offset, &size));
+    return py::make_tuple(fd, offset, size);
+  }, py::arg("ptr"), "(fd, offset of ptr in its allocation, mapped size) of a shareable allocation; caller owns fd.");
+  m.def("import_fd", [](int fd, size_t size, int device) {
+    void* p = nullptr;
+    ebt_status_t st;
+    {
+      py::gil_scoped_release nogil;
+      st = ebt_mem_import_fd(fd, size, device, &p);
+    }
+    EBT_PY_CHECK(st);
+    return reinterpret_cast<uintptr_t>(p);
+  }, py::arg("fd"), py::arg("size"), py::arg("device"), "Map another process's exported memory; returns its base.");
+  m.def("close_import", [](uintptr_t ptr) {
+    ebt_status_t st;
+    {
+      py::gil_scoped_release nogil;
+      st = ebt_mem_close_import(reinterpret_cast<void*>(ptr));
+    }
+    EBT_PY_CHECK(st);
+  }, py::arg("ptr"));
+  m.def("set_memory_margin", [](size_t bytes) { EBT_PY_CHECK(ebt_mem_set_memory_margin(bytes)); }, py::arg("bytes"),
+        "Allocations and resumes that would leave less than `bytes` free fail with OOM (0: off).");
+  m.def("memory_margin", [] {
+    size_t b = 0;
+    EBT_PY_CHECK(ebt_mem_get_memory_margin(&b));
+    return b;
+  });
   m.def("stats", [] {
     size_t n = 0;
     EBT_PY_CHECK(ebt_mem_stats(nullptr, 0, &n));

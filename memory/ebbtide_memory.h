@@ -28,6 +28,10 @@ extern "C" {
 #define EBT_MEM_TAG_MAX 63 /* longest tag, in bytes (no NUL); tags are non-empty UTF-8 without NUL */
 
 typedef enum { EBT_MEM_BACKUP_NONE = 0, EBT_MEM_BACKUP_CPU = 1 } ebt_mem_backup_t;
+/* OR'd into a `backup` argument (regions, default region, malloc): the allocation's physical memory is created
+ * exportable as a POSIX file descriptor (ebt_mem_export_fd), for CUDA IPC of region memory. UNSUPPORTED on a
+ * device without POSIX-fd handle support. */
+#define EBT_MEM_SHAREABLE 0x100
 typedef enum { EBT_MEM_TAG_ACTIVE = 0, EBT_MEM_TAG_PAUSED = 1, EBT_MEM_TAG_BUSY = 2 } ebt_mem_tag_state_t;
 
 /* What one pause or resume did. Times in seconds, sizes in bytes. Phases: sync = draining the allocations'
@@ -136,6 +140,32 @@ EBT_API ebt_status_t ebt_mem_get_cpu_backup(const void* ptr, void** host, size_t
 EBT_API ebt_status_t ebt_mem_lookup(const void* ptr, void** base, size_t* size, char* tag, int* paused);
 /* Paused VA ranges (for checkers): up to `capacity` (base, length) pairs into starts/lengths, total in *count. */
 EBT_API ebt_status_t ebt_mem_paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count);
+
+/* State of one tag: ebt_mem_tag_state_t (busy while an op owns it) and how many pauses it has completed (an
+ * epoch: the Python layer gives a region entered while its tag is paused a pool that holds no paused block).
+ * NOT_FOUND for a tag no region ever named. O(log tags). */
+EBT_API ebt_status_t ebt_mem_tag_state(const char* tag, int* state, unsigned long long* pauses);
+
+/* ---- shareable allocations (CUDA IPC through POSIX file descriptors) -------------------------------------------
+ * export: a new fd (the caller owns it; send it with SCM_RIGHTS) for the physical memory of the ACTIVE shareable
+ * allocation containing `ptr`; *offset = ptr - base, *size = the mapped (granularity-aligned) size the importer
+ * passes to import. INVALID_STATE if paused or busy, INVALID_ARGUMENT if not made shareable, NOT_FOUND if not the
+ * engine's. The physical memory changes at every pause/resume: an importer keeps the old memory alive (the
+ * driver frees it only when every mapping is gone), so importers close before the exporter pauses and import
+ * again after it resumes.
+ * import: map the memory behind `fd` (from another process's export; this call does not take ownership of fd) at a
+ * new VA on `device`, read-write; *ptr = its base. close_import: unmap and release (drains the device first). */
+EBT_API ebt_status_t ebt_mem_export_fd(const void* ptr, int* fd, size_t* offset, size_t* size);
+EBT_API ebt_status_t ebt_mem_import_fd(int fd, size_t size, int device, void** ptr);
+EBT_API ebt_status_t ebt_mem_close_import(void* ptr);
+
+/* ---- memory margin -------------------------------------------------------------------------------------------
+ * An allocation that would leave less than `bytes` free on its device (cuMemGetInfo) fails with OUT_OF_MEMORY
+ * (the hooks return NULL / cudaErrorMemoryAllocation, so PyTorch frees its cache and retries), and a resume that
+ * would leave less than `bytes` free fails before touching anything (the tag stays paused). 0 (the default) turns
+ * the check off; it then costs nothing. EBBTIDE_MEM_MARGIN_BYTES sets it at library load. */
+EBT_API ebt_status_t ebt_mem_set_memory_margin(size_t bytes);
+EBT_API ebt_status_t ebt_mem_get_memory_margin(size_t* bytes);
 
 /* ---- host arena ---------------------------------------------------------------------------------------------
  * Pin `bytes` more host memory now (pre-touched, registered by several threads), so the first pause does not

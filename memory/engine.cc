@@ -72,16 +72,17 @@ bool by_device_va(const Allocation* a, const Allocation* b) {
   return a->device != b->device ? a->device < b->device : a->va < b->va;
 }
 
-CUmemAllocationProp device_prop(int ordinal) {
+}  // namespace
+
+CUmemAllocationProp Engine::device_prop(int ordinal, bool shareable) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof(prop));
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = ordinal;
+  if (shareable) prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   return prop;
 }
-
-}  // namespace
 
 Engine& Engine::get() {
   static Engine* e = new Engine();  // leaked on purpose
@@ -114,8 +115,12 @@ ebt_status_t Engine::device(int ordinal, Device** out) {
   int vmm = 0;
   EBT_CU_CHECK(drv->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, d->dev));
   if (!vmm) return ebt_set_error(EBT_ERROR_UNSUPPORTED, "device %d does not support virtual memory management", ordinal);
-  CUmemAllocationProp prop = device_prop(ordinal);
+  CUmemAllocationProp prop = device_prop(ordinal, false);
   EBT_CU_CHECK(drv->cuMemGetAllocationGranularity(&d->granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  int posix_fd = 0;
+  if (drv->cuDeviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->dev) ==
+      CUDA_SUCCESS)
+    d->posix_fd = posix_fd != 0;
   EBT_CU_CHECK(drv->cuDevicePrimaryCtxRetain(&d->ctx, d->dev));
   d->va = std::make_unique<VaSpace>(d->granularity);
   *out = d.get();
@@ -184,19 +189,35 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
   *ptr = nullptr;
   EBT_REQUIRE_ARG(size > 0, "size must be > 0");
   EBT_REQUIRE_ARG(tag_ok(tag), "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
-  EBT_REQUIRE_ARG(backup == EBT_MEM_BACKUP_NONE || backup == EBT_MEM_BACKUP_CPU, "backup must be NONE or CPU");
+  const bool shareable = (backup & EBT_MEM_SHAREABLE) != 0;
+  backup &= ~EBT_MEM_SHAREABLE;
+  EBT_REQUIRE_ARG(backup == EBT_MEM_BACKUP_NONE || backup == EBT_MEM_BACKUP_CPU,
+                  "backup must be NONE or CPU (optionally | EBT_MEM_SHAREABLE)");
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
   Device* d;
   EBT_CHECK(device(device_ordinal, &d));
+  if (shareable && (!d->posix_fd || !drv->cuMemExportToShareableHandle))
+    return ebt_set_error(EBT_ERROR_UNSUPPORTED, "device %d does not support POSIX-fd shareable memory",
+                         device_ordinal);
   auto a = std::make_unique<Allocation>();
   a->size = size;
   a->aligned = round_up(size, d->granularity);
   a->device = device_ordinal;
   a->backup = backup;
+  a->shareable = shareable;
   CtxGuard ctx(drv, d->ctx);
+  if (const size_t margin = this->margin()) {  // refuse what would leave less than the margin free (OOM: retry)
+    size_t free_b = 0, total = 0;
+    EBT_CU_CHECK(drv->cuMemGetInfo(&free_b, &total));
+    if (free_b < a->aligned || free_b - a->aligned < margin)
+      return ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
+                           "allocating %zu bytes on device %d would leave %zu of %zu free, under the memory margin "
+                           "of %zu bytes", a->aligned, device_ordinal, free_b > a->aligned ? free_b - a->aligned : 0,
+                           free_b, margin);
+  }
   EBT_CHECK(d->va->allocate(drv, a->aligned, &a->va));
-  CUmemAllocationProp prop = device_prop(device_ordinal);
+  CUmemAllocationProp prop = device_prop(device_ordinal, shareable);
   CUmemAccessDesc access{{CU_MEM_LOCATION_TYPE_DEVICE, device_ordinal}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   ebt_status_t st = EBT_SUCCESS;
   EBT_CU_CHECK_GOTO(drv->cuMemCreate(&a->handle, a->aligned, &prop, 0), st, fail_va);
@@ -328,6 +349,7 @@ void Engine::commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r) {
       const bool any_paused = has_paused.count(t) != 0;
       if (plan.kind == OpKind::kPause) {
         t->state = (st == EBT_SUCCESS || any_paused) ? EBT_MEM_TAG_PAUSED : EBT_MEM_TAG_ACTIVE;
+        if (t->state == EBT_MEM_TAG_PAUSED) ++t->pauses;
         if (st == EBT_SUCCESS) t->last_pause = r;
       } else {
         t->state = (st == EBT_SUCCESS && !any_paused) ? EBT_MEM_TAG_ACTIVE : EBT_MEM_TAG_PAUSED;
@@ -497,7 +519,7 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     if (!released.empty()) {  // roll back: map and restore what this pause released
       ebt_mem_report_t rr;
       memset(&rr, 0, sizeof(rr));
-      if (run_resume(released, &rr) != EBT_SUCCESS)
+      if (run_resume(released, &rr, /*rollback=*/true) != EBT_SUCCESS)
         msg += " (rollback failed too: the released allocations stay paused; resume() retries)";
     }
     return ebt_set_error(st, "%s", msg.c_str());
@@ -521,7 +543,7 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
     EBT_CHECK_GOTO(device(a->device, &d), st, undo);
     {
       CtxGuard ctx(drv, d->ctx);
-      CUmemAllocationProp prop = device_prop(a->device);
+      CUmemAllocationProp prop = device_prop(a->device, a->shareable);
       CUresult res = drv->cuMemCreate(&a->handle, a->aligned, &prop, 0);
       if (res != CUDA_SUCCESS) {
         st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
@@ -590,11 +612,12 @@ ebt_status_t Engine::set_access_runs(const std::vector<Allocation*>& allocs) {
   return EBT_SUCCESS;
 }
 
-ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r) {
+ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
   r->device = allocs[0]->device;
-  // 0. Pre-flight: enough free memory on each device? (Fail before touching anything.)
+  const size_t margin = rollback ? 0 : this->margin();
+  // 0. Pre-flight: enough free memory (plus the margin) on each device? (Fail before touching anything.)
   std::map<int, size_t> need;
   for (Allocation* a : allocs) need[a->device] += a->aligned;
   for (auto& kv : need) {
@@ -604,13 +627,13 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
     size_t free_b = 0, total = 0;
     EBT_CU_CHECK(drv->cuMemGetInfo(&free_b, &total));
     if (kv.first == r->device) r->driver_free_before = free_b;
-    if (free_b < kv.second) {
+    if (free_b < kv.second || free_b - kv.second < margin) {
       r->oom_device = kv.first;
-      r->oom_needed = kv.second;
+      r->oom_needed = kv.second + margin;
       r->oom_free = free_b;
       return ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
-                           "resume needs %zu bytes on device %d but only %zu are free; the tag stays paused "
-                           "(pause or free other memory, then retry)", kv.second, kv.first, free_b);
+                           "resume needs %zu bytes on device %d (+ memory margin %zu) but only %zu are free; the tag "
+                           "stays paused (pause or free other memory, then retry)", kv.second, kv.first, margin, free_b);
     }
     EBT_CHECK(streams(d));
   }

@@ -5,6 +5,7 @@
 #ifndef EBBTIDE_MEMORY_ENGINE_H_
 #define EBBTIDE_MEMORY_ENGINE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -32,6 +33,7 @@ struct Allocation {
   int device = -1;           // CUDA ordinal; every driver call for this allocation runs in its primary context
   Tag* tag = nullptr;        // owning tag (never null; tags outlive allocations)
   int backup = EBT_MEM_BACKUP_NONE;
+  bool shareable = false;    // physical memory created exportable as a POSIX fd (every create, resume included)
   AllocState state = AllocState::kActive;
   bool busy = false;         // owned by an op in flight: only that op changes state/handle/host (engine mu_)
   CUmemGenericAllocationHandle handle = 0;  // valid iff state == kActive
@@ -44,6 +46,7 @@ struct Tag {
   std::string name;
   int state = EBT_MEM_TAG_ACTIVE;  // EBT_MEM_TAG_ACTIVE or EBT_MEM_TAG_PAUSED (busy is separate)
   bool busy = false;               // an op in flight owns this tag
+  unsigned long long pauses = 0;   // pauses completed (the tag went PAUSED); an epoch for pool selection
   std::unordered_set<Allocation*> allocations;  // live allocations of this tag
   ebt_mem_report_t last_pause{}, last_resume{};
 };
@@ -53,6 +56,7 @@ struct Device {
   CUdevice dev = 0;
   CUcontext ctx = nullptr;   // the primary context (retained once, released at reset)
   size_t granularity = 0;    // cuMemGetAllocationGranularity(MINIMUM), bytes
+  bool posix_fd = false;     // the device supports POSIX-fd shareable handles
   std::unique_ptr<VaSpace> va;
   std::mutex mu;             // guards d2h, h2d, free_events
   CUstream d2h = nullptr;    // runtime-owned non-blocking copy streams, created on first use
@@ -84,11 +88,17 @@ class Engine {
 
   ebt_status_t register_tag(const char* tag);  // a region names a tag: pause/resume of it is then valid
   ebt_status_t mark_clean(const char* tag);
+  ebt_status_t tag_state(const char* tag, int* state, unsigned long long* pauses);
+  void set_margin(size_t bytes) { margin_.store(bytes, std::memory_order_relaxed); }
+  size_t margin() const { return margin_.load(std::memory_order_relaxed); }
   ebt_status_t stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
   ebt_status_t global_stats(ebt_mem_global_stats_t* out);
   ebt_status_t get_cpu_backup(const void* ptr, void** host, size_t* bytes_after);
   ebt_status_t lookup(const void* ptr, void** base, size_t* size, char* tag, int* paused);
   ebt_status_t paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count);
+  ebt_status_t export_fd(const void* ptr, int* fd, size_t* offset, size_t* size);  // engine_ipc.cc
+  ebt_status_t import_fd(int fd, size_t size, int device, void** ptr);
+  ebt_status_t close_import(void* ptr);
   ebt_status_t reserve_host(size_t bytes);
   ebt_status_t release_host(size_t* released);
   ebt_status_t reset();
@@ -102,13 +112,18 @@ class Engine {
   Engine() = default;
   ebt_status_t driver(const ebt_driver_table_t** drv);
   ebt_status_t device(int ordinal, Device** out);
+ public:
+  static CUmemAllocationProp device_prop(int ordinal, bool shareable);
+
+ private:
   ebt_status_t streams(Device* d);
   CUevent take_event(Device* d);
   void give_event(Device* d, CUevent e);
   Tag* tag_locked(const std::string& name);  // find or create (mu_ held)
 
   ebt_status_t run_pause(Plan& plan, ebt_mem_report_t* r);
-  ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
+  // rollback: mapping back what a failed pause released (the memory margin does not apply).
+  ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback = false);
   ebt_status_t map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
   void unmap_all(const std::vector<Allocation*>& allocs);
   ebt_status_t set_access_runs(const std::vector<Allocation*>& allocs);
@@ -123,6 +138,15 @@ class Engine {
   std::map<CUdeviceptr, Allocation*> by_va_;         // live allocations by base address (O(log n) lookups)
   std::map<std::string, std::unique_ptr<Tag>> tags_;  // every tag ever named; never erased until reset
   unsigned long long allocs_total_ = 0, frees_total_ = 0;
+  std::atomic<size_t> margin_{0};  // bytes an allocation or resume must leave free (0: no check)
+
+  struct Import {
+    CUmemGenericAllocationHandle handle = 0;
+    size_t size = 0;
+    int device = -1;
+  };
+  std::map<CUdeviceptr, Import> imports_;  // mappings of other processes' memory (mu_)
+  void close_all_imports();                // reset()
 
   std::mutex dev_mu_;           // guards devices_ (the map, not the Device contents)
   std::map<int, std::unique_ptr<Device>> devices_;

@@ -48,6 +48,13 @@ void Engine::enqueue_pinning(const Allocation* a) {
 }
 
 void Engine::pinning_loop() {
+  // This thread's host registrations must not invalidate a CUDA graph another thread captures meanwhile in global
+  // mode (weights are pinned here while an engine captures its graphs): relaxed capture mode for this thread only.
+  const ebt_driver_table_t* drv;
+  if (ebt_driver_get(&drv) == EBT_SUCCESS && drv->cuThreadExchangeStreamCaptureMode) {
+    int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+    drv->cuThreadExchangeStreamCaptureMode(&mode);
+  }
   for (;;) {
     std::vector<std::pair<CUdeviceptr, unsigned long long>> batch;
     {

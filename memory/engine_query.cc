@@ -21,6 +21,17 @@ ebt_status_t Engine::mark_clean(const char* tag) {
   return EBT_SUCCESS;
 }
 
+ebt_status_t Engine::tag_state(const char* tag, int* state, unsigned long long* pauses) {
+  EBT_REQUIRE_ARG(tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX, "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
+  EBT_REQUIRE_ARG(state && pauses, "out-pointers must not be NULL");
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tags_.find(tag);
+  if (it == tags_.end()) return ebt_set_error(EBT_ERROR_NOT_FOUND, "unknown tag '%s' (no region ever used it)", tag);
+  *state = it->second->busy ? EBT_MEM_TAG_BUSY : it->second->state;
+  *pauses = it->second->pauses;
+  return EBT_SUCCESS;
+}
+
 ebt_status_t Engine::stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count) {
   EBT_REQUIRE_ARG(count, "count is NULL");
   EBT_REQUIRE_ARG(rows || capacity == 0, "rows is NULL with capacity > 0");
@@ -177,6 +188,9 @@ ebt_status_t Engine::reset() {
   for (auto& kv : tags_)
     if (kv.second->busy) return ebt_set_error(EBT_ERROR_INVALID_STATE, "reset: tag '%s' has an op in flight",
                                               kv.first.c_str());
+  lock.unlock();
+  close_all_imports();
+  lock.lock();
   std::vector<Allocation*> all;
   for (auto& kv : by_va_) all.push_back(kv.second);
   by_va_.clear();

@@ -25,12 +25,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "csrc/cuda_driver_types.h"
@@ -49,6 +51,8 @@ struct Handle {
   int device = 0;
   int maps = 0;        // live mappings of this handle
   bool released = false;
+  bool shareable = false;  // created with requestedHandleTypes = POSIX fd (exportable)
+  bool imported = false;   // made by cuMemImportFromShareableHandle: the exporter's memory, not counted again
 };
 struct Reservation {
   char* raw = nullptr;
@@ -151,7 +155,7 @@ bool covered_by_mappings(CUdeviceptr p, size_t n, std::vector<CUdeviceptr>* whic
 void destroy_handle_if_done(Handle* h) {
   if (!h->released || h->maps > 0) return;
   close(h->fd);
-  g_used[h->device] -= h->size;
+  if (!h->imported) g_used[h->device] -= h->size;
   g_handles.erase(h);
   delete h;
 }
@@ -238,7 +242,8 @@ FAKE_API CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
 FAKE_API CUresult cuDeviceTotalMem(size_t* b, CUdevice) { ENTER("cuDeviceTotalMem"); *b = g_device_bytes; return CUDA_SUCCESS; }
 FAKE_API CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice) {
   ENTER("cuDeviceGetAttribute");
-  *v = (attr == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) ? 1 : 0;
+  *v = (attr == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ||
+        attr == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) ? 1 : 0;
   if (attr == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *v = 9;
   return CUDA_SUCCESS;
 }
@@ -392,6 +397,7 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* out, size_t size, co
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   auto* h = new Handle{fd, size, dev, 0, false};
+  h->shareable = prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   g_handles[h] = true;
   g_used[dev] += size;
   *out = reinterpret_cast<CUmemGenericAllocationHandle>(h);
@@ -438,13 +444,39 @@ FAKE_API CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDe
                                                                   : PROT_NONE;
   return mprotect(reinterpret_cast<void*>(p), size, prot) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
-FAKE_API CUresult cuMemExportToShareableHandle(void*, CUmemGenericAllocationHandle, int, unsigned long long) {
+// POSIX fd handles: the exported fd is a dup of the handle's memfd, so an importer in another process maps the
+// very same pages (as the real driver shares the physical allocation).
+FAKE_API CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle hh, int type,
+                                               unsigned long long) {
   ENTER("cuMemExportToShareableHandle");
-  return CUDA_ERROR_NOT_SUPPORTED;
+  auto* h = reinterpret_cast<Handle*>(hh);
+  if (!out || !g_handles.count(h) || h->released) return CUDA_ERROR_INVALID_VALUE;
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !h->shareable) return CUDA_ERROR_INVALID_VALUE;
+  int fd = dup(h->fd);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *static_cast<int*>(out) = fd;
+  return CUDA_SUCCESS;
 }
-FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle*, void*, int) {
+FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* out, void* os_handle, int type) {
   ENTER("cuMemImportFromShareableHandle");
-  return CUDA_ERROR_NOT_SUPPORTED;
+  if (!out || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_INVALID_VALUE;
+  int src = static_cast<int>(reinterpret_cast<uintptr_t>(os_handle));
+  off_t size = lseek(src, 0, SEEK_END);
+  if (size <= 0) return CUDA_ERROR_INVALID_VALUE;
+  int fd = dup(src);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  auto* h = new Handle{fd, static_cast<size_t>(size), 0, 0, false};
+  h->imported = true;
+  g_handles[h] = true;
+  *out = reinterpret_cast<CUmemGenericAllocationHandle>(h);
+  return CUDA_SUCCESS;
+}
+FAKE_API CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
+  ENTER("cuThreadExchangeStreamCaptureMode");
+  if (!mode || *mode < 0 || *mode > 2) return CUDA_ERROR_INVALID_VALUE;
+  static thread_local int t_mode = 0;  // global (0) until changed
+  std::swap(*mode, t_mode);
+  return CUDA_SUCCESS;
 }
 FAKE_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle*, void*) {
   ENTER("cuMemRetainAllocationHandle");

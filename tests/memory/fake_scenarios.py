@@ -597,6 +597,166 @@ def timeout_wait():
     assert_clean()
 
 
+
+def memory_margin_and_tag_epochs():
+    """The memory margin refuses allocations (both entry points) and resumes that would leave less than it free;
+    rollback of a failed pause ignores it. tag_state counts pauses (the epoch behind the paused-block guard)."""
+    from ebbtide.memory._hooks import pool_epoch  # noqa: PLC0415
+
+    assert em.memory_margin() == 0
+    a = alloc(16 * MiB, "w", "cpu")  # 64 MiB device: 48 left
+    em.wait_background_pinning()  # the pinning thread runs in relaxed capture mode (never breaks a graph capture)
+    assert FAKE.ebt_fake_calls(b"cuThreadExchangeStreamCaptureMode") == 1
+    data = fill(a, 16 * MiB, 3)
+    em.set_memory_margin(40 * MiB)
+    assert em.memory_margin() == 40 * MiB
+    b = alloc(8 * MiB, "w", "none")  # leaves 40: allowed (not under the margin)
+    with em.region("w", "none"):
+        assert RUNTIME.ebt_torch_malloc(2 * MiB, 0, None) is None  # would leave 38: NULL (torch frees cache, retries)
+    try:
+        NATIVE.malloc(2 * MiB, 0, "w", 0)
+        raise AssertionError("allocation under the margin succeeded")
+    except OutOfMemoryError as e:
+        assert "margin" in str(e), e
+    assert counters()["handles"] == 2, counters()  # the refused ones left nothing behind
+    assert pool_epoch("w") == "main" and NATIVE.tag_state("w") == ("active", 0)
+    em.set_memory_margin(0)
+    em.pause("w")
+    assert NATIVE.tag_state("w") == ("paused", 1) and pool_epoch("w") == ("paused", 1)
+    em.set_memory_margin(56 * MiB)  # resume needs 24 of 64 free: 40 would be left, under 56
+    try:
+        em.resume("w")
+        raise AssertionError("resume under the margin succeeded")
+    except OutOfMemoryError as e:
+        assert e.needed == 24 * MiB + 56 * MiB and e.free == 64 * MiB, (e.needed, e.free)
+    assert NATIVE.tag_state("w") == ("paused", 1) and counters()["handles"] == 0
+    em.set_memory_margin(40 * MiB)  # exactly 40 left: allowed
+    em.resume("w")
+    assert read(a, 16 * MiB) == data
+    assert NATIVE.tag_state("w") == ("active", 1) and pool_epoch("w") == "main"
+    # A pause that fails after releasing some allocations maps them back even when the margin would refuse it.
+    em.set_memory_margin(60 * MiB)
+    fault("cuMemUnmap", 2)
+    try:
+        em.pause("w")
+        raise AssertionError("pause with an injected unmap failure succeeded")
+    except DriverError:
+        pass
+    assert NATIVE.tag_state("w") == ("active", 1), NATIVE.tag_state("w")
+    assert read(a, 16 * MiB) == data
+    em.set_memory_margin(0)
+    em.pause("w")
+    assert NATIVE.tag_state("w") == ("paused", 2) and pool_epoch("w") == ("paused", 2)
+    try:
+        NATIVE.tag_state("never-named")
+        raise AssertionError("tag_state of an unknown tag succeeded")
+    except NotFoundError:
+        pass
+    for bad in (-1, 1.5, True):
+        try:
+            em.set_memory_margin(bad)
+            raise AssertionError(f"margin {bad!r} accepted")
+        except InvalidArgumentError:
+            pass
+    free(a)
+    free(b)
+    assert_clean()
+
+
+def release_report_without_torch():
+    """The release report from the engine's own view (no PyTorch GPU here): paused bytes vs the driver's free
+    memory delta, active tags; check() refuses to judge without its pause records."""
+    a = alloc(8 * MiB, "w", "cpu")
+    b = alloc(4 * MiB, "kv", "none")
+    rep = em.pause("w")
+    rr = em.release_report(rep)
+    assert rr.bytes_paused == 8 * MiB and rr.driver_freed == 8 * MiB and rr.missing == 0, rr
+    assert rr.active_tags == {"kv": 4 * MiB}, rr.active_tags
+    assert rr.driver_free_now is None and any("torch" in n for n in rr.notes), rr.notes
+    assert not rr.shim_active and rr.forwarded_allocs == 0
+    text = str(rr)
+    assert "paused 0.008 GiB" in text and "kv=" in text, text
+    now = em.release_report()  # no report: the current state
+    assert now.bytes_paused == 8 * MiB and now.driver_freed is None and now.missing is None
+    try:
+        em.check()
+        raise AssertionError("check() without pause records did not raise")
+    except StateError as e:
+        assert "set_checking" in str(e)
+    em.set_checking(True)
+    assert em.check() == []  # no PyTorch GPU: nothing to judge
+    em.resume("w")
+    free(a)
+    free(b)
+    assert_clean()
+
+
+def shareable_ipc():
+    """A shareable allocation exported as a POSIX fd, sent to a second process (SCM_RIGHTS), mapped there: both see
+    the same bytes. Refusals: not shareable, paused. An import in this process is closed without leaks."""
+    import socket  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    size = 4 * MiB + 100
+    p = NATIVE.malloc(size, 0, "s", NATIVE.SHAREABLE | 1)
+    data = fill(p, size, 11)
+    plain = alloc(2 * MiB, "plain", "cpu")
+    try:
+        NATIVE.export_fd(plain)
+        raise AssertionError("export of a non-shareable allocation succeeded")
+    except InvalidArgumentError:
+        pass
+    fd, off, mapped = NATIVE.export_fd(p + 4096)
+    assert off == 4096 and mapped == 6 * MiB, (off, mapped)
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, __file__, "_ipc_child", str(child.fileno()), str(mapped), str(off)],
+                            pass_fds=[child.fileno()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.close()
+    socket.send_fds(parent, [data[4096:4096 + 100]], [fd])
+    os.close(fd)
+    reply = parent.recv(16)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and reply == b"written", f"child failed: {reply!r}\n{out}\n{err}"
+    assert read(p, 8) == b"IMPORTED", "the child's write through its mapping is not visible here"
+    # import in this process too; close it; counters return
+    fd2, _, _ = NATIVE.export_fd(p)
+    base = NATIVE.import_fd(fd2, mapped, 0)
+    os.close(fd2)
+    assert base != p and read(base, 8) == b"IMPORTED" and read(base + 4096, 100) == data[4096:4196]
+    NATIVE.close_import(base)
+    try:
+        NATIVE.close_import(base)
+        raise AssertionError("double close_import succeeded")
+    except NotFoundError:
+        pass
+    em.pause("s")
+    try:
+        NATIVE.export_fd(p)
+        raise AssertionError("export of a paused allocation succeeded")
+    except StateError:
+        pass
+    em.resume("s")  # resumed memory is created shareable again
+    fd3, _, _ = NATIVE.export_fd(p)
+    os.close(fd3)
+    assert read(p, 8) == b"IMPORTED"  # CPU backup restored the child's write
+    free(p)
+    free(plain)
+    assert_clean()
+
+
+def _ipc_child(sock_fd: str, mapped: str, off: str):
+    import socket  # noqa: PLC0415
+
+    sock = socket.socket(fileno=int(sock_fd))
+    expect, fds, _, _ = socket.recv_fds(sock, 100, 1)
+    base = NATIVE.import_fd(fds[0], int(mapped), 0)
+    os.close(fds[0])
+    assert read(base + int(off), 100) == expect, "imported memory differs from the exporter's"
+    ctypes.memmove(base, b"IMPORTED", 8)
+    NATIVE.close_import(base)
+    sock.sendall(b"written")
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
     print("OK")

@@ -15,6 +15,9 @@ SIMPLE = [
     "fork_child_disabled",
     "thread_safety",
     "timeout_wait",
+    "memory_margin_and_tag_epochs",
+    "release_report_without_torch",
+    "shareable_ipc",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation.

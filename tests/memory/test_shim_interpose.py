@@ -109,3 +109,41 @@ print(_native.load().memory.shim_active())
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(preloaded)
+
+
+@pytest.fixture(scope="module")
+def process_wide_prog(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shim") / "process_wide_prog"
+    subprocess.run([CC, "-O1", "-o", str(out), str(HERE / "process_wide_prog.c"), str(FAKE_CUDART), "-ldl",
+                    f"-Wl,-rpath,{PKG}"], check=True, capture_output=True, text=True)
+    return out
+
+
+def _run_args(prog, args, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLOC"))}
+    env.update({"LD_PRELOAD": str(PKG / "libebbtide.so"), "EBBTIDE_LIBCUDA": str(FAKE_DRIVER), **extra})
+    return subprocess.run([str(prog), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_process_wide_mode_pause_resume_through_the_c_api(process_wide_prog):
+    p = _run_args(process_wide_prog, ["trainer"], EBBTIDE_MEM_DEFAULT_TAG="trainer", EBBTIDE_MEM_DEFAULT_BACKUP="cpu")
+    assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
+
+
+def test_process_wide_mode_from_torch_memory_saver_environment(process_wide_prog):
+    """A launcher written for torch_memory_saver (TMS_INIT_ENABLE=1, TMS_INIT_ENABLE_CPU_BACKUP=1) gets tag
+    "default" with CPU backup."""
+    p = _run_args(process_wide_prog, ["default"], TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
+
+
+def test_process_wide_mode_without_backup_loses_content(process_wide_prog):
+    """The content check can fail: without CPU backup the resumed memory is fresh."""
+    p = _run_args(process_wide_prog, ["default"], TMS_INIT_ENABLE="1", EBBTIDE_MEM_POISON="1")
+    assert p.returncode == 1 and "bufs[i][k] ==" in p.stderr, p.stdout + p.stderr
+
+
+def test_process_wide_mode_refused_with_expandable_segments(process_wide_prog):
+    p = _run_args(process_wide_prog, ["trainer"], EBBTIDE_MEM_DEFAULT_TAG="trainer",
+                  PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    assert p.returncode == 1 and "expandable" in p.stderr, p.stdout + p.stderr

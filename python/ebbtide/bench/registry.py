@@ -23,6 +23,7 @@ SUITE_MODULES: dict[str, str] = {
     "quant": "ebbtide.bench.suites.quant",
     "optim": "ebbtide.bench.suites.optim",
     "comm": "ebbtide.bench.suites.comm",
+    "colocate": "ebbtide.bench.suites.colocate",
 }
 
 

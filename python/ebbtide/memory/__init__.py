@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, mark_clean, pause, pause_async, paused_ranges,
                       release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
-                      stats, wait_background_pinning)
-from ._hooks import (check_paused_blocks, configure_subprocess, disable, hook_mode, preload_env, region,
-                     set_default_region, set_hook_mode)
+                      set_memory_margin, memory_margin, stats, wait_background_pinning)
+from ._hooks import (check, check_paused_blocks, configure_subprocess, disable, graph, hook_mode, preload_env,
+                     region, set_checking, set_default_region, set_hook_mode)
+from ._ipc import ImportedTensor, SharedHandle, export_tensor, import_tensor
+from ._report import ReleaseReport, release_report
 
 __all__ = [
     "region", "disable", "pause", "resume", "pause_async", "resume_async", "Pending", "Report", "stats",
     "mark_clean", "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
     "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
     "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
+    "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
+    "export_tensor", "import_tensor", "SharedHandle", "ImportedTensor",
 ]

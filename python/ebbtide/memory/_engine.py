@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError, OutOfMemoryError, WaitTimeoutError
 __all__ = [
     "Report", "Pending", "pause", "resume", "pause_async", "resume_async", "mark_clean", "stats",
     "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
-    "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
+    "set_background_pinning", "wait_background_pinning", "get_cpu_backup", "set_memory_margin", "memory_margin",
 ]
 
 BACKUPS = {"none": 0, "cpu": 1}
@@ -76,6 +76,12 @@ class Report:
         return self.driver_free_after - self.driver_free_before
 
 
+def _record_baseline() -> None:
+    from ._hooks import record_pause_baseline  # noqa: PLC0415 (the hooks module imports this one)
+
+    record_pause_baseline()
+
+
 def _holders(device: int) -> dict:
     held: dict = {}
     for row in _mem().stats():
@@ -113,6 +119,7 @@ def pause(tag: Optional[str] = None, *, wait: bool = True):
     if not wait:
         return pause_async(tag)
     check_tag(tag, allow_none=True)
+    _record_baseline()
     try:
         return _finish("pause", tag, _mem().pause(tag))
     except OutOfMemoryError as e:
@@ -178,6 +185,7 @@ def pause_async(tag: Optional[str] = None) -> Pending:
     """Start a pause on a runtime thread and return at once. A pause and a resume of different tags (or
     processes) overlap: D2H and H2D run on separate copy streams."""
     check_tag(tag, allow_none=True)
+    _record_baseline()
     return Pending(_mem().pause_async(tag), "pause", tag)
 
 
@@ -254,6 +262,21 @@ def get_cpu_backup(tensor, *, zero_copy: bool = False):
     raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(host), dtype=torch.uint8)
     view = raw.view(tensor.dtype).view(tensor.shape)
     return view if zero_copy else view.clone()
+
+
+def set_memory_margin(nbytes: int) -> None:
+    """Keep ``nbytes`` of device memory free: an allocation into a region that would leave less fails as out of
+    memory (PyTorch then frees its cache and retries, then raises torch.OutOfMemoryError), and a resume that would
+    leave less raises OutOfMemoryError before touching anything (the tag stays paused). 0 turns it off.
+    EBBTIDE_MEM_MARGIN_BYTES sets it at process start."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise InvalidArgumentError(f"margin must be a non-negative int (bytes), not {nbytes!r}")
+    _mem().set_memory_margin(nbytes)
+
+
+def memory_margin() -> int:
+    """The memory margin in bytes (0: off)."""
+    return int(_mem().memory_margin())
 
 
 def paused_ranges() -> list:

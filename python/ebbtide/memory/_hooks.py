@@ -26,12 +26,12 @@ from .. import _native
 from ..errors import InvalidArgumentError, UnsupportedError
 from ._engine import backup_code, check_tag
 
-__all__ = ["region", "disable", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
-           "configure_subprocess", "check_paused_blocks"]
+__all__ = ["region", "disable", "graph", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
+           "configure_subprocess", "check_paused_blocks", "check", "set_checking"]
 
 _lock = threading.Lock()           # guards the state below
 _mode: Optional[str] = None        # "preload" | "torch", fixed at first use
-_pools: dict = {}                  # (kind, tag, device) -> MemPool; kept alive for the process (torch #146431)
+_pools: dict = {}                  # (kind, tag, device, epoch) -> MemPool; kept alive for the process (torch #146431)
 _pluggable = None                  # the CUDAPluggableAllocator (torch mode), created once
 
 
@@ -75,14 +75,35 @@ def _expandable_segments_requested() -> bool:
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
-def _pool(torch, kind: str, tag: str, device: int):
+def pool_epoch(tag: str):
+    """Which pool generation a region of ``tag`` uses now (the paused-block guard, spec item 13).
+
+    A tag's pool caches free blocks inside the tag's segments; while the tag is paused those segments are unmapped,
+    and the caching allocator would hand such a block to a new allocation (a crash on first touch: miles #3207,
+    slime #1690). So while the tag is paused (or an op owns it), its regions use a pool of that pause's own:
+    ("paused", n) for the n-th pause, which holds no paused block until the tag is paused again, when n moves on.
+    An active tag uses its main pool ("main"), whose blocks are all mapped again after the resume."""
+    state, pauses = _mem().tag_state(tag)
+    if state == "active":
+        return "main"
+    return ("paused", pauses)
+
+
+def region_pool_kind(mode: str, backup: str, shareable: bool) -> str:
+    """Regions of one tag with different backup policies (or shareability) use different pools: a cached block of
+    a CPU-backed segment must never serve a discard-mode tensor or the other way round (the segment's policy
+    decides what a pause keeps)."""
+    return f"{mode}/{backup}" + ("/shareable" if shareable else "")
+
+
+def _pool(torch, kind: str, tag: str, device: int, epoch="main"):
     global _pluggable
-    key = (kind, tag, device)
+    key = (kind, tag, device, epoch)
     with _lock:
         pool = _pools.get(key)
         if pool is not None:
             return pool
-        if kind == "torch":
+        if kind.startswith(("torch", "graph-torch")):
             if _pluggable is None:
                 _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
                     _native.runtime_library_path(), "ebt_torch_malloc", "ebt_torch_free")
@@ -96,17 +117,15 @@ def _pool(torch, kind: str, tag: str, device: int):
 
 
 @contextlib.contextmanager
-def region(tag: str = "default", backup: str = "none", *, device: Optional[int] = None):
+def region(tag: str = "default", backup: str = "none", *, device: Optional[int] = None, shareable: bool = False):
     """Allocations this thread makes inside land in ``tag`` and become pausable. ``backup="cpu"`` keeps their
     content across pause/resume (pinned host copy); ``"none"`` discards it. Regions nest. ``device`` picks the
-    CUDA device whose pool to use (default: current)."""
+    CUDA device whose pool to use (default: current). ``shareable=True`` makes the memory exportable to other
+    processes (``ebbtide.memory.export_tensor``); it comes from a pool of its own."""
     check_tag(tag, allow_none=False)
-    code = backup_code(backup)
+    code = backup_code(backup) | (_mem().SHAREABLE if shareable else 0)
     mode = hook_mode()
-    if mode == "preload" and _expandable_segments_requested():
-        raise UnsupportedError(
-            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: its memory bypasses cudaMalloc, so the preload "
-            "shim would silently miss it. Turn it off, or use the torch hook mode (ebbtide.memory.set_hook_mode).")
+    _refuse_expandable_segments(mode)
     mem = _mem()
     token = mem.region_push(tag, code)
     try:
@@ -115,17 +134,64 @@ def region(tag: str = "default", backup: str = "none", *, device: Optional[int] 
             yield
             return
         dev = torch.cuda.current_device() if device is None else int(device)
-        pool = _pool(torch, mode, tag, dev)
+        pool = _pool(torch, region_pool_kind(mode, backup, shareable), tag, dev, pool_epoch(tag))
         with torch.cuda.use_mem_pool(pool, device=dev):
             yield
     finally:
         mem.region_pop(token)
 
 
+def _refuse_expandable_segments(mode: str) -> None:
+    if mode == "preload" and _expandable_segments_requested():
+        raise UnsupportedError(
+            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: its memory bypasses cudaMalloc, so the preload "
+            "shim would silently miss it. Turn it off, or use the torch hook mode (ebbtide.memory.set_hook_mode).")
+
+
 @contextlib.contextmanager
-def disable(*, device: Optional[int] = None):
+def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", pool=None, stream=None,
+          capture_error_mode: str = "global", device: Optional[int] = None):
+    """``torch.cuda.graph(cuda_graph, ...)`` whose private memory is pausable: the capture allocates from a
+    graph pool of ``tag`` (engine memory in both hook modes), so ``pause(tag)`` releases the graph's buffers and
+    ``resume(tag)`` maps them back at the same addresses; replay after resume then works as before. With
+    ``backup="none"`` the graph's intermediate buffers are scratch (their content is recomputed by replay).
+
+    ``pool``: preload mode uses it as given (graphs sharing a pool share memory; the shim routes the capture's
+    cudaMalloc calls into ``tag``). Torch mode needs a pool whose allocator is ebbtide's, so every capture with the
+    same tag and device shares the tag's graph pool instead, and a given ``pool`` is ignored with a warning."""
+    torch = _torch_cuda()
+    if torch is None:
+        raise UnsupportedError("ebbtide.memory.graph needs torch with a CUDA device")
+    check_tag(tag, allow_none=False)
+    code = backup_code(backup)
+    mode = hook_mode()
+    _refuse_expandable_segments(mode)
+    dev = torch.cuda.current_device() if device is None else int(device)
+    if pool is not None and mode == "torch":
+        import warnings  # noqa: PLC0415
+
+        warnings.warn("ebbtide.memory.graph: torch hook mode captures into the tag's own graph pool; the pool "
+                      "argument is ignored (graphs of one tag share that pool)", stacklevel=3)
+        pool = None
+    mem = _mem()
+    mem.wait_background_pinning()  # no host registration in flight when the capture starts
+    token = mem.region_push(tag, code)
+    try:
+        if pool is None:
+            pool = _pool(torch, "graph-" + region_pool_kind(mode, backup, False), tag, dev, pool_epoch(tag)).id
+        with torch.cuda.device(dev), torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
+                                                     capture_error_mode=capture_error_mode):
+            yield
+    finally:
+        mem.region_pop(token)
+
+
+@contextlib.contextmanager
+def disable(*, device: Optional[int] = None, transient_pool: bool = False):
     """Allocations this thread makes inside bypass ebbtide (plain cudaMalloc memory, e.g. for CUDA IPC), even
-    inside a region. They come from a separate pool, never from a region's cached blocks."""
+    inside a region. They come from a separate pool, never from a region's cached blocks. ``transient_pool=True``
+    uses a fresh pool that is dropped on exit, so its cached memory goes back to the driver (tensors made inside
+    must not outlive the block; torch_memory_saver's disable() behaves this way)."""
     mem = _mem()
     prev = mem.set_disabled(1)
     mem.set_disabled(prev + 1)
@@ -135,9 +201,14 @@ def disable(*, device: Optional[int] = None):
             yield
             return
         dev = torch.cuda.current_device() if device is None else int(device)
-        pool = _pool(torch, "disabled", "", dev)
+        if transient_pool:
+            with torch.cuda.device(dev):
+                pool = torch.cuda.MemPool()
+        else:
+            pool = _pool(torch, "disabled", "", dev)
         with torch.cuda.use_mem_pool(pool, device=dev):
             yield
+        del pool  # transient: ~MemPool gives its cached blocks back (the persistent one stays in _pools)
     finally:
         mem.set_disabled(prev)
 
@@ -149,6 +220,7 @@ def set_default_region(tag: Optional[str], backup: str = "none") -> None:
         _mem().set_default_region(None, 0)
         return
     check_tag(tag, allow_none=False)
+    _refuse_expandable_segments(hook_mode())
     _mem().set_default_region(tag, backup_code(backup))
 
 
@@ -206,4 +278,50 @@ def check_paused_blocks() -> list:
                 bad.append({"address": addr, "size": blk["size"], "state": blk["state"],
                             "segment_pool_id": seg.get("segment_pool_id")})
             addr += blk["size"]
+    return bad
+
+
+_checking = os.environ.get("EBBTIDE_MEM_CHECK") == "1"  # record live blocks at each pause (debug)
+_baseline: set = set()             # (address, size) of blocks live when a pause was requested
+
+
+def set_checking(enabled: bool) -> None:
+    """Debug: from now on every ``pause()`` records the live PyTorch blocks (one memory_snapshot per pause), so
+    ``check()`` can tell a paused tensor (live at its pause: expected) from a block handed out after the pause
+    inside paused memory (the bug). EBBTIDE_MEM_CHECK=1 turns it on at import."""
+    global _checking
+    _checking = bool(enabled)
+
+
+def record_pause_baseline() -> None:
+    """Called by pause()/pause_async() before pausing (only while checking is on)."""
+    if not _checking:
+        return
+    torch = _torch_cuda()
+    if torch is None:
+        return
+    for seg in torch.cuda.memory_snapshot():
+        addr = seg["address"]
+        for blk in seg.get("blocks", []):
+            if blk.get("state") == "active_allocated":
+                _baseline.add((addr, blk["size"]))
+            addr += blk["size"]
+
+
+def check(*, raise_on_error: bool = False) -> list:
+    """The paused-block checker: live PyTorch blocks inside paused memory that were not live when their memory
+    was paused -- an allocation the caching allocator placed in a paused segment, which faults on first touch.
+    Each is a dict (address, size, state, segment_pool_id); empty when all is well. Needs checking on before the
+    pauses it judges (``set_checking(True)`` or EBBTIDE_MEM_CHECK=1); pauses made through the C API directly are
+    not recorded, so their tensors would be reported. ``raise_on_error=True`` raises StateError instead."""
+    from ..errors import StateError  # noqa: PLC0415
+
+    if not _checking:
+        raise StateError("ebbtide.memory.check() needs checking on before pausing: call "
+                         "ebbtide.memory.set_checking(True) (or set EBBTIDE_MEM_CHECK=1)")
+    live_now = check_paused_blocks()
+    bad = [b for b in live_now if (b["address"], b["size"]) not in _baseline]
+    if bad and raise_on_error:
+        lines = ", ".join(f"{b['size']} B at {b['address']:#x}" for b in bad[:8])
+        raise StateError(f"{len(bad)} block(s) allocated inside paused memory: {lines}")
     return bad

@@ -1,0 +1,95 @@
+"""Suite `colocate`: a short colocated RL loop (issue 8's example, ``python -m ebbtide.colocate``) beside the same
+loop on today's tools (torch_memory_saver retain_cpu_backup, destroy + re-create process groups, torch fused AdamW
+on CPU with plain copies, the torch quant formula), each variant in fresh processes of the same run.
+
+Rows (1 GPU; with 2+ GPUs also the 2-GPU data-parallel loop): seconds per RL step (the headline), the weight
+sync (pack + load), the trainer's pause + resume, and the trainer's GPU memory during generation (NVML, above
+its CUDA context). --quick: the 0.12 B-param model, 5 steps; otherwise the example's default 0.39 B model, 10 steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+from ..registry import Row, Skip, suite
+
+
+def _rows(res: dict, gpus: int, params: dict):
+    v = res["variants"]
+    ours = v.get("ebbtide", {})
+    anchor = v.get("anchor", {})
+    a_sum = anchor.get("summary")
+    a_note = "" if a_sum else (anchor.get("why") or "n/a")
+    a_name = "torch_memory_saver + destroy/re-create + fused AdamW on CPU + torch quant"
+    ck = ours.get("checks", {})
+    note = f"correct={ck.get('correct')} no_growth={ck.get('no_growth')}; results in {params['out']}"
+    s = ours["summary"]
+    label = f"{gpus} GPU{'s' if gpus > 1 else ''}"
+
+    def row(name, ours_val, anchor_val, unit="s", rnote=""):
+        return Row("colocate", f"{name}, {label}", unit, ours_val, higher_is_better=False, anchor=anchor_val,
+                   anchor_name=a_name if anchor_val is not None else "",
+                   anchor_note="" if anchor_val is not None else a_note, params=params, note=rnote or note)
+
+    def phase_sum(summary, *names):
+        if not summary:
+            return None
+        vals = [summary["phase_s"].get(n) for n in names]
+        return sum(x for x in vals if x is not None) if any(x is not None for x in vals) else None
+
+    yield row("RL step (train, sync, switch, generate, switch back)", s["step_s"], a_sum and a_sum["step_s"])
+    yield row("weight sync: FP8 pack + load", phase_sum(s, "sync_pack", "sync_load"),
+              phase_sum(a_sum, "sync_pack", "sync_load"))
+    yield row("trainer pause + resume", phase_sum(s, "trainer_pause", "trainer_resume"),
+              phase_sum(a_sum, "trainer_pause", "trainer_resume"))
+    if gpus > 1:
+        yield row("process groups release + reload", phase_sum(s, "comm_release", "comm_reload"),
+                  phase_sum(a_sum, "comm_release", "comm_reload"))
+
+    def held(vr):
+        m = (vr.get("summary") or {}).get("memory", {}).get("generate", {}).get("trainer_nvml")
+        c = ((vr.get("ranks") or [{}])[0].get("setup") or {}).get("context_bytes")
+        return None if m is None or c is None else (m - c) / 1e9
+
+    mine = held(ours)
+    yield row("trainer GPU memory during generation, above its CUDA context", mine, held(anchor) if a_sum else None,
+              unit="GB", rnote="goal <= 1 GB (NVML per process)" if mine is not None
+              else "no NVML per-process reading (see setup.nvml in results.json)")
+
+
+@suite("colocate", needs="gpu", description="end-to-end colocated RL step vs the same loop on today's tools")
+def run(ctx):
+    ctx.require_gpu()
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # earlier in-process suites' cached blocks would crowd the two processes
+    from ebbtide.colocate.launcher import QUICK_MODEL, RunConfig, quick_overrides  # noqa: PLC0415
+
+    runs = [1] + ([2] if ctx.gpus >= 2 else [])
+    for gpus in runs:
+        art = os.environ.get("EBBTIDE_TEST_ARTIFACTS")  # scripts/gpu-check packs this folder into logs.tgz
+        if art:
+            out = os.path.join(art, f"colocate-bench-{gpus}gpu")
+            os.makedirs(out, exist_ok=True)
+        else:
+            out = tempfile.mkdtemp(prefix=f"ebbtide-colocate-{gpus}gpu-")
+        if ctx.quick:
+            cfg = RunConfig(model=QUICK_MODEL, gpus=gpus, out=out, timeout_s=300, **quick_overrides())
+        else:
+            cfg = RunConfig(gpus=gpus, out=out, timeout_s=1200)
+        ctx.progress(f"colocate: {gpus} GPU(s), model {cfg.model}, {cfg.steps} steps (out: {out})")
+        from ebbtide.colocate.launcher import run as run_loop  # noqa: PLC0415
+
+        res = run_loop(cfg, log=ctx.progress)
+        ours = res["variants"].get("ebbtide", {})
+        if not ours.get("summary"):
+            why = f"the ebbtide loop failed on {gpus} GPU(s): {ours.get('why', 'no result')} (logs in {out})"
+            if gpus == 1:
+                raise Skip(why)
+            ctx.note_skip(f"colocate {gpus} GPUs", why)
+            continue
+        params = {"gpus": gpus, "steps": cfg.steps, "warmup": cfg.warmup, "model": dataclasses.asdict(cfg.model),
+                  "out": out}
+        yield from _rows(res, gpus, params)

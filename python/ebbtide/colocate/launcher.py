@@ -1,0 +1,324 @@
+"""Launch the colocated RL loop: for each variant (ebbtide, then the anchor), one trainer process per GPU, each
+with its rollout process on the same GPU; collect their results, print the table, write JSON and the PNG.
+
+    python -m ebbtide.colocate --gpus 1 --steps 10 --out colocate-out
+    python -m ebbtide.colocate --gpus 2 --steps 10 --out colocate-out
+
+Policies:
+- Every variant runs in fresh processes (neither inherits the other's pools, pinned memory or hooks); the trainer
+  ranks never carry LD_PRELOAD; each variant gets its own rendezvous port.
+- Argument errors raise ``ebbtide.InvalidArgumentError`` before anything starts. A failing rank does not hide the
+  others: every rank's result file, exit code and log tail are kept in the results.
+- The anchor variant runs where torch_memory_saver is installed; otherwise it is reported as "not installed".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from ..errors import InvalidArgumentError
+from .measure import format_report, growth_check, nvml_all_pids, plot_timeline, summarize
+from .model import ModelConfig
+
+__all__ = ["RunConfig", "parse_args", "run", "main", "QUICK_MODEL"]
+
+GiB = 1 << 30
+QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
+VARIANTS = ("ebbtide", "anchor")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    gpus: int = 1
+    steps: int = 10
+    warmup: int = 2
+    batch: int = 8
+    seq: int = 512
+    gen_batch: int = 16
+    prompt_len: int = 128
+    new_tokens: int = 128
+    kv_reserve_gb: float = 2.0
+    lr: float = 1e-4
+    seed: int = 0
+    variants: tuple = VARIANTS
+    scratch_backup: str = "cpu"
+    verify_batch: int = 4
+    verify_len: int = 64
+    timeout_s: int = 900
+    out: str = "colocate-out"
+    device: str = "cuda"
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        ints = {"gpus": 1, "steps": 1, "warmup": 0, "batch": 1, "seq": 2, "gen_batch": 1, "prompt_len": 1,
+                "new_tokens": 1, "verify_batch": 1, "verify_len": 1, "timeout_s": 1}
+        for name, lo in ints.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
+        if self.warmup >= self.steps:
+            raise InvalidArgumentError(f"warmup ({self.warmup}) must be smaller than steps ({self.steps}): "
+                                       f"nothing would be measured")
+        if self.seq > self.model.max_seq:
+            raise InvalidArgumentError(f"seq {self.seq} exceeds the model's max_seq {self.model.max_seq}")
+        if self.prompt_len + self.new_tokens > self.model.max_seq:
+            raise InvalidArgumentError(f"prompt_len + new_tokens = {self.prompt_len + self.new_tokens} exceeds "
+                                       f"max_seq {self.model.max_seq}")
+        if self.verify_len > self.model.max_seq:
+            raise InvalidArgumentError(f"verify_len {self.verify_len} exceeds max_seq {self.model.max_seq}")
+        if not isinstance(self.kv_reserve_gb, (int, float)) or not 0 <= self.kv_reserve_gb <= 1024:
+            raise InvalidArgumentError(f"kv_reserve_gb must be in [0, 1024], got {self.kv_reserve_gb!r}")
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise InvalidArgumentError(f"lr must be positive, got {self.lr!r}")
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants or len(set(self.variants)) != len(self.variants):
+            raise InvalidArgumentError(f"variants must be distinct names from {VARIANTS}, got {self.variants!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.device == "cpu" and self.variants != ("ebbtide",):
+            raise InvalidArgumentError("device 'cpu' (the orchestration check) runs the ebbtide variant only: "
+                                       "pass --variants ebbtide")
+        if self.scratch_backup not in ("cpu", "none"):
+            raise InvalidArgumentError(f"scratch_backup must be 'cpu' or 'none', got {self.scratch_backup!r}")
+        return self
+
+    def worker_spec(self, variant: str) -> dict:
+        return {"model": dataclasses.asdict(self.model), "variant": variant, "steps": self.steps,
+                "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
+                "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
+                "seed": self.seed, "scratch_backup": self.scratch_backup, "verify_batch": self.verify_batch,
+                "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
+
+
+def _parser() -> argparse.ArgumentParser:
+    d, m = RunConfig(), ModelConfig()
+    p = argparse.ArgumentParser(prog="python -m ebbtide.colocate",
+                                description="A colocated RL loop (trainer + rollout on the same GPUs), measured "
+                                            "against the same loop on torch_memory_saver / torch tools.")
+    p.add_argument("--gpus", type=int, default=d.gpus, help="trainer ranks (data parallel), one per GPU")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="steps left out of the medians")
+    p.add_argument("--quick", action="store_true", help="a small model and short decode (the bench suite's size)")
+    for f in dataclasses.fields(ModelConfig):
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f"model_{f.name}", type=int, default=None,
+                       help=f"model {f.name} (default {getattr(m, f.name)}; --quick: {getattr(QUICK_MODEL, f.name)})")
+    p.add_argument("--batch", type=int, default=d.batch, help="training sequences per rank per step")
+    p.add_argument("--seq", type=int, default=d.seq, help="training sequence length")
+    p.add_argument("--gen-batch", type=int, default=d.gen_batch)
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    p.add_argument("--kv-reserve-gb", type=float, default=d.kv_reserve_gb,
+                   help="extra KV-cache pool the rollout holds (as an engine would), paused with it")
+    p.add_argument("--verify-batch", type=int, default=d.verify_batch, help="prompts of the logits check")
+    p.add_argument("--verify-len", type=int, default=d.verify_len, help="tokens per prompt of the logits check")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--variants", default=",".join(d.variants), help="comma list of: ebbtide, anchor")
+    p.add_argument("--scratch-backup", default=d.scratch_backup, choices=("cpu", "none"),
+                   help="what the rollout's default tag (untagged allocations) keeps across a pause")
+    p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
+    p.add_argument("--out", default=d.out, help="directory for results.json, timeline.png and logs")
+    p.add_argument("--device", default=d.device, choices=("cuda", "cpu"),
+                   help="cpu: check the orchestration without a GPU (no pause/resume, no NVML; ranks use Gloo)")
+    return p
+
+
+def parse_args(argv=None) -> RunConfig:
+    """Command line -> validated RunConfig. Bad values raise InvalidArgumentError (argparse's own type errors
+    exit with usage, as argparse does)."""
+    a = _parser().parse_args(argv)
+    base = QUICK_MODEL if a.quick else ModelConfig()
+    model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
+                                    else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
+    kw = {k: getattr(a, k) for k in ("gpus", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
+                                     "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "timeout_s",
+                                     "verify_batch", "verify_len",
+                                     "out", "device")}
+    if a.quick:
+        q = quick_overrides()
+        for k, v in q.items():
+            if getattr(a, k) == getattr(RunConfig(), k):
+                kw[k] = v
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    return RunConfig(model=model, variants=variants, **kw).validate()
+
+
+def quick_overrides() -> dict:
+    return {"steps": 5, "warmup": 1, "batch": 4, "seq": 256, "gen_batch": 8, "prompt_len": 64, "new_tokens": 32,
+            "kv_reserve_gb": 0.5}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+PEER_GRACE_S = 60  # after one rank failed, how long the others get to finish before they are killed
+
+
+def _wait_all(procs: list, timeout: float, grace: float = PEER_GRACE_S) -> dict:
+    """Wait for every process; kill the rest at the deadline, or ``grace`` seconds after one exits non-zero (its
+    peers would wait for it in a collective until NCCL's own timeout). Returns {index: why it was killed}."""
+    deadline = time.monotonic() + timeout
+    first_failure = None  # (time, index)
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_failure is None:
+            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                first_failure = (now, bad[0])
+        why = None
+        if now > deadline:
+            why = f"timed out after {timeout} s"
+        elif first_failure is not None and now > first_failure[0] + grace:
+            why = f"killed {grace:.0f} s after rank {first_failure[1]} failed"
+        if why:
+            killed = {}
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    p.kill()
+                    killed[i] = why
+            return killed
+        time.sleep(0.2)
+    return {}
+
+
+def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
+    """Run one variant on cfg.gpus ranks; returns {"ranks": [...], "failed": [...], ...}."""
+    os.makedirs(cfg.out, exist_ok=True)
+    spec = cfg.worker_spec(variant)
+    spec["baseline_pids"] = [p for p in nvml_all_pids() if p != os.getpid()] if cfg.device == "cuda" else []
+    spec["baseline_pids"].append(os.getpid())  # the launcher itself (the bench runner holds a context)
+    spec = json.dumps(spec)
+    port = _free_port()
+    procs = []
+    base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    base_env.setdefault("PYTHONUNBUFFERED", "1")
+    for r in range(cfg.gpus):
+        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(cfg.gpus), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        res = os.path.join(cfg.out, f"{variant}-rank{r}.json")
+        logp = os.path.join(cfg.out, f"{variant}-rank{r}.log")
+        if os.path.exists(res):
+            os.remove(res)
+        logf = open(logp, "w")  # noqa: SIM115 (closed below)
+        procs.append((r, subprocess.Popen([sys.executable, "-m", "ebbtide.colocate.trainer", spec, res], env=env,
+                                          stdout=logf, stderr=subprocess.STDOUT), res, logp, logf))
+    where = f"{cfg.gpus} GPU(s)" if cfg.device == "cuda" else f"{cfg.gpus} CPU rank(s)"
+    log(f"colocate: {variant} on {where}, logs in {cfg.out}/{variant}-rank*.log")
+    killed = _wait_all([p for _, p, *_ in procs], cfg.timeout_s)
+    ranks, failed = [], []
+    for r, p, res, logp, logf in procs:
+        rc = p.wait()
+        logf.close()
+        if r in killed:
+            failed.append({"rank": r, "rc": rc, "why": killed[r], "log": _tail(logp)})
+        try:
+            with open(res) as f:
+                out = json.load(f)
+            os.remove(res)  # its content goes into results.json (fewer files to carry back from a GPU host)
+        except (OSError, ValueError) as e:
+            out = {"ok": False, "error": f"no result file ({e})"}
+        out["rc"] = rc
+        ranks.append(out)
+        if rc != 0 or not out.get("ok"):
+            failed.append({"rank": r, "rc": rc, "why": out.get("error", "").strip().splitlines()[-1:] or "exit code",
+                           "log": _tail(logp)})
+    return {"ranks": ranks, "failed": failed}
+
+
+def _checks(ranks: list[dict], warmup: int) -> dict:
+    verify = [v for r in ranks for v in r.get("checks", {}).get("verify", [])]
+    growth = [growth_check(r.get("memory", []), warmup) for r in ranks]
+    by_step: dict = {}
+    for v in verify:
+        by_step.setdefault(v["step"], set()).add(v.get("trainer_weights_digest"))
+    return {
+        "correct": all(v["ok"] for v in verify) if verify else None,
+        "ranks_in_sync": all(len(d) == 1 for d in by_step.values()) if len(ranks) > 1 and by_step else None,
+        "verify": verify,
+        "no_growth": all(g["ok"] for g in growth) if all(g["ok"] is not None for g in growth) else None,
+        "growth": [{k: g.get(k) for k in ("ok", "growth_bytes", "tolerance", "phase", "why")} for g in growth],
+    }
+
+
+def _goals(res: dict) -> dict:
+    v = res["variants"]
+    out = {}
+    ours, anchor = v.get("ebbtide", {}).get("summary"), v.get("anchor", {}).get("summary")
+    if ours and anchor and ours["step_s"]:
+        sp = anchor["step_s"] / ours["step_s"]
+        out["step speed-up vs anchor (goal >= 2x)"] = f"{sp:.2f}x ({'met' if sp >= 2 else 'NOT met'})"
+    if ours:
+        ctx = v["ebbtide"]["ranks"][0].get("setup", {}).get("context_bytes")
+        held = ours["memory"].get("generate", {}).get("trainer_nvml")
+        if ctx is not None and held is not None:
+            beyond = held - ctx
+            out["trainer GPU memory during generation beyond its CUDA context (goal <= 1 GB)"] = (
+                f"{beyond / 1e9:.3f} GB ({'met' if beyond <= 1e9 else 'NOT met'}; held {held / 1e9:.3f} GB, "
+                f"context {ctx / 1e9:.3f} GB)")
+        else:
+            out["trainer GPU memory during generation"] = "no NVML per-process reading (see nvml in setup)"
+    return out
+
+
+def run(cfg: RunConfig, log=print) -> dict:
+    """Run every requested variant and build the results (also written to cfg.out/results.json)."""
+    cfg.validate()
+    import torch  # noqa: PLC0415
+
+    have = torch.cuda.device_count()
+    if cfg.device == "cuda" and have < cfg.gpus:
+        raise InvalidArgumentError(f"--gpus {cfg.gpus} but {have} CUDA device(s) are visible")
+    results = {"config": dataclasses.asdict(cfg), "variants": {}}
+    for variant in cfg.variants:
+        if variant == "anchor" and importlib.util.find_spec("torch_memory_saver") is None:
+            results["variants"]["anchor"] = {"why": "not installed (torch_memory_saver)"}
+            continue
+        vr = run_variant(cfg, variant, log)
+        if not vr["failed"]:
+            vr["summary"] = summarize(vr["ranks"], cfg.warmup)
+        else:
+            vr["why"] = "; ".join(f"rank {f['rank']}: {f['why']}" for f in vr["failed"])
+            for f in vr["failed"]:
+                log(f"colocate: {variant} rank {f['rank']} FAILED (exit {f['rc']}): {f['why']}\n{f['log']}")
+        vr["checks"] = _checks(vr["ranks"], cfg.warmup)
+        results["variants"][variant] = vr
+    results["goals"] = _goals(results)
+    os.makedirs(cfg.out, exist_ok=True)
+    png = os.path.join(cfg.out, "timeline.png")
+    results["timeline"] = png if not (why := plot_timeline(results, png)) else f"not drawn: {why}"
+    with open(os.path.join(cfg.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return results
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+        results = run(cfg)
+    except InvalidArgumentError as e:
+        print(f"python -m ebbtide.colocate: {e}", file=sys.stderr)
+        return 2
+    print(format_report(results))
+    print(f"\nresults: {cfg.out}/results.json, timeline: {results['timeline']}")
+    v = results["variants"].get("ebbtide", {})
+    ok = bool(v.get("summary")) and v.get("checks", {}).get("correct") is True
+    return 0 if ok else 1

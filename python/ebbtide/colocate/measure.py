@@ -1,0 +1,353 @@
+"""Measurements of the colocated loop: phase records, NVML per-process GPU memory, summaries, checks, the table and
+the PNG timeline. Pure Python (no torch) except where a probe needs the driver, so the logic is CPU-tested.
+
+Policies:
+- A phase is a named interval on one rank's wall clock (``time.perf_counter``), ending after the device work it
+  started is complete. The trainer drives the rollout by RPC, so rollout phases are timed from the trainer (what the
+  loop pays) and the rollout also reports its own time inside the call.
+- Per-step time is the sum of the step's phases (the verification work between phases is excluded); across ranks
+  the slowest rank's step counts. Summaries take the median over steps after ``warmup``.
+- GPU memory per process comes from NVML (``nvmlDeviceGetComputeRunningProcesses``). Containers often report host
+  PIDs, so a process NVML does not list under its own PID is identified by appearance: the launcher snapshots the
+  PIDs on every GPU before starting anything ("other"), then each process's PIDs are those that appear right
+  after it made its context. Each process also reports its own view (ebbtide: bytes active in the engine).
+- Growth check: device memory used (NVML, else cudaMemGetInfo) at the end of every step after ``warmup`` must stay
+  within ``GROWTH_TOLERANCE`` of the first such step.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+__all__ = ["PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check", "format_report",
+           "plot_timeline", "GROWTH_TOLERANCE"]
+
+# The order of one RL step (issue 8). "comm_*" only run with 2+ GPUs.
+PHASES = ("train", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",
+          "rollout_pause", "trainer_resume", "comm_reload")
+ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")
+GROWTH_TOLERANCE = 16 << 20  # bytes: a few driver pages of slack; everything above is reported as growth
+
+
+class Recorder:
+    """Collects phase intervals and memory samples for one rank."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.phases: list[dict] = []
+        self.memory: list[dict] = []
+        self._origin = clock()
+
+    def phase(self, step: int, name: str):
+        rec = self
+
+        class _Span:
+            def __enter__(self):
+                self.info = {}
+                self.t0 = rec.clock()
+                return self.info
+
+            def __exit__(self, et, ev, tb):
+                if et is None:
+                    t1 = rec.clock()
+                    rec.phases.append({"step": step, "phase": name, "t0": self.t0 - rec._origin,
+                                       "t1": t1 - rec._origin, "s": t1 - self.t0, **self.info})
+                return False
+
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r} (known: {PHASES})")
+        return _Span()
+
+    def sample(self, step: int, phase: str, mem: dict):
+        self.memory.append({"step": step, "phase": phase, **mem})
+
+
+class NvmlProbe:
+    """Per-process GPU memory on one device. Never raises: ``why`` says what is missing."""
+
+    def __init__(self, *, uuid: str | None = None, index: int | None = None):
+        self.why = ""
+        self._nvml = None
+        self._h = None
+        self.roles: dict[int, str] = {}
+        try:
+            import pynvml  # noqa: PLC0415
+
+            pynvml.nvmlInit()
+            h = None
+            if uuid:
+                try:
+                    h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
+                except Exception:  # noqa: BLE001 (MIG or a different format: fall back to the index)
+                    h = None
+            if h is None:
+                h = pynvml.nvmlDeviceGetHandleByIndex(int(index or 0))
+            self._nvml, self._h = pynvml, h
+        except Exception as e:  # noqa: BLE001
+            self.why = f"NVML unavailable: {type(e).__name__}: {e}"
+
+    @classmethod
+    def unavailable(cls, why: str) -> "NvmlProbe":
+        probe = cls.__new__(cls)
+        probe.why, probe._nvml, probe._h, probe.roles = why, None, None, {}
+        return probe
+
+    @property
+    def ok(self) -> bool:
+        return self._h is not None
+
+    def processes(self) -> dict[int, int]:
+        """{pid: bytes used} as NVML reports them (None bytes when the driver hides them)."""
+        if not self.ok:
+            return {}
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._h)
+        except Exception as e:  # noqa: BLE001
+            self.why = f"nvmlDeviceGetComputeRunningProcesses: {e}"
+            return {}
+        return {int(p.pid): (int(p.usedGpuMemory) if p.usedGpuMemory is not None else None) for p in procs}
+
+    def device_used(self) -> int | None:
+        if not self.ok:
+            return None
+        try:
+            return int(self._nvml.nvmlDeviceGetMemoryInfo(self._h).used)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def assign(self, pids, role: str) -> None:
+        for p in pids:
+            self.roles.setdefault(int(p), role)
+
+    def claim(self, role: str, pid: int | None = None) -> list[int]:
+        """Assign ``pid`` to ``role`` when NVML lists it (same PID namespace); otherwise every PID NVML lists that
+        has no role yet (containers: NVML shows host PIDs; call right after that process made its context)."""
+        procs = self.processes()
+        new = [pid] if pid is not None and pid in procs else [p for p in procs if p not in self.roles]
+        for p in new:
+            self.roles[p] = role
+        return new
+
+    def sample(self) -> dict:
+        procs = self.processes()
+        by_role: dict[str, int] = {}
+        unknown = {}
+        for pid, used in procs.items():
+            role = self.roles.get(pid)
+            if role is None:
+                unknown[str(pid)] = used
+            elif used is not None:
+                by_role[role] = by_role.get(role, 0) + used
+        out = {"nvml": by_role, "device_used": self.device_used()}
+        if unknown:
+            out["nvml_unknown"] = unknown
+        return out
+
+
+def nvml_all_pids() -> list[int]:
+    """PIDs with a compute context on any GPU, as NVML reports them ([] without NVML)."""
+    try:
+        import pynvml  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out += [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+        return sorted(set(out))
+    except Exception:  # noqa: BLE001
+        return []
+
+
+# ---- summaries -----------------------------------------------------------------------------------------------
+def step_times(phases: list[dict]) -> dict[int, float]:
+    """step -> seconds (sum of that step's phases on one rank)."""
+    out: dict[int, float] = {}
+    for p in phases:
+        out[p["step"]] = out.get(p["step"], 0.0) + p["s"]
+    return out
+
+
+def summarize(ranks: list[dict], warmup: int) -> dict:
+    """Combine per-rank results (each {"phases": [...], "memory": [...], ...}) into medians over steps >= warmup.
+    A phase's time for a step is the slowest rank's; so is the step time."""
+    if not ranks:
+        raise ValueError("no rank results to summarize")
+    steps = sorted({p["step"] for p in ranks[0]["phases"]})
+    measured = [s for s in steps if s >= warmup] or steps
+    per_phase: dict[str, list[float]] = {}
+    for name in PHASES:
+        vals = []
+        for s in measured:
+            xs = [p["s"] for r in ranks for p in r["phases"] if p["step"] == s and p["phase"] == name]
+            if xs:
+                vals.append(max(xs))
+        if vals:
+            per_phase[name] = vals
+    totals = []
+    for s in measured:
+        totals.append(max(step_times([p for p in r["phases"] if p["step"] == s]).get(s, 0.0) for r in ranks))
+    bytes_moved: dict[str, float] = {}
+    for name in PHASES:
+        xs = [p.get("bytes", 0) for p in ranks[0]["phases"] if p["phase"] == name and p["step"] in measured]
+        if xs and any(xs):
+            bytes_moved[name] = statistics.median(xs)
+    mem: dict[str, dict] = {}
+    for name in PHASES:
+        rows = [m for m in ranks[0]["memory"] if m["phase"] == name and m["step"] in measured]
+        if rows:
+            mem[name] = _mem_median(rows)
+    return {
+        "steps": len(measured),
+        "phase_s": {k: statistics.median(v) for k, v in per_phase.items()},
+        "step_s": statistics.median(totals) if totals else None,
+        "step_s_all": totals,
+        "bytes": bytes_moved,
+        "memory": mem,
+    }
+
+
+def _mem_median(rows: list[dict]) -> dict:
+    out = {}
+    for role in ("trainer", "rollout"):
+        xs = [r["nvml"][role] for r in rows if role in r.get("nvml", {})]
+        if xs:
+            out[f"{role}_nvml"] = statistics.median(xs)
+        xs = [r["self"][role] for r in rows if role in r.get("self", {})]
+        if xs:
+            out[f"{role}_self"] = statistics.median(xs)
+    xs = [r["device_used"] for r in rows if r.get("device_used") is not None]
+    if xs:
+        out["device_used"] = statistics.median(xs)
+    return out
+
+
+def growth_check(memory: list[dict], warmup: int, *, phase: str = "comm_reload", fallback: str = "trainer_resume",
+                 tolerance: int = GROWTH_TOLERANCE) -> dict:
+    """Device memory at the end of each step (the last phase present) must not grow after the warm-up steps."""
+    have = {m["phase"] for m in memory}
+    end = phase if phase in have else fallback
+    series = [(m["step"], m.get("device_used")) for m in memory if m["phase"] == end and m["step"] >= warmup]
+    series = [(s, v) for s, v in series if v is not None]
+    if len(series) < 2:
+        return {"ok": None, "why": f"need 2+ steps after warm-up with a device reading (have {len(series)})",
+                "series": series}
+    base = series[0][1]
+    growth = max(v for _, v in series) - base
+    return {"ok": growth <= tolerance, "growth_bytes": growth, "tolerance": tolerance, "phase": end,
+            "series": series}
+
+
+# ---- report --------------------------------------------------------------------------------------------------
+def _ms(x):
+    return "-" if x is None else f"{1e3 * x:9.1f}"
+
+
+def _gb(x):
+    return "-" if x is None else f"{x / 1e9:6.2f}"
+
+
+def format_report(results: dict) -> str:
+    """results: {"variants": {name: {"summary": ..., "checks": ..., "setup": ...}}, "config": ...}."""
+    v = results["variants"]
+    names = [n for n in ("ebbtide", "anchor") if n in v and v[n].get("summary")]
+    lines = []
+    hdr = f"{'phase':<16}" + "".join(f"{n + ' ms':>14}" for n in names)
+    if len(names) == 2:
+        hdr += f"{'speed-up':>10}"
+    lines += ["== per-phase time (median over measured steps; slowest rank)", hdr]
+    for ph in PHASES + ("step",):
+        vals = [(v[n]["summary"]["step_s"] if ph == "step" else v[n]["summary"]["phase_s"].get(ph)) for n in names]
+        if all(x is None for x in vals):
+            continue
+        row = f"{ph:<16}" + "".join(f"{_ms(x):>14}" for x in vals)
+        if len(names) == 2 and vals[0] and vals[1]:
+            row += f"{vals[1] / vals[0]:>9.2f}x"
+        lines.append(row)
+    for n in names:
+        s = v[n]["summary"]
+        lines += ["", f"== {n}: GPU memory after each phase (GB; NVML per process, self-reported in brackets)",
+                  f"{'after phase':<16}{'trainer':>18}{'rollout':>18}{'device used':>13}"]
+        for ph in PHASES:
+            m = s["memory"].get(ph)
+            if not m:
+                continue
+            t = f"{_gb(m.get('trainer_nvml'))} [{_gb(m.get('trainer_self'))}]"
+            r = f"{_gb(m.get('rollout_nvml'))} [{_gb(m.get('rollout_self'))}]"
+            lines.append(f"{ph:<16}{t:>18}{r:>18}{_gb(m.get('device_used')):>13}")
+        if s["bytes"]:
+            lines.append("bytes moved per step: " + ", ".join(f"{k} {b / 1e9:.3f} GB" for k, b in s["bytes"].items()))
+        lines += _check_lines(v[n].get("checks", {}))
+        setup = (v[n].get("ranks") or [{}])[0].get("setup", {})
+        if setup:
+            keys = ("device_name", "params", "optimizer", "sync_bytes", "sync_bf16_bytes", "context_bytes", "nvml")
+            lines.append("setup: " + ", ".join(f"{k}={setup[k]}" for k in keys if k in setup))
+            if setup.get("rollout"):
+                lines.append(f"rollout: {setup['rollout']}")
+    goals = results.get("goals")
+    if goals:
+        lines += ["", "== goals"] + [f"{k}: {g}" for k, g in goals.items()]
+    for n, info in v.items():
+        if not info.get("summary"):
+            lines.append(f"{n}: not measured ({info.get('why', 'unknown reason')})")
+    return "\n".join(lines)
+
+
+def _check_lines(ck: dict) -> list:
+    if not ck:
+        return []
+    out = [f"check correctness (rollout after sync == trainer's weights dequantized): {ck.get('correct')}"]
+    if ck.get("ranks_in_sync") is not None:
+        out.append(f"check data-parallel ranks hold the same weights at each verified step: {ck['ranks_in_sync']}")
+    for e in ck.get("verify", []):
+        out.append(f"  rank {e.get('rank', 0)} step {e['step']}: weights bitwise equal {e['weights_bitwise_equal']}"
+                   f"{' (mismatch: ' + ', '.join(e['mismatching_weights']) + ')' if e['mismatching_weights'] else ''}"
+                   f", logits bitwise equal {e['logits_bitwise_equal']}, max |diff| {e['logits_max_abs_diff']:.3g} "
+                   f"(atol {e['logits_atol']}); cached decode vs full forward max |diff| "
+                   f"{e['decode_vs_full_max_abs']}, argmax equal {e['decode_vs_full_argmax_equal']}")
+    out.append(f"check no memory growth: {ck.get('no_growth')} "
+               + "; ".join(f"growth {g.get('growth_bytes')} B (tolerance {g.get('tolerance')}) after {g.get('phase')}"
+                           if g.get("ok") is not None else str(g.get("why")) for g in ck.get("growth", [])))
+    return out
+
+
+_COLORS = {"train": "#4c72b0", "sync_pack": "#dd8452", "trainer_pause": "#55a868", "comm_release": "#c44e52",
+           "rollout_resume": "#8172b3", "sync_load": "#937860", "generate": "#da8bc3", "rollout_pause": "#8c8c8c",
+           "trainer_resume": "#ccb974", "comm_reload": "#64b5cd"}
+
+
+def plot_timeline(results: dict, path: str) -> str:
+    """One lane per (variant, process) over the measured steps, phases coloured. Returns "" or why not drawn."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return "matplotlib not installed"
+    warmup = results.get("config", {}).get("warmup", 0)
+    lanes = []
+    for n, info in results["variants"].items():
+        ranks = info.get("ranks") or []
+        phases = [p for p in (ranks[0].get("phases", []) if ranks else []) if p["step"] >= warmup]
+        if phases:
+            lanes.append((n, phases))
+    if not lanes:
+        return "nothing measured"
+    fig, axes = plt.subplots(len(lanes), 1, figsize=(12, 1.8 + 1.3 * len(lanes)), squeeze=False)
+    for ax, (n, phases) in zip(axes[:, 0], lanes):
+        t_start = min(p["t0"] for p in phases)
+        for p in phases:
+            y = 0 if p["phase"] in ROLLOUT_PHASES else 1
+            ax.broken_barh([(p["t0"] - t_start, p["s"])], (y + 0.1, 0.8), color=_COLORS.get(p["phase"], "k"))
+        ax.set_yticks([0.5, 1.5], ["rollout", "trainer"])
+        step_s = (results["variants"][n].get("summary") or {}).get("step_s")
+        ax.set_title(f"{n} (rank 0, steps after warm-up; median step {step_s * 1e3:.1f} ms; gaps: untimed checks "
+                     f"and memory sampling)" if step_s else n, loc="left", fontsize=9)
+        ax.set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+    fig.legend(handles, list(_COLORS), ncol=5, loc="lower center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return ""

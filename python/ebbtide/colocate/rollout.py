@@ -1,0 +1,188 @@
+"""The rollout process: holds "weights", a "KV cache" and a sync staging buffer in pausable regions and serves the
+trainer's commands over a socket (``python -m ebbtide.colocate.rollout SPEC_JSON``; started by the trainer).
+
+Policies:
+- Variant "ebbtide": started under the LD_PRELOAD shim (``ebbtide.memory.preload_env`` with a default tag), so
+  every allocation of every thread -- decode activations, cuBLAS workspaces -- is pausable; weights, KV cache and
+  staging get their own tags (discarded on pause: weights are rewritten by every sync, the cache by every
+  generation). The process refuses to start if the shim is not active.
+- Variant "anchor": torch_memory_saver in its torch hook mode with the same tags; what lies outside its regions is
+  released with ``torch.cuda.empty_cache()`` at pause.
+- One command at a time; each reply carries ``ok``, the time spent inside (device work complete) and, on failure,
+  the traceback. The process never exits on a command error: the trainer decides.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from .model import KVCache, ModelConfig, TinyLM, greedy_decode
+from .sync import SharedHostBuffer, SyncLayout, unpack
+
+__all__ = ["main", "weight_digests", "prompts"]
+
+
+def weight_digests(named: dict) -> dict:
+    """{name: sha256 of the tensor's bytes} (bitwise identity across processes)."""
+    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            for n, t in named.items()}
+
+
+def prompts(cfg: ModelConfig, batch: int, length: int, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(cfg.vocab, (batch, length), generator=g).to(device)
+
+
+class _Rollout:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.variant = spec["variant"]
+        self.cuda = spec["device"] != "cpu"
+        self.dev = torch.device("cuda", spec["device"]) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.dev)
+        self.cfg = ModelConfig(**spec["model"])
+        self.codec = "ebbtide" if self.variant == "ebbtide" else "torch"
+        self.em = self.tms = None
+        if not self.cuda:  # the orchestration check without a GPU: nothing to pause
+            region = lambda tag: contextlib.nullcontext()  # noqa: E731
+        elif self.variant == "ebbtide":
+            import ebbtide.memory as em  # noqa: PLC0415
+
+            if em.hook_mode() != "preload":
+                raise RuntimeError("the ebbtide rollout must run under the LD_PRELOAD shim (preload_env); "
+                                   f"LD_PRELOAD={os.environ.get('LD_PRELOAD')!r}")
+            self.em = em
+            region = lambda tag: em.region(tag)  # noqa: E731  (backup "none": discarded on pause)
+        else:
+            from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+
+            self.tms = tms
+            tms.hook_mode = "torch"  # its default is preload (LD_PRELOAD of its own shim)
+            region = lambda tag: tms.region(tag=tag)  # noqa: E731
+        self.layout = SyncLayout.of_model(_shapes_model(self.cfg))
+        B, P, N = spec["gen_batch"], spec["prompt_len"], spec["new_tokens"]
+        with region("weights"):
+            # a different seed from the trainer's: only a correct sync makes the logits match
+            self.model = TinyLM.random(self.cfg, seed=spec["seed"] + 1, device=self.dev)
+        self.model.requires_grad_(False)
+        with region("kv_cache"):
+            self.cache = KVCache(self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)
+            extra = int(spec.get("kv_reserve_bytes", 0))
+            self.reserve = torch.empty(extra, dtype=torch.uint8, device=self.dev) if extra else None
+        with region("sync_staging"):
+            self.staging = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.dev)
+        self.buffer = SharedHostBuffer(spec["buf_fd"], spec["buf_bytes"], pin=self.cuda)
+        # kept on the CPU and moved per call: device scratch is discarded on pause with --scratch-backup none
+        self.prompts = prompts(self.cfg, B, P, spec["seed"] + 7, "cpu")
+        self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, "cpu")
+        self._sync()
+        self.info = {"pid": os.getpid(), "weights_bytes": 2 * self.cfg.n_params(),
+                     "kv_cache_bytes": self.cache.nbytes + extra, "staging_bytes": self.layout.nbytes,
+                     "hook_mode": self.em.hook_mode() if self.em else "tms-torch" if self.tms else "none (cpu)"}
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    # ---- commands --------------------------------------------------------------------------------------------
+    def pause(self):
+        self._sync()
+        if not self.cuda:
+            return {}
+        if self.em:
+            torch.cuda.empty_cache()  # cached scratch blocks go back now instead of being paused
+            rep = self.em.pause()
+            return {"bytes": rep.bytes_copied, "bytes_released": rep.bytes, "driver_delta": rep.driver_delta}
+        self.tms.pause()
+        torch.cuda.empty_cache()
+        return {}
+
+    def resume(self):
+        if not self.cuda:
+            return {}
+        if self.em:
+            rep = self.em.resume()
+            return {"bytes": rep.bytes_copied, "bytes_mapped": rep.bytes}
+        self.tms.resume()
+        return {}
+
+    def load(self, verify: bool = False):
+        n = unpack(self.model, self.layout, self.buffer.tensor, self.codec, self.staging)
+        out = {"bytes": n}
+        if verify:
+            self._sync()
+            out["logits"] = self.model(self.verify_tokens.to(self.dev))[:, -1].float().cpu().tolist()
+            out["digests"] = weight_digests(dict(self.model.named_parameters()))
+        return out
+
+    def generate(self, verify: bool = False):
+        seq, last = greedy_decode(self.model, self.prompts.to(self.dev), self.spec["new_tokens"], self.cache)
+        out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item())}
+        if verify:  # the cached decode's last logits against one full forward over the same sequence
+            full = self.model(seq[:, :-1])[:, -1].float()
+            out["decode_vs_full_max_abs"] = float((full - last).abs().max().item())
+            out["decode_vs_full_argmax_equal"] = bool(torch.equal(full.argmax(-1), last.argmax(-1)))
+        return out
+
+    def self_memory(self) -> dict:
+        if self.em:
+            return {"rollout": sum(r["bytes_active"] for r in self.em.stats()["tags"])}
+        return {}
+
+
+def _shapes_model(cfg: ModelConfig):
+    with torch.device("meta"):
+        return TinyLM(cfg)
+
+
+def serve(conn, spec: dict) -> int:
+    try:
+        r = _Rollout(spec)
+        r.pause()  # the trainer starts with the GPU
+        conn.send({"ok": True, **r.info, "mem": r.self_memory()})
+    except Exception:  # noqa: BLE001 (reported to the trainer, which prints it)
+        conn.send({"ok": False, "error": traceback.format_exc()})
+        return 1
+    while True:
+        msg = conn.recv()
+        cmd = msg.get("cmd")
+        if cmd == "exit":
+            conn.send({"ok": True})
+            return 0
+        try:
+            if cmd not in ("pause", "resume", "load", "generate"):
+                raise ValueError(f"unknown command {cmd!r}")
+            t0 = time.perf_counter()
+            out = getattr(r, cmd)(**msg.get("args", {}))
+            r._sync()
+            out["inside_s"] = time.perf_counter() - t0
+            out["mem"] = r.self_memory()
+            conn.send({"ok": True, **out})
+        except Exception:  # noqa: BLE001
+            conn.send({"ok": False, "error": traceback.format_exc()})
+
+
+def main(argv=None) -> int:
+    spec = json.loads((argv or sys.argv[1:])[0])
+    sock = socket.socket(fileno=spec["sock_fd"])
+    conn = Connection(sock.detach())
+    with contextlib.suppress(EOFError, BrokenPipeError):
+        return serve(conn, spec)
+    return 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no teardown of paused pools and registrations: they go with the process

@@ -1,0 +1,446 @@
+"""One trainer rank of the colocated loop (``python -m ebbtide.colocate.trainer SPEC_JSON``; started by the
+launcher). It owns one GPU, starts its rollout process on the same GPU and drives the RL step.
+
+Policies:
+- The step (issue 8): train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
+  (FP8 block quant + D2H into the shared pinned buffer, while the trainer still holds its weights) ->
+  trainer_pause (weights backed up, grads and activations discarded) -> comm_release -> rollout_resume ->
+  sync_load (H2D + dequant in the rollout) -> generate -> rollout_pause -> trainer_resume -> comm_reload.
+- Variant "ebbtide": ebbtide.memory in torch hook mode (tags "weights" backup=cpu, "grads" discard; activations
+  and other scratch live in torch's default pool and go back with ``empty_cache``), ``OffloadedAdam``,
+  ``ebbtide.comm`` release/reload (WORLD included), ``ebbtide.quant``. Nothing of ebbtide.comm is imported with
+  one GPU.
+- Variant "anchor" (the same loop on today's tools, best settings): torch_memory_saver (torch hook mode,
+  ``retain_cpu_backup=True``), ``destroy_process_group`` + ``init_process_group`` on a kept TCPStore, torch fused
+  AdamW on CPU fp32 masters with plain copies, the torch quant formula.
+- Verification runs between phases (untimed) on the steps in ``verify_steps``: the trainer computes
+  ``dequant(quant(w))`` with its codec and the logits of its model holding those weights; the rollout returns
+  its logits and per-weight digests after the load.
+- Results (phases, memory samples, checks, setup) go to the output JSON; any failure writes the traceback there
+  too and exits non-zero, after asking the rollout to exit.
+- ``device="cpu"`` (variant "ebbtide" only) runs the same processes, sync, decode and checks on the CPU with Gloo
+  and without memory pause/resume or NVML: how the orchestration is tested on machines without a GPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+
+from .measure import NvmlProbe, Recorder
+from .model import ModelConfig, TinyLM
+from .rollout import prompts, weight_digests
+from .sync import SharedHostBuffer, SyncLayout, pack, reference_weights
+
+__all__ = ["main", "train_tokens", "retag_offloaded_adam"]
+
+# The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
+# pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
+# two bf16 ulps there. Whether they matched bitwise is reported too.
+LOGITS_RTOL = 2.0 ** -6
+
+
+def train_tokens(cfg: ModelConfig, batch: int, seq: int, step: int, rank: int) -> torch.Tensor:
+    """A learnable synthetic task: each row counts up by one from a random start (mod vocab)."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    start = torch.randint(cfg.vocab, (batch, 1), generator=g)
+    return (start + torch.arange(seq + 1)) % cfg.vocab
+
+
+def retag_offloaded_adam(opt, weights_region, grads_region) -> None:
+    """Move an OffloadedAdam's flat bf16 param buffer into ``weights_region()`` and its flat gradient buffer into
+    ``grads_region()`` (context managers), re-pointing every param and grad view. OffloadedAdam allocates both
+    at construction; this helper depends on its documented flat layout (``_pflat``/``_gflat`` and the views)."""
+    with weights_region():
+        pflat = opt._pflat.clone()
+    with grads_region():
+        gflat = torch.zeros_like(opt._gflat)
+    pviews, gviews = [], []
+    with torch.no_grad():
+        for p, o in zip(opt._params, opt._offsets):
+            pv = pflat[o:o + p.numel()].view_as(p)
+            gv = gflat[o:o + p.numel()].view_as(p)
+            p.data = pv
+            p.grad = gv
+            pviews.append(pv)
+            gviews.append(gv)
+    opt._pflat, opt._gflat, opt._pviews, opt._gviews = pflat, gflat, pviews, gviews
+
+
+class _RolloutClient:
+    """The rollout process and its socket; ``call`` raises with the rollout's traceback on failure."""
+
+    def __init__(self, spec: dict, env: dict, buf_fd: int):
+        parent, child = socket.socketpair()
+        spec = dict(spec, sock_fd=child.fileno(), buf_fd=buf_fd)
+        self.proc = subprocess.Popen([sys.executable, "-m", "ebbtide.colocate.rollout", json.dumps(spec)], env=env,
+                                     pass_fds=(child.fileno(), buf_fd))
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.info = self._recv(timeout=spec.get("timeout_s", 600))
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the rollout did not answer within {timeout} s (exit code {self.proc.poll()})")
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError) as e:
+            try:
+                rc = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                rc = None
+            raise RuntimeError(f"the rollout process went away ({type(e).__name__}; exit code {rc}); its output "
+                               f"is in this log above") from None
+        if not msg.get("ok"):
+            raise RuntimeError(f"rollout failed:\n{msg.get('error', msg)}")
+        return msg
+
+    def call(self, cmd: str, timeout: float = 600, **args) -> dict:
+        self.conn.send({"cmd": cmd, "args": args})
+        return self._recv(timeout)
+
+    def close(self):
+        try:
+            if self.proc.poll() is None:
+                self.conn.send({"cmd": "exit"})
+                self.conn.poll(30) and self.conn.recv()
+        except (OSError, EOFError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class _Comm:
+    """Data-parallel gradient all-reduce and release/reload (ebbtide.comm) or destroy/re-create (anchor)."""
+
+    def __init__(self, variant: str, rank: int, world: int, dev: torch.device):
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self.dist, self.variant, self.rank, self.world, self.dev = dist, variant, rank, world, dev
+        self.generation = 0
+        if variant == "ebbtide":
+            import ebbtide.comm as comm  # noqa: PLC0415
+
+            self.comm = comm
+            comm.install()
+            if dev.type == "cuda":
+                dist.init_process_group("nccl", device_id=dev, timeout=timedelta(minutes=10))
+            else:
+                dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+        else:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timedelta(minutes=10))
+            self._init()
+        self.all_reduce(torch.zeros(1, device=dev))  # communicator up before the first timed step
+
+    def _init(self):
+        self.dist.init_process_group("nccl", store=self.dist.PrefixStore(f"gen{self.generation}", self.store),
+                                     rank=self.rank, world_size=self.world, device_id=self.dev,
+                                     timeout=timedelta(minutes=10))
+
+    def all_reduce(self, t):
+        self.dist.all_reduce(t)
+
+    def release(self) -> dict:
+        if self.variant == "ebbtide":
+            rep = self.comm.release(include_world=True, include_cpu=self.dev.type == "cpu")
+            return {"report": rep.summary()}
+        self.dist.destroy_process_group()
+        return {}
+
+    def reload(self) -> dict:
+        if self.variant == "ebbtide":
+            rep = self.comm.reload()
+            return {"report": rep.summary()}
+        self.generation += 1
+        self._init()
+        self.dist.barrier(device_ids=[self.dev.index])
+        return {}
+
+    def close(self):
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+class _Trainer:
+    def __init__(self, spec: dict, rank: int, world: int):
+        self.spec, self.rank, self.world, self.variant = spec, rank, world, spec["variant"]
+        self.cuda = spec.get("device", "cuda") == "cuda"
+        if self.cuda:
+            self.dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", str(rank))))
+            torch.cuda.set_device(self.dev)
+        else:
+            self.dev = torch.device("cpu")
+        self.cfg = ModelConfig(**spec["model"])
+        self.codec = "ebbtide" if self.variant == "ebbtide" else "torch"
+        self.rec = Recorder()
+        self.checks: dict = {"verify": []}
+        self.em = None
+        if self.variant == "ebbtide" and self.cuda:
+            import ebbtide.memory as em  # noqa: PLC0415
+
+            self.em = em
+        self.setup: dict = {"variant": self.variant, "rank": rank, "world": world,
+                            "device_name": torch.cuda.get_device_name(self.dev) if self.cuda else "cpu",
+                            "torch": torch.__version__, "pid": os.getpid()}
+        torch.zeros(1, device=self.dev)  # the CUDA context
+        if self.cuda:
+            props = torch.cuda.get_device_properties(self.dev)
+            self.nvml = NvmlProbe(uuid=str(getattr(props, "uuid", "") or ""), index=self.dev.index)
+        else:
+            self.nvml = NvmlProbe.unavailable("device is cpu")
+        self.setup["nvml"] = self.nvml.why or "ok"
+        self.nvml.assign(spec.get("baseline_pids", []), "other")
+        self.nvml.claim("trainer", pid=os.getpid())
+        self.setup["context_bytes"] = self._sample(-1, "context")["nvml"].get("trainer")
+        self.comm = _Comm(self.variant, rank, world, self.dev) if world > 1 else None
+        self.nvml.claim("peer_trainers")  # other ranks' NCCL mappings on this GPU, if NVML lists them
+        self._build_model()
+        self.layout = SyncLayout.of_model(self.model)
+        self.buffer = SharedHostBuffer.create(self.layout.nbytes, pin=self.cuda)
+        self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, self.dev)
+        self.rollout = self._start_rollout()
+        self.nvml.claim("rollout", pid=self.rollout.info.get("pid"))
+        self.setup["nvml_roles"] = {str(k): v for k, v in self.nvml.roles.items()}
+        self.setup["rollout"] = {k: v for k, v in self.rollout.info.items() if k not in ("ok", "mem")}
+        self.setup.update(params=self.cfg.n_params(), sync_bytes=self.layout.nbytes,
+                          sync_bf16_bytes=self.layout.bf16_bytes())
+
+    # ---- setup -----------------------------------------------------------------------------------------------
+    def _build_model(self):
+        s = self.spec
+        if self.variant == "ebbtide":
+            from ebbtide.optim import OffloadedAdam  # noqa: PLC0415
+
+            em = self.em
+            self.model = TinyLM.random(self.cfg, seed=s["seed"], device=self.dev)
+            # DP: grads are all-reduced before the step, so downloads may not start during backward
+            self.opt = OffloadedAdam(self.model.parameters(), lr=s["lr"], weight_decay=0.1, mode="fast",
+                                     overlap_with_backward=self.world == 1)
+            if self.cuda:
+                retag_offloaded_adam(self.opt, lambda: em.region("weights", backup="cpu"),
+                                     lambda: em.region("grads"))
+                torch.cuda.empty_cache()  # the construction-time buffers in the default pool go back
+            self.setup["optimizer"] = f"OffloadedAdam(isa={self.opt.isa}, threads={self.opt.threads})"
+        else:
+            from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+
+            self.tms = tms
+            tms.hook_mode = "torch"
+            tms.retain_cpu_backup = True  # keep the pinned backup across cycles (its best setting)
+            with tms.region(tag="weights", enable_cpu_backup=True):
+                self.model = TinyLM.random(self.cfg, seed=s["seed"], device=self.dev)
+            self.params = list(self.model.parameters())
+            self.masters = [p.detach().float().cpu().requires_grad_(True) for p in self.params]
+            self.opt = torch.optim.AdamW(self.masters, lr=s["lr"], weight_decay=0.1, fused=True)
+            self.setup["optimizer"] = "torch.optim.AdamW(fused=True) on CPU fp32 masters, plain copies"
+
+    def _start_rollout(self) -> _RolloutClient:
+        s = self.spec
+        spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
+                                  "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s")}
+        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes)
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        if self.variant == "ebbtide" and self.cuda:
+            env = self.em.preload_env(env, default_tag="rollout_scratch", default_backup=s["scratch_backup"])
+        return _RolloutClient(spec, env, self.buffer.fd)
+
+    # ---- measurement -----------------------------------------------------------------------------------------
+    def _sample(self, step: int, phase: str, rollout_mem: dict | None = None) -> dict:
+        m = self.nvml.sample()
+        if m.get("device_used") is None and self.cuda:
+            free, total = torch.cuda.mem_get_info(self.dev)
+            m["device_used"] = total - free
+        selfm = dict(rollout_mem or {})
+        if self.em is not None:
+            selfm["trainer"] = (sum(r["bytes_active"] for r in self.em.stats()["tags"])
+                                + torch.cuda.memory_reserved(self.dev) - self._region_reserved())
+        m["self"] = selfm
+        self.rec.sample(step, phase, m)
+        return m
+
+    def _region_reserved(self) -> int:
+        # torch counts region pools in memory_reserved even while paused; the default pool is the rest
+        return sum(r["bytes_active"] + r["bytes_paused"] for r in self.em.stats()["tags"])
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def _train(self, step: int) -> dict:
+        s = self.spec
+        tokens = train_tokens(self.cfg, s["batch"], s["seq"], step, self.rank).to(self.dev)
+        if self.variant == "ebbtide":
+            self.opt.zero_grad()  # the grads tag was discarded at the last pause: zero it before accumulating
+            loss = self.model.loss(tokens)
+            loss.backward()
+            if self.comm:
+                self.comm.all_reduce(self.opt._gflat)
+            self.opt.step(grad_scale=1.0 / self.world)
+            moved = 2 * 2 * self.opt._total  # grads down, params up (bf16)
+        else:
+            loss = self.model.loss(tokens)
+            loss.backward()
+            grads = [p.grad for p in self.params]
+            if self.comm:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                self.comm.all_reduce(flat)
+                flat.div_(self.world)
+                for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(f)
+            for m, g in zip(self.masters, grads):
+                m.grad = g.float().cpu()
+            self.opt.step()
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m.detach().to(torch.bfloat16))
+                    p.grad = None
+            moved = 2 * 2 * sum(p.numel() for p in self.params)
+        self._sync()
+        return {"loss": float(loss.item()), "bytes": moved}
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    @torch.no_grad()
+    def _reference(self) -> dict:
+        ref = reference_weights(self.model, self.layout, self.codec)
+        named = dict(self.model.named_parameters())
+        saved = {n: p.detach().clone() for n, p in named.items()}
+        for n, p in named.items():
+            p.copy_(ref[n])
+        logits = self.model(self.verify_tokens)[:, -1].float().cpu()
+        for n, p in named.items():
+            p.copy_(saved[n])
+        out = {"logits": logits, "digests": weight_digests(ref)}
+        del ref, saved
+        return out
+
+    def _verify(self, step: int, ref: dict, got: dict, gen: dict):
+        digests_equal = [n for n, d in ref["digests"].items() if got["digests"].get(n) != d]
+        logits = torch.tensor(got["logits"])
+        diff = float((logits - ref["logits"]).abs().max().item())
+        tol = LOGITS_RTOL * float(ref["logits"].abs().max().item())
+        ok = not digests_equal and diff <= tol
+        whole = hashlib.sha256("".join(ref["digests"][n] for n in sorted(ref["digests"])).encode()).hexdigest()
+        self.checks["verify"].append({
+            "step": step, "rank": self.rank, "ok": ok, "trainer_weights_digest": whole,
+            "weights_bitwise_equal": not digests_equal, "mismatching_weights": digests_equal[:8],
+            "logits_bitwise_equal": bool(torch.equal(logits, ref["logits"])),
+            "logits_max_abs_diff": diff, "logits_atol": tol,
+            "decode_vs_full_max_abs": gen.get("decode_vs_full_max_abs"),
+            "decode_vs_full_argmax_equal": gen.get("decode_vs_full_argmax_equal")})
+
+    def step(self, step: int, verify: bool):
+        R, rec = self.rollout, self.rec
+        with rec.phase(step, "train") as info:
+            info.update(self._train(step))
+        self._sample(step, "train")
+        ref = self._reference() if verify else None  # untimed
+        with rec.phase(step, "sync_pack") as info:
+            info["bytes"] = pack(self.model, self.layout, self.buffer.tensor, self.codec)
+        self._sample(step, "sync_pack")
+        with rec.phase(step, "trainer_pause") as info:
+            self._sync()
+            if not self.cuda:
+                pass  # nothing to release on the CPU
+            elif self.variant == "ebbtide":
+                torch.cuda.empty_cache()  # activations and other scratch of the default pool
+                rep = self.em.pause()
+                info.update(bytes=rep.bytes_copied, bytes_released=rep.bytes)
+            else:
+                torch.cuda.empty_cache()
+                self.tms.pause()
+                torch.cuda.empty_cache()
+        self._sample(step, "trainer_pause")
+        if self.comm:
+            with rec.phase(step, "comm_release") as info:
+                info.update(self.comm.release())
+            self._sample(step, "comm_release")
+        for name, cmd, args in (("rollout_resume", "resume", {}), ("sync_load", "load", {"verify": verify}),
+                                ("generate", "generate", {"verify": verify}), ("rollout_pause", "pause", {})):
+            with rec.phase(step, name) as info:
+                out = R.call(cmd, timeout=self.spec["timeout_s"], **args)
+                info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released",
+                                                                   "bytes_mapped")})
+            self._sample(step, name, out.get("mem"))
+            if cmd == "load":
+                loaded = out
+            if cmd == "generate":
+                gen = out
+        if verify:
+            self._verify(step, ref, loaded, gen)
+        with rec.phase(step, "trainer_resume") as info:
+            if not self.cuda:
+                pass
+            elif self.variant == "ebbtide":
+                rep = self.em.resume()
+                info["bytes"] = rep.bytes_copied
+            else:
+                self.tms.resume()
+            self._sync()
+        self._sample(step, "trainer_resume")
+        if self.comm:
+            with rec.phase(step, "comm_reload") as info:
+                info.update(self.comm.reload())
+            self._sample(step, "comm_reload")
+
+    def run(self) -> None:
+        steps = self.spec["steps"]
+        verify_steps = {0, steps - 1}
+        for s in range(steps):
+            self.step(s, s in verify_steps)
+            last = [p for p in self.rec.phases if p["step"] == s]
+            print(f"[{self.variant} rank {self.rank}] step {s}: {sum(p['s'] for p in last) * 1e3:.1f} ms, "
+                  f"loss {last[0].get('loss', float('nan')):.4f}", flush=True)
+
+    def close(self):
+        self.rollout.close()
+        self.buffer.close()
+
+
+def main(argv=None) -> int:
+    args = argv or sys.argv[1:]
+    spec, out_path = json.loads(args[0]), args[1]
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    result: dict = {"ok": False, "rank": rank}
+    tr = None
+    t0 = time.perf_counter()
+    try:
+        tr = _Trainer(spec, rank, world)
+        result["setup"] = tr.setup
+        tr.run()
+        result["ok"] = True
+    except Exception:  # noqa: BLE001 (written to the result file and printed; the launcher reports it)
+        result["error"] = traceback.format_exc()
+        print(result["error"], file=sys.stderr, flush=True)
+    finally:
+        if tr is not None:
+            result.update(phases=tr.rec.phases, memory=tr.rec.memory, checks=tr.checks, setup=tr.setup)
+            try:
+                tr.close()
+            except Exception:  # noqa: BLE001
+                result.setdefault("close_error", traceback.format_exc())
+        result["wall_s"] = time.perf_counter() - t0
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: paused pools, pinned registrations and communicators go with the process (a
+    # teardown that frees them one by one can block on a peer that already left)
+    os._exit(code)

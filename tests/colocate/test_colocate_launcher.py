@@ -1,0 +1,103 @@
+"""Launcher arguments, and the whole loop's orchestration on the CPU (real trainer and rollout processes, the
+shared buffer, FP8 sync, decode, the checks; 2 ranks through ebbtide.comm on Gloo). Memory pause/resume and NVML
+need a GPU: test_colocate_gpu.py."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ebbtide.colocate import QUICK_MODEL, RunConfig, parse_args
+from ebbtide.errors import InvalidArgumentError
+
+TINY_ARGS = ["--device", "cpu", "--variants", "ebbtide", "--vocab", "256", "--d-model", "128", "--n-layers", "2",
+             "--n-heads", "4", "--d-ff", "256", "--max-seq", "128", "--steps", "3", "--warmup", "1", "--batch", "2",
+             "--seq", "32", "--gen-batch", "2", "--prompt-len", "8", "--new-tokens", "4", "--kv-reserve-gb", "0",
+             "--verify-batch", "2", "--verify-len", "8", "--timeout", "240"]
+
+
+def test_defaults_and_quick():
+    cfg = parse_args([])
+    assert cfg == RunConfig().validate() and cfg.variants == ("ebbtide", "anchor")
+    q = parse_args(["--quick", "--steps", "7"])
+    assert q.model == QUICK_MODEL and q.steps == 7 and q.new_tokens == 32  # explicit flags win over --quick
+    assert parse_args(["--quick", "--d-model", "256"]).model.d_model == 256
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--steps", "2", "--warmup", "2"], "nothing would be measured"),
+    (["--d-model", "1000"], "multiple of 128"),
+    (["--prompt-len", "1000", "--new-tokens", "100"], "exceeds max_seq"),
+    (["--seq", "2048"], "exceeds the model's max_seq"),
+    (["--variants", "ebbtide,vllm"], "variants"),
+    (["--variants", "ebbtide,ebbtide"], "variants"),
+    (["--device", "cpu"], "ebbtide variant only"),
+    (["--gpus", "0"], "gpus"),
+    (["--kv-reserve-gb", "-1"], "kv_reserve_gb"),
+    (["--lr", "0"], "lr"),
+])
+def test_argument_errors(argv, msg):
+    with pytest.raises(InvalidArgumentError, match=msg):
+        parse_args(argv)
+
+
+def test_argument_error_exit_code_and_message():
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--steps", "1", "--warmup", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "nothing would be measured" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_loop_runs_on_cpu(tmp_path, ranks):
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", *TINY_ARGS, "--gpus", str(ranks), "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}\n" + "".join(
+        f.read_text() for f in tmp_path.glob("*.log"))
+    res = json.loads((tmp_path / "results.json").read_text())
+    v = res["variants"]["ebbtide"]
+    assert not v["failed"] and v["checks"]["correct"] is True
+    assert len(v["checks"]["verify"]) == 2 * ranks  # first and last step on every rank
+    assert all(e["weights_bitwise_equal"] and e["decode_vs_full_argmax_equal"] for e in v["checks"]["verify"])
+    assert v["checks"]["ranks_in_sync"] is (True if ranks == 2 else None)
+    phases = set(v["summary"]["phase_s"])
+    want = {"train", "sync_pack", "trainer_pause", "rollout_resume", "sync_load", "generate", "rollout_pause",
+            "trainer_resume"} | ({"comm_release", "comm_reload"} if ranks == 2 else set())
+    assert phases == want
+    losses = [ph["loss"] for ph in v["ranks"][0]["phases"] if ph["phase"] == "train"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert "step" in p.stdout and "per-phase time" in p.stdout
+    if ranks == 2:
+        rel = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "comm_release"]
+        assert rel and "ebbtide.comm release" in rel[0]["report"]
+    # the bench suite's rows from the same results
+    from ebbtide.bench.suites.colocate import _rows
+
+    rows = list(_rows(res, ranks, {"out": str(tmp_path)}))
+    assert rows[0].name.startswith("RL step") and rows[0].ours == pytest.approx(v["summary"]["step_s"])
+    assert rows[0].anchor is None and rows[0].anchor_note == "n/a"
+    assert len(rows) == (5 if ranks == 2 else 4) and rows[-1].unit == "GB" and rows[-1].ours is None
+
+
+def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():
+    from ebbtide.colocate.launcher import _wait_all
+
+    def spawn(code):
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    procs = [spawn("import sys; sys.exit(3)"), spawn("import time; time.sleep(60)")]
+    killed = _wait_all(procs, timeout=50, grace=1)
+    assert killed == {1: "killed 1 s after rank 0 failed"} and procs[0].returncode == 3
+    procs = [spawn("pass"), spawn("import time; time.sleep(60)")]
+    assert _wait_all(procs, timeout=1) == {1: "timed out after 1 s"}
+    procs = [spawn("pass"), spawn("pass")]
+    assert _wait_all(procs, timeout=50) == {} and all(p.returncode == 0 for p in procs)
+
+
+def test_more_gpus_than_visible_is_a_clear_error():
+    import torch
+
+    n = torch.cuda.device_count()
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--gpus", str(n + 1), "--quick"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"{n} CUDA device(s) are visible" in p.stderr and "Traceback" not in p.stderr

@@ -1,0 +1,93 @@
+"""Phase records, summaries (median, slowest rank, warm-up), the growth check, the report and the timeline."""
+import pytest
+
+from ebbtide.colocate.measure import (GROWTH_TOLERANCE, PHASES, NvmlProbe, Recorder, format_report, growth_check,
+                                      plot_timeline, summarize)
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _rank(times: dict, steps: int, used=lambda s: 10 << 30):
+    """A rank whose phase p of step s takes times[p] * (s + 1) seconds."""
+    clock = _Clock()
+    rec = Recorder(clock=clock)
+    for s in range(steps):
+        for p, dt in times.items():
+            with rec.phase(s, p) as info:
+                clock.t += dt * (s + 1)
+                info["bytes"] = 1000
+            rec.sample(s, p, {"nvml": {"trainer": 1 << 30, "rollout": 2 << 30}, "device_used": used(s),
+                              "self": {"rollout": 5}})
+    return {"phases": rec.phases, "memory": rec.memory}
+
+
+def test_recorder_times_phases_and_refuses_unknown_names():
+    r = _rank({"train": 1.0, "generate": 0.5}, 2)
+    assert [(p["step"], p["phase"], p["s"]) for p in r["phases"]] == [
+        (0, "train", 1.0), (0, "generate", 0.5), (1, "train", 2.0), (1, "generate", 1.0)]
+    assert r["phases"][1]["t0"] == r["phases"][0]["t1"]
+    with pytest.raises(ValueError, match="unknown phase"):
+        Recorder().phase(0, "nap")
+
+
+def test_a_failing_phase_is_not_recorded():
+    rec = Recorder()
+    with pytest.raises(RuntimeError), rec.phase(0, "train"):
+        raise RuntimeError("boom")
+    assert rec.phases == []
+
+
+def test_summary_takes_medians_after_warmup_and_the_slowest_rank():
+    fast = _rank({"train": 1.0, "generate": 0.5}, 4)
+    slow = _rank({"train": 3.0, "generate": 0.1}, 4)
+    s = summarize([fast, slow], warmup=1)  # steps 1..3: factors 2, 3, 4 -> median 3
+    assert s["steps"] == 3
+    assert s["phase_s"]["train"] == pytest.approx(9.0)  # slow rank
+    assert s["phase_s"]["generate"] == pytest.approx(1.5)  # fast rank
+    assert s["step_s"] == pytest.approx(3 * 3.1)  # the slow rank's whole step
+    assert s["bytes"] == {"train": 1000, "generate": 1000}
+    assert s["memory"]["generate"] == {"trainer_nvml": 1 << 30, "rollout_nvml": 2 << 30, "rollout_self": 5,
+                                       "device_used": 10 << 30}
+    with pytest.raises(ValueError):
+        summarize([], warmup=0)
+
+
+def test_growth_check():
+    steady = _rank({"comm_reload": 0.1}, 5)["memory"]
+    g = growth_check(steady, warmup=1)
+    assert g["ok"] is True and g["growth_bytes"] == 0 and g["phase"] == "comm_reload"
+    leaking = _rank({"trainer_resume": 0.1}, 5, used=lambda s: (10 << 30) + s * (64 << 20))["memory"]
+    g = growth_check(leaking, warmup=1)
+    assert g["ok"] is False and g["growth_bytes"] == 3 * (64 << 20) and g["phase"] == "trainer_resume"
+    small = _rank({"trainer_resume": 0.1}, 5, used=lambda s: (10 << 30) + s * (GROWTH_TOLERANCE // 8))["memory"]
+    assert growth_check(small, warmup=1)["ok"] is True
+    assert growth_check(steady, warmup=4)["ok"] is None  # one step left: cannot tell
+
+
+def test_report_and_timeline(tmp_path):
+    ours = _rank({p: 0.01 for p in PHASES}, 3)
+    anchor = _rank({p: 0.03 for p in PHASES}, 3)
+    res = {"config": {"warmup": 1}, "variants": {
+        "ebbtide": {"ranks": [ours], "summary": summarize([ours], 1), "checks": {"correct": True, "verify": []}},
+        "anchor": {"ranks": [anchor], "summary": summarize([anchor], 1)}}}
+    text = format_report(res)
+    assert "speed-up" in text and "3.00x" in text and "comm_reload" in text
+    assert "check correctness (rollout after sync == trainer's weights dequantized): True" in text
+    res["variants"]["anchor"] = {"why": "not installed (torch_memory_saver)"}
+    assert "anchor: not measured (not installed (torch_memory_saver))" in format_report(res)
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    assert plot_timeline(res, str(png)) == ""
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unavailable_nvml_probe_reports_why():
+    p = NvmlProbe.unavailable("device is cpu")
+    assert not p.ok and p.why == "device is cpu"
+    assert p.processes() == {} and p.sample() == {"nvml": {}, "device_used": None}
