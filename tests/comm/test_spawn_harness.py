@@ -62,3 +62,11 @@ def test_reported_but_stuck_at_exit_is_not_a_failure(tmp_path, monkeypatch):
     took = time.monotonic() - t0
     assert res == [{"rank": 0}, {"rank": 1}]
     assert 1 <= took < 30, took  # waited the grace, not the deadline
+
+
+def test_log_dir_falls_back_to_test_artifacts(tmp_path, monkeypatch):
+    from ebbtide.comm._spawn import log_dir
+
+    monkeypatch.delenv("EBBTIDE_COMM_LOGDIR", raising=False)
+    monkeypatch.setenv("EBBTIDE_TEST_ARTIFACTS", str(tmp_path))
+    assert log_dir() == str(tmp_path / "comm") and (tmp_path / "comm").is_dir()

@@ -8,8 +8,8 @@ Contract (fail fast, never hang silently):
   and Python stacks of all its threads when it crashes (faulthandler) or when the parent asks (SIGUSR1). The rank's
   file descriptors 1 and 2 go to ``rank<r>.out`` (torch's C++ warnings, the NCCL watchdog, ``NCCL_DEBUG`` output),
   which also gets a copy of every progress line.
-  ``<logdir>`` is ``$EBBTIDE_COMM_LOGDIR`` (a GPU job sets it to its output folder) or a kept temporary folder;
-  the error message names it.
+  ``<logdir>`` is ``$EBBTIDE_COMM_LOGDIR`` (a GPU job sets it to its output folder), else
+  ``$EBBTIDE_TEST_ARTIFACTS/comm`` (set by scripts/gpu-check), else a kept temporary folder; the error names it.
 - The parent polls. At the deadline, or ``grace`` seconds after the first rank failed (its peers are then usually
   blocked in a collective or a communicator split waiting for it), every live rank gets SIGUSR1 (stack dump), then
   SIGKILL; the error lists which ranks had not finished, the last line each logged, and the tail of its log.
@@ -51,8 +51,11 @@ def progress(msg: str) -> None:
 
 
 def log_dir() -> str:
-    """Where rank logs go: $EBBTIDE_COMM_LOGDIR (created if missing) or one kept temporary folder per process."""
+    """Where rank logs go: $EBBTIDE_COMM_LOGDIR, else $EBBTIDE_TEST_ARTIFACTS/comm (scripts/gpu-check collects that
+    folder), else one kept temporary folder per process. Created if missing."""
     d = os.environ.get("EBBTIDE_COMM_LOGDIR")
+    if not d and os.environ.get("EBBTIDE_TEST_ARTIFACTS"):
+        d = os.path.join(os.environ["EBBTIDE_TEST_ARTIFACTS"], "comm")
     if not d:
         d = os.environ.setdefault("EBBTIDE_COMM_LOGDIR", tempfile.mkdtemp(prefix="ebt-comm-logs-"))
     os.makedirs(d, exist_ok=True)
