@@ -131,19 +131,21 @@ def _hook_latency() -> dict:
             continue
     if cudart is None:
         return {}
-    res = {}
-    for label, lib in (("hook", shim), ("direct", cudart)):
-        p = ctypes.c_void_p()
-        times = []
-        for i in range(300):
+    # Interleaved, order alternating every iteration, so drift in the driver's own cost (its first allocations
+    # are slower) lands on both sides instead of on whichever ran first.
+    libs = {"hook": shim, "direct": cudart}
+    times: dict = {"hook": [], "direct": []}
+    p = ctypes.c_void_p()
+    for i in range(2000):
+        for label in (("hook", "direct") if i % 2 else ("direct", "hook")):
+            lib = libs[label]
             t0 = time.perf_counter()
             if lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(2 << 20)) != 0:
                 return {}
             lib.cudaFree(p)
-            if i >= 50:
-                times.append(time.perf_counter() - t0)
-        res[f"malloc_free_{label}"] = statistics.median(times)
-    return res
+            if i >= 100:
+                times[label].append(time.perf_counter() - t0)
+    return {f"malloc_free_{label}": statistics.median(ts) for label, ts in times.items()}
 
 
 def tms(total: int, small: int) -> dict:
