@@ -46,6 +46,17 @@ ebt_status_t HostArena::add_segment(const ebt_driver_table_t* drv, CUcontext ctx
   const size_t pieces = (seg->size + kPieceBytes - 1) / kPieceBytes;
   std::vector<CUresult> results(pieces, CUDA_SUCCESS);
   const long page = sysconf(_SC_PAGESIZE);
+  // Workers register in the caller's stream-capture mode. Fresh threads start in global mode, so while another
+  // thread captures a CUDA graph in global mode their cuMemHostRegister would fail and break that capture, though
+  // the caller (the background pinning thread) runs relaxed precisely to avoid it.
+  int capture_mode = -1;
+  if (drv->cuThreadExchangeStreamCaptureMode) {
+    int m = 0;  // CU_STREAM_CAPTURE_MODE_GLOBAL, swapped straight back: this reads the caller's mode
+    if (drv->cuThreadExchangeStreamCaptureMode(&m) == CUDA_SUCCESS) {
+      capture_mode = m;
+      drv->cuThreadExchangeStreamCaptureMode(&m);
+    }
+  }
   {
     ThreadPool pool(static_cast<int>(std::min<size_t>(pieces, register_threads())));
     pool.run(pieces, [&](size_t i, int worker) {
@@ -53,6 +64,10 @@ ebt_status_t HostArena::add_segment(const ebt_driver_table_t* drv, CUcontext ctx
       size_t n = std::min(kPieceBytes, seg->size - i * kPieceBytes);
       for (size_t off = 0; off < n; off += static_cast<size_t>(page)) b[off] = 0;
       if (ctx && worker != 0) drv->cuCtxSetCurrent(ctx);  // worker 0 is the caller: its context is current
+      if (capture_mode >= 0 && worker != 0) {
+        int m = capture_mode;
+        drv->cuThreadExchangeStreamCaptureMode(&m);
+      }
       results[i] = drv->cuMemHostRegister(b, n, CU_MEMHOSTREGISTER_PORTABLE);
     });
   }

@@ -20,6 +20,8 @@
  *   ebt_fake_calls(name)                calls of `name` so far
  *   ebt_fake_trace(buf, len, clear)     comma-separated call names since the last clear
  *   ebt_fake_set_device_bytes(bytes)    physical memory per device from now on
+ *   ebt_fake_set_foreign_global_capture(on)  pretend another thread captures a graph in global mode:
+ *                                       cuMemHostRegister then fails (906) unless the calling thread is relaxed
  * EBT_FAKE_DEVICES sets the device count (default 1). Thread-safe (one mutex).
  */
 #include <sys/mman.h>
@@ -79,6 +81,9 @@ int g_devices = 1;
 long g_unpinned_copies = 0;
 int g_ctx_tokens[64];  // fake context objects (their addresses)
 thread_local std::vector<CUcontext> t_ctx_stack;
+thread_local int t_capture_mode = 0;       // cuThreadExchangeStreamCaptureMode: global (0) until changed
+bool g_foreign_global_capture = false;     // ebt_fake_set_foreign_global_capture: another thread captures (global)
+constexpr CUresult kStreamCaptureImplicit = static_cast<CUresult>(906);  // CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
 
 void init_once() {
   static bool done = false;
@@ -205,6 +210,10 @@ FAKE_API size_t ebt_fake_trace(char* buf, size_t len, int clear) {
   if (clear) g_trace.clear();
   return n;
 }
+FAKE_API void ebt_fake_set_foreign_global_capture(int on) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_foreign_global_capture = on != 0;
+}
 FAKE_API void ebt_fake_set_device_bytes(size_t bytes) {
   std::lock_guard<std::mutex> lk(g_mu);
   init_once();
@@ -304,6 +313,8 @@ FAKE_API CUresult cuMemHostAlloc(void** p, size_t n, unsigned) {
 FAKE_API CUresult cuMemFreeHost(void* p) { ENTER("cuMemFreeHost"); free(p); return CUDA_SUCCESS; }
 FAKE_API CUresult cuMemHostRegister(void* p, size_t n, unsigned) {
   ENTER("cuMemHostRegister");
+  // A potentially unsafe call while another thread captures in global mode: refused unless this thread is relaxed.
+  if (g_foreign_global_capture && t_capture_mode != 2) return kStreamCaptureImplicit;
   if (t_ctx_stack.empty() || !t_ctx_stack.back()) return CUDA_ERROR_INVALID_CONTEXT;
   char* c = static_cast<char*>(p);
   auto it = g_registered.lower_bound(c);
@@ -474,8 +485,7 @@ FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* o
 FAKE_API CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
   ENTER("cuThreadExchangeStreamCaptureMode");
   if (!mode || *mode < 0 || *mode > 2) return CUDA_ERROR_INVALID_VALUE;
-  static thread_local int t_mode = 0;  // global (0) until changed
-  std::swap(*mode, t_mode);
+  std::swap(*mode, t_capture_mode);
   return CUDA_SUCCESS;
 }
 FAKE_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle*, void*) {

@@ -14,7 +14,7 @@ import warnings
 
 import ebbtide.memory as em
 from ebbtide import _native
-from ebbtide.errors import (DriverError, InvalidArgumentError, NotFoundError, OutOfMemoryError, StateError,
+from ebbtide.errors import (DriverError, EbbtideError, InvalidArgumentError, NotFoundError, OutOfMemoryError, StateError,
                             WaitTimeoutError)
 
 MiB = 1 << 20
@@ -598,6 +598,32 @@ def timeout_wait():
 
 
 
+def register_workers_keep_capture_mode():
+    """Arena growth registers its 256 MiB pieces on worker threads, which must run in the caller's stream-capture
+    mode: the background pinning thread is relaxed so that it never breaks a graph another thread captures in
+    global mode, and fresh (global-mode) workers would break it anyway."""
+    os.environ["EBBTIDE_MEM_REGISTER_THREADS"] = "2"
+    FAKE.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    FAKE.ebt_fake_set_foreign_global_capture(1)
+    try:
+        try:  # a global-mode caller is refused (as the real driver refuses it)
+            em.reserve_host_memory(300 * MiB)
+            raise AssertionError("registration during a foreign global capture succeeded in global mode")
+        except EbbtideError:
+            pass
+        mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED for this thread, as the pinning thread sets it
+        assert FAKE.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+        try:
+            em.reserve_host_memory(300 * MiB)  # two pieces: the second is registered by a worker thread
+        finally:
+            assert FAKE.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0  # back to global
+    finally:
+        FAKE.ebt_fake_set_foreign_global_capture(0)
+    assert em.stats()["global"]["host_reserved"] >= 300 * MiB
+    em.release_host_memory()
+    assert_clean()
+
+
 def memory_margin_and_tag_epochs():
     """The memory margin refuses allocations (both entry points) and resumes that would leave less than it free;
     rollback of a failed pause ignores it. tag_state counts pauses (the epoch behind the paused-block guard)."""
@@ -606,7 +632,8 @@ def memory_margin_and_tag_epochs():
     assert em.memory_margin() == 0
     a = alloc(16 * MiB, "w", "cpu")  # 64 MiB device: 48 left
     em.wait_background_pinning()  # the pinning thread runs in relaxed capture mode (never breaks a graph capture)
-    assert FAKE.ebt_fake_calls(b"cuThreadExchangeStreamCaptureMode") == 1
+    # the pinning thread sets relaxed once; each arena growth reads the caller's mode to hand it to its workers
+    assert FAKE.ebt_fake_calls(b"cuThreadExchangeStreamCaptureMode") >= 1
     data = fill(a, 16 * MiB, 3)
     em.set_memory_margin(40 * MiB)
     assert em.memory_margin() == 40 * MiB

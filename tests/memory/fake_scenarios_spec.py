@@ -18,6 +18,7 @@ SIMPLE = [
     "memory_margin_and_tag_epochs",
     "release_report_without_torch",
     "shareable_ipc",
+    "register_workers_keep_capture_mode",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation.
