@@ -92,8 +92,13 @@ void apply_default_from_env() {
     const char* tb = getenv("TMS_INIT_ENABLE_CPU_BACKUP");
     backup = (tb && strcmp(tb, "1") == 0) ? EBT_MEM_BACKUP_CPU : EBT_MEM_BACKUP_NONE;
   }
-  const char* conf = getenv("PYTORCH_CUDA_ALLOC_CONF");
-  if (conf && (strstr(conf, "expandable_segments:True") || strstr(conf, "expandable_segments:true"))) {
+  // PyTorch >= 2.9 reads PYTORCH_ALLOC_CONF too (PYTORCH_CUDA_ALLOC_CONF is its older name).
+  const char* conf = nullptr;
+  for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+    const char* c = getenv(name);
+    if (c && (strstr(c, "expandable_segments:True") || strstr(c, "expandable_segments:true"))) conf = c;
+  }
+  if (conf) {
     // Expandable segments map memory with cuMemCreate, never through cudaMalloc: the default region would
     // silently miss PyTorch's allocations. Refuse loudly instead (Python's region() raises UnsupportedError).
     EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_DEFAULT_TAG=%s refused: PYTORCH_CUDA_ALLOC_CONF=%s enables expandable "

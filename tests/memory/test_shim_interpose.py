@@ -120,7 +120,7 @@ def process_wide_prog(tmp_path_factory):
 
 
 def _run_args(prog, args, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLOC"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLOC", "PYTORCH_ALLOC"))}
     env.update({"LD_PRELOAD": str(PKG / "libebbtide.so"), "EBBTIDE_LIBCUDA": str(FAKE_DRIVER), **extra})
     return subprocess.run([str(prog), *args], capture_output=True, text=True, env=env, timeout=60)
 
@@ -143,7 +143,8 @@ def test_process_wide_mode_without_backup_loses_content(process_wide_prog):
     assert p.returncode == 1 and "bufs[i][k] ==" in p.stderr, p.stdout + p.stderr
 
 
-def test_process_wide_mode_refused_with_expandable_segments(process_wide_prog):
+@pytest.mark.parametrize("conf_var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_process_wide_mode_refused_with_expandable_segments(process_wide_prog, conf_var):
     p = _run_args(process_wide_prog, ["trainer"], EBBTIDE_MEM_DEFAULT_TAG="trainer",
-                  PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+                  **{conf_var: "expandable_segments:True"})
     assert p.returncode == 1 and "expandable" in p.stderr, p.stdout + p.stderr
