@@ -62,6 +62,9 @@ def graph_replay(mode: str):
     graphs = {}
     for tag, backup in (("g_scratch", "none"), ("g_kept", "cpu")):
         g = torch.cuda.CUDAGraph()
+        # torch.cuda.graph() empties the cache on entry: measure after that, or the warm-up's cached blocks
+        # (about as large as the capture) given back there hide the capture's growth.
+        torch.cuda.empty_cache()
         before = say(f"before capture into {tag}")
         with em.graph(g, tag=tag, backup=backup):
             y = torch.relu(x * 3 - 1).repeat(4).view(4, -1).sum(0)
