@@ -298,7 +298,7 @@ def _diagnostics() -> None:
 if __name__ == "__main__":
     torch.cuda.init()
     try:
-        globals()[sys.argv[1]](MODE)
+        globals()[sys.argv[1]](MODE, *sys.argv[3:])  # _ipc_child also takes its socket fd
     except Skip as s:
         print(f"SKIP: {s}")
         sys.exit(0)
