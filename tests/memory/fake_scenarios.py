@@ -14,8 +14,8 @@ import warnings
 
 import ebbtide.memory as em
 from ebbtide import _native
-from ebbtide.errors import (DriverError, EbbtideError, InvalidArgumentError, NotFoundError, OutOfMemoryError, StateError,
-                            WaitTimeoutError)
+from ebbtide.errors import (DriverError, EbbtideError, InvalidArgumentError, NotFoundError, OutOfMemoryError,
+                            StateError, WaitTimeoutError)
 
 MiB = 1 << 20
 FAKE = ctypes.CDLL(os.environ["EBBTIDE_LIBCUDA"])

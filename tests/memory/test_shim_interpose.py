@@ -120,7 +120,8 @@ def process_wide_prog(tmp_path_factory):
 
 
 def _run_args(prog, args, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLOC", "PYTORCH_ALLOC"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLOC", "PYTORCH_ALLOC"))}
     env.update({"LD_PRELOAD": str(PKG / "libebbtide.so"), "EBBTIDE_LIBCUDA": str(FAKE_DRIVER), **extra})
     return subprocess.run([str(prog), *args], capture_output=True, text=True, env=env, timeout=60)
 
