@@ -94,6 +94,40 @@ def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():
     assert _wait_all(procs, timeout=50) == {} and all(p.returncode == 0 for p in procs)
 
 
+def test_a_killed_rank_takes_its_rollout_child_with_it(tmp_path):
+    # a trainer rank that hangs while its child (the rollout) is alive: the deadline kills both, so nothing keeps
+    # holding the GPU into the next variant
+    import os
+    import time
+
+    from ebbtide.colocate.launcher import _wait_all
+
+    pidfile = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(120)']); open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    t0 = time.monotonic()
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < t0 + 30:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    assert _wait_all([proc], timeout=0.5) == {0: "timed out after 0.5 s"}
+    proc.wait()
+    def alive(pid):  # a zombie counts as dead: it is not ours to reap, and PID 1 in a container may never do it
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(100):
+        if not alive(child):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the rollout child survived its rank's kill")
+
+
 def test_more_gpus_than_visible_is_a_clear_error():
     import torch
 
