@@ -12,7 +12,8 @@ Policies:
 - The anchor variant runs where torch_memory_saver is installed; otherwise it is reported as "not installed".
 - Each trainer rank runs in a session of its own with its rollout child: killing a rank (deadline, failed peer,
   Ctrl-C) kills the whole group, and a rollout its trainer left behind is killed once the variant is over, so no
-  process keeps holding GPU memory into the next variant.
+  process keeps holding GPU memory into the next variant. Ranks and rollouts also die with their parent
+  (PR_SET_PDEATHSIG): a launcher killed from outside (a test deadline) leaves nothing running.
 """
 from __future__ import annotations
 
@@ -231,6 +232,7 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     spec = cfg.worker_spec(variant)
     spec["baseline_pids"] = [p for p in nvml_all_pids() if p != os.getpid()] if cfg.device == "cuda" else []
     spec["baseline_pids"].append(os.getpid())  # the launcher itself (the bench runner holds a context)
+    spec["launcher_pid"] = os.getpid()  # ranks (and their rollouts) die with the launcher (PR_SET_PDEATHSIG)
     spec = json.dumps(spec)
     port = _free_port()
     procs = []

@@ -38,7 +38,7 @@ import torch
 
 from .measure import NvmlProbe, Recorder
 from .model import ModelConfig, TinyLM
-from .rollout import prompts, weight_digests
+from .rollout import die_with_parent, prompts, weight_digests
 from .sync import SharedHostBuffer, SyncLayout, pack, reference_weights
 
 __all__ = ["main", "train_tokens", "retag_offloaded_adam"]
@@ -251,7 +251,8 @@ class _Trainer:
         s = self.spec
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
                                   "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s")}
-        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes)
+        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes,
+                    trainer_pid=os.getpid())
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
         if self.variant == "ebbtide" and self.cuda:
             env = self.em.preload_env(env, default_tag="rollout_scratch", default_backup=s["scratch_backup"])
@@ -417,6 +418,7 @@ def main(argv=None) -> int:
     tr = None
     t0 = time.perf_counter()
     try:
+        die_with_parent(spec.get("launcher_pid"))
         tr = _Trainer(spec, rank, world)
         result["setup"] = tr.setup
         tr.run()
