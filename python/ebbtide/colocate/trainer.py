@@ -41,7 +41,7 @@ from .model import ModelConfig, TinyLM
 from .rollout import die_with_parent, prompts, weight_digests
 from .sync import SharedHostBuffer, SyncLayout, pack, reference_weights
 
-__all__ = ["main", "train_tokens", "retag_offloaded_adam"]
+__all__ = ["main", "train_tokens", "retag_offloaded_adam", "without_expandable_segments"]
 
 # The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
 # pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
@@ -74,6 +74,23 @@ def retag_offloaded_adam(opt, weights_region, grads_region) -> None:
             pviews.append(pv)
             gviews.append(gv)
     opt._pflat, opt._gflat, opt._pviews, opt._gviews = pflat, gflat, pviews, gviews
+
+
+def without_expandable_segments(env: dict) -> dict:
+    """``env`` without ``expandable_segments:True`` in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF. Expandable
+    segments map memory with cuMemCreate, around cudaMalloc, so the preload shim could pause none of the rollout's
+    allocations (ebbtide.memory refuses regions under it); the rollout uses the plain caching allocator instead."""
+    out = dict(env)
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if key not in out:
+            continue
+        keep = [e for e in out[key].split(",")
+                if e.strip() and not e.replace(" ", "").lower().startswith("expandable_segments:")]
+        if keep:
+            out[key] = ",".join(keep)
+        else:
+            del out[key]
+    return out
 
 
 class _RolloutClient:
@@ -255,6 +272,7 @@ class _Trainer:
                     trainer_pid=os.getpid())
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
         if self.variant == "ebbtide" and self.cuda:
+            env = without_expandable_segments(env)
             env = self.em.preload_env(env, default_tag="rollout_scratch", default_backup=s["scratch_backup"])
         return _RolloutClient(spec, env, self.buffer.fd)
 
