@@ -94,6 +94,71 @@ def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():
     assert _wait_all(procs, timeout=50) == {} and all(p.returncode == 0 for p in procs)
 
 
+def _alive(pid: int) -> bool:
+    """A zombie counts as dead: it is not ours to reap, and PID 1 in a container may never do it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_rank_takes_its_rollout_child_with_it(tmp_path):
+    # a trainer rank that hangs while its child (the rollout) is alive: the deadline kills both, so nothing keeps
+    # holding the GPU into the next variant
+    import os
+    import time
+
+    from ebbtide.colocate.launcher import _wait_all
+
+    pidfile = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(120)']); open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    t0 = time.monotonic()
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < t0 + 30:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    assert _wait_all([proc], timeout=0.5) == {0: "timed out after 0.5 s"}
+    proc.wait()
+    for _ in range(100):
+        if not _alive(child):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the rollout child survived its rank's kill")
+
+
+def test_rank_and_rollout_die_with_their_parent(tmp_path):
+    # the launcher killed from outside (pytest-timeout kills the process it started, nothing else): what it
+    # started must not keep running on the GPU
+    import os
+    import signal
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    child = ("import os, sys, time; from ebbtide.colocate.rollout import die_with_parent; "
+             f"die_with_parent({{ppid}}); open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    parent = ("import os, subprocess, sys, time; "
+              f"subprocess.Popen([sys.executable, '-c', {child!r}.replace('{{ppid}}', str(os.getpid()))]); "
+              "time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    t0 = time.monotonic()
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < t0 + 60:
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the child outlived its parent")
+
+
 def test_more_gpus_than_visible_is_a_clear_error():
     import torch
 
@@ -101,3 +166,16 @@ def test_more_gpus_than_visible_is_a_clear_error():
     p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--gpus", str(n + 1), "--quick"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and f"{n} CUDA device(s) are visible" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_rollout_env_drops_expandable_segments_only():
+    # under expandable segments the preload shim sees no cudaMalloc and ebbtide.memory refuses regions: the
+    # rollout must start with the plain caching allocator, other allocator settings kept
+    from ebbtide.colocate.trainer import without_expandable_segments
+
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128", "X": "1",
+           "PYTORCH_ALLOC_CONF": "expandable_segments: true"}
+    out = without_expandable_segments(env)
+    assert out == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "X": "1"}
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments: true"  # the input is not modified
+    assert without_expandable_segments({"X": "1"}) == {"X": "1"}

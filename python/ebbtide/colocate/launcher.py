@@ -10,6 +10,10 @@ Policies:
 - Argument errors raise ``ebbtide.InvalidArgumentError`` before anything starts. A failing rank does not hide the
   others: every rank's result file, exit code and log tail are kept in the results.
 - The anchor variant runs where torch_memory_saver is installed; otherwise it is reported as "not installed".
+- Each trainer rank runs in a session of its own with its rollout child: killing a rank (deadline, failed peer,
+  Ctrl-C) kills the whole group, and a rollout its trainer left behind is killed once the variant is over, so no
+  process keeps holding GPU memory into the next variant. Ranks and rollouts also die with their parent
+  (PR_SET_PDEATHSIG): a launcher killed from outside (a test deadline) leaves nothing running.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -170,6 +175,27 @@ def _tail(path: str, n: int = 30) -> str:
         return f"(no log: {e})"
 
 
+def _kill_group(p) -> None:
+    """Kill ``p`` and, when it leads its own process group (started with start_new_session), the group: a trainer
+    rank takes its rollout child with it."""
+    try:
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, signal.SIGKILL)
+            return
+    except (ProcessLookupError, PermissionError):
+        pass
+    if p.poll() is None:
+        p.kill()
+
+
+def _reap_group(pgid: int) -> None:
+    """What is left of a finished rank's process group (a rollout whose trainer exited without closing it)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 PEER_GRACE_S = 60  # after one rank failed, how long the others get to finish before they are killed
 
 
@@ -193,7 +219,7 @@ def _wait_all(procs: list, timeout: float, grace: float = PEER_GRACE_S) -> dict:
             killed = {}
             for i, p in enumerate(procs):
                 if p.poll() is None:
-                    p.kill()
+                    _kill_group(p)
                     killed[i] = why
             return killed
         time.sleep(0.2)
@@ -206,6 +232,7 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     spec = cfg.worker_spec(variant)
     spec["baseline_pids"] = [p for p in nvml_all_pids() if p != os.getpid()] if cfg.device == "cuda" else []
     spec["baseline_pids"].append(os.getpid())  # the launcher itself (the bench runner holds a context)
+    spec["launcher_pid"] = os.getpid()  # ranks (and their rollouts) die with the launcher (PR_SET_PDEATHSIG)
     spec = json.dumps(spec)
     port = _free_port()
     procs = []
@@ -220,13 +247,20 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
             os.remove(res)
         logf = open(logp, "w")  # noqa: SIM115 (closed below)
         procs.append((r, subprocess.Popen([sys.executable, "-m", "ebbtide.colocate.trainer", spec, res], env=env,
-                                          stdout=logf, stderr=subprocess.STDOUT), res, logp, logf))
+                                          stdout=logf, stderr=subprocess.STDOUT, start_new_session=True),
+                      res, logp, logf))
     where = f"{cfg.gpus} GPU(s)" if cfg.device == "cuda" else f"{cfg.gpus} CPU rank(s)"
     log(f"colocate: {variant} on {where}, logs in {cfg.out}/{variant}-rank*.log")
-    killed = _wait_all([p for _, p, *_ in procs], cfg.timeout_s)
+    try:
+        killed = _wait_all([p for _, p, *_ in procs], cfg.timeout_s)
+    finally:  # Ctrl-C or an error here: no rank (nor its rollout) outlives the launcher
+        for _, p, *_ in procs:
+            if p.poll() is None:
+                _kill_group(p)
     ranks, failed = [], []
     for r, p, res, logp, logf in procs:
         rc = p.wait()
+        _reap_group(p.pid)
         logf.close()
         if r in killed:
             failed.append({"rank": r, "rc": rc, "why": killed[r], "log": _tail(logp)})

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -28,7 +29,25 @@ import torch
 from .model import KVCache, ModelConfig, TinyLM, greedy_decode
 from .sync import SharedHostBuffer, SyncLayout, unpack
 
-__all__ = ["main", "weight_digests", "prompts"]
+__all__ = ["main", "weight_digests", "prompts", "die_with_parent"]
+
+
+def die_with_parent(parent_pid) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``), so a launcher
+    killed by a test deadline, or a trainer killed by the launcher, takes its children and their GPU memory with
+    it. ``parent_pid``: who started us; if it is already gone (it died before the prctl), raise."""
+    if parent_pid is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes  # noqa: PLC0415
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ul = ctypes.c_ulong  # prctl is variadic: pass full-width arguments
+        libc.prctl(1, ul(int(signal.SIGKILL)), ul(0), ul(0), ul(0))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent_pid):
+        raise RuntimeError(f"parent process {parent_pid} exited before this process started")
 
 
 def weight_digests(named: dict) -> dict:
@@ -174,6 +193,7 @@ def serve(conn, spec: dict) -> int:
 
 def main(argv=None) -> int:
     spec = json.loads((argv or sys.argv[1:])[0])
+    die_with_parent(spec.get("trainer_pid"))
     sock = socket.socket(fileno=spec["sock_fd"])
     conn = Connection(sock.detach())
     with contextlib.suppress(EOFError, BrokenPipeError):

@@ -38,10 +38,10 @@ import torch
 
 from .measure import NvmlProbe, Recorder
 from .model import ModelConfig, TinyLM
-from .rollout import prompts, weight_digests
+from .rollout import die_with_parent, prompts, weight_digests
 from .sync import SharedHostBuffer, SyncLayout, pack, reference_weights
 
-__all__ = ["main", "train_tokens", "retag_offloaded_adam"]
+__all__ = ["main", "train_tokens", "retag_offloaded_adam", "without_expandable_segments"]
 
 # The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
 # pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
@@ -74,6 +74,23 @@ def retag_offloaded_adam(opt, weights_region, grads_region) -> None:
             pviews.append(pv)
             gviews.append(gv)
     opt._pflat, opt._gflat, opt._pviews, opt._gviews = pflat, gflat, pviews, gviews
+
+
+def without_expandable_segments(env: dict) -> dict:
+    """``env`` without ``expandable_segments:True`` in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF. Expandable
+    segments map memory with cuMemCreate, around cudaMalloc, so the preload shim could pause none of the rollout's
+    allocations (ebbtide.memory refuses regions under it); the rollout uses the plain caching allocator instead."""
+    out = dict(env)
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if key not in out:
+            continue
+        keep = [e for e in out[key].split(",")
+                if e.strip() and not e.replace(" ", "").lower().startswith("expandable_segments:")]
+        if keep:
+            out[key] = ",".join(keep)
+        else:
+            del out[key]
+    return out
 
 
 class _RolloutClient:
@@ -251,9 +268,11 @@ class _Trainer:
         s = self.spec
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
                                   "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s")}
-        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes)
+        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes,
+                    trainer_pid=os.getpid())
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
         if self.variant == "ebbtide" and self.cuda:
+            env = without_expandable_segments(env)
             env = self.em.preload_env(env, default_tag="rollout_scratch", default_backup=s["scratch_backup"])
         return _RolloutClient(spec, env, self.buffer.fd)
 
@@ -417,6 +436,7 @@ def main(argv=None) -> int:
     tr = None
     t0 = time.perf_counter()
     try:
+        die_with_parent(spec.get("launcher_pid"))
         tr = _Trainer(spec, rank, world)
         result["setup"] = tr.setup
         tr.run()
