@@ -193,6 +193,7 @@ def disable(*, device: Optional[int] = None, transient_pool: bool = False):
     uses a fresh pool that is dropped on exit, so its cached memory goes back to the driver (tensors made inside
     must not outlive the block; torch_memory_saver's disable() behaves this way)."""
     mem = _mem()
+    # The native flag is a per-thread nesting depth set absolutely: read the depth, then store depth + 1.
     prev = mem.set_disabled(1)
     mem.set_disabled(prev + 1)
     try:
