@@ -172,7 +172,7 @@ void register_bindings(py::module_& m) {
     EBT_PY_CHECK(ebt_mem_tag_state(tag.c_str(), &state, &pauses));
     const char* name = state == EBT_MEM_TAG_ACTIVE ? "active" : state == EBT_MEM_TAG_PAUSED ? "paused" : "busy";
     return py::make_tuple(std::string(name), pauses);
-  }, py::arg("tag"), "(state, pauses completed) of a tag; NotFoundError if no region named it.");
+  }, py::arg("tag"), "(state, pauses begun) of a tag; NotFoundError if no region named it.");
   m.attr("SHAREABLE") = static_cast<int>(EBT_MEM_SHAREABLE);
   m.def("export_fd", [](uintptr_t ptr) {
     int fd = -1;

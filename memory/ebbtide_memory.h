@@ -141,8 +141,9 @@ EBT_API ebt_status_t ebt_mem_lookup(const void* ptr, void** base, size_t* size, 
 /* Paused VA ranges (for checkers): up to `capacity` (base, length) pairs into starts/lengths, total in *count. */
 EBT_API ebt_status_t ebt_mem_paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count);
 
-/* State of one tag: ebt_mem_tag_state_t (busy while an op owns it) and how many pauses it has completed (an
- * epoch: the Python layer gives a region entered while its tag is paused a pool that holds no paused block).
+/* State of one tag: ebt_mem_tag_state_t (busy while an op owns it) and how many pauses it has begun, failed
+ * ones included (an epoch: the Python layer gives a region entered while its tag is paused, or being paused, a
+ * pool that holds no block that pause releases).
  * NOT_FOUND for a tag no region ever named. O(log tags). */
 EBT_API ebt_status_t ebt_mem_tag_state(const char* tag, int* state, unsigned long long* pauses);
 

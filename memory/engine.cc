@@ -326,6 +326,9 @@ ebt_status_t Engine::prepare(OpKind kind, const char* tag, Plan* plan, ebt_mem_r
   const AllocState want = kind == OpKind::kPause ? AllocState::kActive : AllocState::kPaused;
   for (Tag* t : plan->tags) {
     t->busy = true;
+    // Counted when the pause begins, not when it ends: a region opened while this pause runs must get a pool
+    // epoch of its own, never the previous paused period's pool whose blocks this pause is unmapping.
+    if (kind == OpKind::kPause) ++t->pauses;
     for (Allocation* a : t->allocations)
       if (a->state == want) {
         a->busy = true;
@@ -349,7 +352,6 @@ void Engine::commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r) {
       const bool any_paused = has_paused.count(t) != 0;
       if (plan.kind == OpKind::kPause) {
         t->state = (st == EBT_SUCCESS || any_paused) ? EBT_MEM_TAG_PAUSED : EBT_MEM_TAG_ACTIVE;
-        if (t->state == EBT_MEM_TAG_PAUSED) ++t->pauses;
         if (st == EBT_SUCCESS) t->last_pause = r;
       } else {
         t->state = (st == EBT_SUCCESS && !any_paused) ? EBT_MEM_TAG_ACTIVE : EBT_MEM_TAG_PAUSED;

@@ -46,7 +46,7 @@ struct Tag {
   std::string name;
   int state = EBT_MEM_TAG_ACTIVE;  // EBT_MEM_TAG_ACTIVE or EBT_MEM_TAG_PAUSED (busy is separate)
   bool busy = false;               // an op in flight owns this tag
-  unsigned long long pauses = 0;   // pauses completed (the tag went PAUSED); an epoch for pool selection
+  unsigned long long pauses = 0;   // pauses begun (failed ones too); an epoch for pool selection
   std::unordered_set<Allocation*> allocations;  // live allocations of this tag
   ebt_mem_report_t last_pause{}, last_resume{};
 };

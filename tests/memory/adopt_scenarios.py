@@ -89,6 +89,21 @@ def graph_replay(mode: str):
         assert torch.all(y == 8.0).item(), f"{tag}: replay with new input"
 
 
+def _check_diagnostics(found: list) -> str:
+    """What check() saw against what the pause recorded, around each reported block."""
+    from ebbtide.memory import _hooks  # noqa: PLC0415
+
+    lines = [f"check() reported {found}"]
+    for b in found[:4]:
+        near = sorted(e for e in _hooks._baseline if abs(e[0] - b["address"]) < 4 * MiB)
+        lines.append(f"  baseline near {b['address']:#x}: {[(hex(a), n) for a, n in near]}")
+        for seg in torch.cuda.memory_snapshot():
+            if seg["address"] <= b["address"] < seg["address"] + seg["total_size"]:
+                lines.append(f"  segment {seg['address']:#x}+{seg['total_size']} pool {seg.get('segment_pool_id')}: "
+                             + str([{k: v for k, v in blk.items() if k != "frames"} for blk in seg["blocks"]]))
+    return "\n".join(lines)
+
+
 def paused_block_guard(mode: str):
     """While a tag is paused its pool's cached free blocks lie in unmapped memory: new allocations into the tag
     must come from a pool of their own (and check() finds none inside paused memory). Negative control: an
@@ -100,7 +115,7 @@ def paused_block_guard(mode: str):
     del xs[1::2]  # free blocks inside segments that stay in use
     keep = {i: t for i, t in zip(range(0, 16, 2), xs)}
     em.pause("t")
-    assert em.check() == [], em.check()
+    assert em.check() == [], _check_diagnostics(em.check())
     with em.region("t", backup="cpu"):
         ys = [torch.full((64 * 1024,), 5.0, device="cuda") for _ in range(6)]  # would fit the freed holes
     assert em.check() == [], f"new blocks inside paused memory: {em.check()}"

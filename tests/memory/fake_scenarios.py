@@ -626,7 +626,7 @@ def register_workers_keep_capture_mode():
 
 def memory_margin_and_tag_epochs():
     """The memory margin refuses allocations (both entry points) and resumes that would leave less than it free;
-    rollback of a failed pause ignores it. tag_state counts pauses (the epoch behind the paused-block guard)."""
+    rollback of a failed pause ignores it. tag_state counts pauses begun (the epoch behind the paused-block guard)."""
     from ebbtide.memory._hooks import pool_epoch  # noqa: PLC0415
 
     assert em.memory_margin() == 0
@@ -669,11 +669,13 @@ def memory_margin_and_tag_epochs():
         raise AssertionError("pause with an injected unmap failure succeeded")
     except DriverError:
         pass
-    assert NATIVE.tag_state("w") == ("active", 1), NATIVE.tag_state("w")
+    # pauses are counted when they begin (a region opened during a pause must not reuse the previous paused
+    # period's pool), so the failed one moved the epoch on too
+    assert NATIVE.tag_state("w") == ("active", 2), NATIVE.tag_state("w")
     assert read(a, 16 * MiB) == data
     em.set_memory_margin(0)
     em.pause("w")
-    assert NATIVE.tag_state("w") == ("paused", 2) and pool_epoch("w") == ("paused", 2)
+    assert NATIVE.tag_state("w") == ("paused", 3) and pool_epoch("w") == ("paused", 3)
     try:
         NATIVE.tag_state("never-named")
         raise AssertionError("tag_state of an unknown tag succeeded")
@@ -768,6 +770,30 @@ def shareable_ipc():
     assert read(p, 8) == b"IMPORTED"  # CPU backup restored the child's write
     free(p)
     free(plain)
+    assert_clean()
+
+
+def cupy_allocator_routing():
+    """ebbtide.memory.cupy_allocator's entry points (CuPy itself is not needed here): an allocation lands in the
+    calling thread's region, else the process-wide default region, else tag "default"; a refused one is NULL and
+    leaves the engine's reason for the typed error."""
+    from ebbtide.memory import _cupy  # noqa: PLC0415
+
+    malloc, free_, last = _cupy._runtime()
+    with em.region("arrays", "cpu"):
+        a = malloc(4 * MiB, 0, None)
+    em.set_default_region("proc", "cpu")
+    b = malloc(4 * MiB, 0, None)
+    em.set_default_region(None)
+    c = malloc(2 * MiB, 0, None)
+    assert a and b and c
+    tags = [NATIVE.lookup(p)[2] for p in (a, b, c)]
+    assert tags == ["arrays", "proc", "default"], tags
+    em.set_memory_margin(60 * MiB)
+    assert not malloc(4 * MiB, 0, None) and b"margin" in last(), last()
+    em.set_memory_margin(0)
+    for p in (a, b, c):
+        free_(p, 0, 0, None)
     assert_clean()
 
 

@@ -19,6 +19,7 @@ SIMPLE = [
     "release_report_without_torch",
     "shareable_ipc",
     "register_workers_keep_capture_mode",
+    "cupy_allocator_routing",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation.

@@ -16,6 +16,7 @@ sys.path.insert(0, str(HERE))
 import tms_reference  # noqa: E402
 
 BOTH = ("torch", "preload")
+TMS_EXIT_BUG = "only support interesting region"  # torch_memory_saver's message before its exit(1)
 SCENARIOS = {
     "simple": BOTH,
     "cpu_backup": BOTH,
@@ -74,6 +75,11 @@ def test_torch_memory_saver_scenario(impl, scenario, mode, tms_root):
     out = p.stdout.strip()
     if p.returncode == 0 and out.splitlines() and out.splitlines()[-1].startswith("SKIP:"):
         pytest.skip(out.splitlines()[-1][5:].strip())
+    if (impl == "tms" and mode == "torch" and p.returncode != 0 and out.endswith("OK")
+            and TMS_EXIT_BUG in p.stderr):
+        # The scenario passed; the anchor then fails at interpreter shutdown (observed with 0.0.10 on H200,
+        # torch 2.11): torch frees a block its pluggable allocator never saw and tms_torch_free exits the process.
+        pytest.xfail(f"torch_memory_saver's torch mode exits {p.returncode} at shutdown: {TMS_EXIT_BUG!r}")
     assert p.returncode == 0 and out.endswith("OK"), (
         f"{impl} {scenario} [{mode}] failed ({p.returncode})\n--- stdout\n{p.stdout[-6000:]}\n"
         f"--- stderr\n{p.stderr[-8000:]}")

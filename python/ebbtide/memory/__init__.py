@@ -15,6 +15,7 @@ from __future__ import annotations
 from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, mark_clean, pause, pause_async, paused_ranges,
                       release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
                       set_memory_margin, memory_margin, stats, wait_background_pinning)
+from ._cupy import cupy_allocator
 from ._hooks import (check, check_paused_blocks, configure_subprocess, disable, graph, hook_mode, preload_env,
                      region, set_checking, set_default_region, set_hook_mode)
 from ._ipc import ImportedTensor, SharedHandle, export_tensor, import_tensor
@@ -26,5 +27,5 @@ __all__ = [
     "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
     "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
     "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
-    "export_tensor", "import_tensor", "SharedHandle", "ImportedTensor",
+    "export_tensor", "import_tensor", "SharedHandle", "ImportedTensor", "cupy_allocator",
 ]

@@ -82,7 +82,9 @@ def pool_epoch(tag: str):
     and the caching allocator would hand such a block to a new allocation (a crash on first touch: miles #3207,
     slime #1690). So while the tag is paused (or an op owns it), its regions use a pool of that pause's own:
     ("paused", n) for the n-th pause, which holds no paused block until the tag is paused again, when n moves on.
-    An active tag uses its main pool ("main"), whose blocks are all mapped again after the resume."""
+    n counts pauses begun, so a region opened while pause n+1 is still running (pause_async) already gets the
+    fresh pool n+1, never pool n whose blocks that pause is unmapping. An active tag uses its main pool ("main"),
+    whose blocks are all mapped again after the resume."""
     state, pauses = _mem().tag_state(tag)
     if state == "active":
         return "main"
