@@ -95,8 +95,8 @@ def _check_diagnostics(found: list) -> str:
 
     lines = [f"check() reported {found}"]
     for b in found[:4]:
-        near = sorted(e for e in _hooks._baseline if abs(e[0] - b["address"]) < 4 * MiB)
-        lines.append(f"  baseline near {b['address']:#x}: {[(hex(a), n) for a, n in near]}")
+        near = sorted(a for a in _hooks._baseline if abs(a - b["address"]) < 4 * MiB)
+        lines.append(f"  baseline near {b['address']:#x}: {[hex(a) for a in near]}")
         for seg in torch.cuda.memory_snapshot():
             if seg["address"] <= b["address"] < seg["address"] + seg["total_size"]:
                 lines.append(f"  segment {seg['address']:#x}+{seg['total_size']} pool {seg.get('segment_pool_id')}: "

@@ -30,8 +30,9 @@ def _runtime():
 
 
 def cupy_allocator():
-    """A ``cupy.cuda.PythonFunctionAllocator`` whose memory comes from ebbtide (pausable, stable addresses).
-    Install it before the first CuPy allocation: ``cupy.cuda.set_allocator(ebbtide.memory.cupy_allocator())``.
+    """An allocator function for ``cupy.cuda.set_allocator`` (size -> MemoryPointer: the ``malloc`` of a
+    ``cupy.cuda.PythonFunctionAllocator``) whose memory comes from ebbtide (pausable, stable addresses). Install
+    it before the first CuPy allocation: ``cupy.cuda.set_allocator(ebbtide.memory.cupy_allocator())``.
     A failed allocation raises ``ebbtide.OutOfMemoryError`` (a MemoryError) with the engine's reason."""
     try:
         import cupy  # noqa: PLC0415
@@ -50,4 +51,4 @@ def cupy_allocator():
     def _free(ptr: int, device_id: int) -> None:
         free(ptr, 0, device_id, None)
 
-    return cupy.cuda.PythonFunctionAllocator(_malloc, _free)
+    return cupy.cuda.PythonFunctionAllocator(_malloc, _free).malloc  # the bound method keeps the allocator alive

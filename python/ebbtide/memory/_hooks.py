@@ -271,21 +271,28 @@ def check_paused_blocks() -> list:
 
     starts = [r[0] for r in ranges]
     bad = []
-    for seg in torch.cuda.memory_snapshot():
-        addr = seg["address"]
-        for blk in seg.get("blocks", []):
-            if blk.get("state") != "active_allocated":
-                continue
-            i = bisect.bisect_right(starts, addr) - 1
-            if i >= 0 and addr < ranges[i][0] + ranges[i][1]:
-                bad.append({"address": addr, "size": blk["size"], "state": blk["state"],
-                            "segment_pool_id": seg.get("segment_pool_id")})
-            addr += blk["size"]
+    for seg, addr, blk in _live_blocks(torch):
+        i = bisect.bisect_right(starts, addr) - 1
+        if i >= 0 and addr < ranges[i][0] + ranges[i][1]:
+            bad.append({"address": addr, "size": blk["size"], "state": blk["state"],
+                        "segment_pool_id": seg.get("segment_pool_id")})
     return bad
 
 
+def _live_blocks(torch):
+    """(segment, address, block) of every active_allocated block in torch.cuda.memory_snapshot(). A block's
+    address is its own "address" field where the snapshot has one, else the segment's plus the sizes before it."""
+    for seg in torch.cuda.memory_snapshot():
+        addr = seg["address"]
+        for blk in seg.get("blocks", []):
+            addr = blk.get("address", addr)
+            if blk.get("state") == "active_allocated":
+                yield seg, addr, blk
+            addr += blk["size"]
+
+
 _checking = os.environ.get("EBBTIDE_MEM_CHECK") == "1"  # record live blocks at each pause (debug)
-_baseline: set = set()             # (address, size) of blocks live when a pause was requested
+_baseline: set = set()             # addresses of blocks live when a pause was requested
 
 
 def set_checking(enabled: bool) -> None:
@@ -303,12 +310,7 @@ def record_pause_baseline() -> None:
     torch = _torch_cuda()
     if torch is None:
         return
-    for seg in torch.cuda.memory_snapshot():
-        addr = seg["address"]
-        for blk in seg.get("blocks", []):
-            if blk.get("state") == "active_allocated":
-                _baseline.add((addr, blk["size"]))
-            addr += blk["size"]
+    _baseline.update(addr for _, addr, _ in _live_blocks(torch))
 
 
 def check(*, raise_on_error: bool = False) -> list:
@@ -323,7 +325,7 @@ def check(*, raise_on_error: bool = False) -> list:
         raise StateError("ebbtide.memory.check() needs checking on before pausing: call "
                          "ebbtide.memory.set_checking(True) (or set EBBTIDE_MEM_CHECK=1)")
     live_now = check_paused_blocks()
-    bad = [b for b in live_now if (b["address"], b["size"]) not in _baseline]
+    bad = [b for b in live_now if b["address"] not in _baseline]
     if bad and raise_on_error:
         lines = ", ".join(f"{b['size']} B at {b['address']:#x}" for b in bad[:8])
         raise StateError(f"{len(bad)} block(s) allocated inside paused memory: {lines}")
