@@ -2,22 +2,26 @@
  * engine.cc — the VMM pause/resume engine.
  *
  * Policies and invariants (state machine drawn in memory/NOTES.md):
- *  - Every allocation is one physical handle mapped at a VA taken from the device's VaSpace; the VA never
- *    changes until free. ACTIVE <=> handle valid and mapped read-write; PAUSED <=> no handle, VA kept.
+ *  - Every allocation is one physical allocation mapped at a VA taken from the device's VaSpace; the VA never
+ *    changes until free. ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. The engine holds
+ *    no handle: each is released right after its cuMemMap (before it on every failure path), so the mapping
+ *    alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
+ *    handle reference is left). Whoever needs a handle later (export) retains one from the VA and releases it.
  *  - A tag is ACTIVE or PAUSED (plus busy while an op owns it). pause(ACTIVE tag) pauses its active
  *    allocations; pause(PAUSED tag) and resume(ACTIVE tag) are no-ops with a warning. Allocations made into a
  *    paused tag are active; the next resume leaves them alone.
  *  - Ops run in two steps: prepare() marks the tag and its allocations busy under mu_; execute() does driver
  *    work and copies WITHOUT mu_ (so a pause of one tag and a resume of another overlap), then commits under
- *    mu_. Only the owning op touches a busy allocation's state/handle/host; free() of a busy allocation waits.
+ *    mu_. Only the owning op touches a busy allocation's state/mapping/host; free() of a busy allocation waits.
  *  - Drain before unmap (spec item 11): pause synchronizes each involved device (cuCtxSynchronize in that
  *    device's primary context) before its first copy/unmap; free() synchronizes the allocation's device before
  *    unmapping it.
  *  - Pause: copies of all CPU-backed allocations are issued first (chunked, on the device's runtime-owned D2H
- *    stream, never crossing a host registration piece), then allocations are unmapped in order, each right after
- *    its own copy finished: unmap of allocation k overlaps the copies of k+1.. (spec item 7).
- *  - Resume: pre-flight free-memory check per device; create+map every allocation first, grant access once per
- *    VA-contiguous run, then stream H2D. Any failure unmaps what this op mapped: the tag stays PAUSED, host
+ *    stream, never crossing a host registration piece), then VA-contiguous runs of same-device allocations are
+ *    unmapped, one cuMemUnmap per run (per allocation if the driver refuses the span), each run right after its
+ *    own copies finished; a run closes at 256 MiB of copies, so unmaps overlap later copies (spec item 7).
+ *  - Resume: pre-flight free-memory check per device; create+map+release every allocation first, grant access
+ *    once per VA-contiguous run, then stream H2D. Any failure unmaps what this op mapped: the tag stays PAUSED, host
  *    copies intact, retryable (spec item 12). OOM fills report->oom_*.
  *  - Pause failure before the first release: nothing changed. After it: released allocations are mapped again
  *    and restored from their host copies (discard-mode content is gone, as a pause would have made it); if even
@@ -60,6 +64,12 @@ size_t chunk_bytes() {
   return n;
 }
 // Debug: fill discard-mode allocations with 0xA5 on resume so stale reads show (EBBTIDE_MEM_POISON=1).
+// A pause unmaps a VA-contiguous run with one call; a run with CPU-backed copies closes once it holds this many
+// copied bytes, so unmapping still overlaps the later copies (EBBTIDE_MEM_UNMAP_RUN_BYTES, default 256 MiB).
+size_t unmap_run_copy_bytes() {
+  static const size_t n = env_size("EBBTIDE_MEM_UNMAP_RUN_BYTES", size_t(256) << 20);
+  return n;
+}
 bool poison_enabled() {
   static const bool on = env_size("EBBTIDE_MEM_POISON", 0) != 0;
   return on;
@@ -220,9 +230,11 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
   CUmemAllocationProp prop = device_prop(device_ordinal, shareable);
   CUmemAccessDesc access{{CU_MEM_LOCATION_TYPE_DEVICE, device_ordinal}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   ebt_status_t st = EBT_SUCCESS;
-  EBT_CU_CHECK_GOTO(drv->cuMemCreate(&a->handle, a->aligned, &prop, 0), st, fail_va);
-  EBT_CU_CHECK_GOTO(drv->cuMemMap(a->va, a->aligned, 0, a->handle, 0), st, fail_handle);
+  CUmemGenericAllocationHandle h = 0;
+  EBT_CU_CHECK_GOTO(drv->cuMemCreate(&h, a->aligned, &prop, 0), st, fail_va);
+  EBT_CU_CHECK_GOTO(drv->cuMemMap(a->va, a->aligned, 0, h, 0), st, fail_handle);
   EBT_CU_CHECK_GOTO(drv->cuMemSetAccess(a->va, a->aligned, &access, 1), st, fail_map);
+  EBT_CU_CHECK_GOTO(drv->cuMemRelease(h), st, fail_map);  // the mapping now holds the memory alone
   {
     std::lock_guard<std::mutex> lock(mu_);
     a->tag = tag_locked(tag);
@@ -241,7 +253,7 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
 fail_map:
   drv->cuMemUnmap(a->va, a->aligned);
 fail_handle:
-  drv->cuMemRelease(a->handle);
+  drv->cuMemRelease(h);  // the last reference: with the mapping gone, this frees the memory
 fail_va:
   d->va->free(a->va, a->aligned);
   return st;
@@ -278,13 +290,11 @@ ebt_status_t Engine::free(void* ptr, int* found) {
     CtxGuard ctx(drv, d->ctx);
     CUresult r = drv->cuCtxSynchronize();  // kernels still using it must finish before unmap (TMS #58)
     if (r != CUDA_SUCCESS) st = ebt_cu_error(r, "cuCtxSynchronize (free)", __FILE__, __LINE__);
-    r = drv->cuMemUnmap(a->va, a->aligned);
+    r = drv->cuMemUnmap(a->va, a->aligned);  // the last unmap frees the memory (its handle was released at map)
     if (r != CUDA_SUCCESS) {
       st = ebt_cu_error(r, "cuMemUnmap (free)", __FILE__, __LINE__);
       va_free = false;  // still mapped: never hand this VA out again
     }
-    r = drv->cuMemRelease(a->handle);
-    if (r != CUDA_SUCCESS) st = ebt_cu_error(r, "cuMemRelease (free)", __FILE__, __LINE__);
   }
   if (va_free) d->va->free(a->va, a->aligned);
   arena_.free(a->host);
@@ -469,46 +479,36 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     CUresult res = drv->cuEventRecord(events[i], devs[i]->d2h);
     if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuEventRecord (pause)", __FILE__, __LINE__);
   }
-  // 4. Unmap each allocation as soon as its copy finished; later copies keep streaming meanwhile.
+  // 4. Unmap VA-contiguous runs of same-device allocations, one driver call per run, each as soon as its copies
+  //    finished. A run holding copies closes at unmap_run_copy_bytes() of them, so unmaps still overlap the
+  //    copies that stream behind them; a discard-only run spans the whole contiguous range.
   std::vector<Allocation*> released;
-  for (size_t k = 0; k < allocs.size() && st == EBT_SUCCESS; ++k) {
-    Allocation* a = allocs[k];
+  for (size_t k = 0; k < allocs.size() && st == EBT_SUCCESS;) {
+    size_t j = k + 1;
+    size_t copied = copy[k] ? allocs[k]->size : 0;
+    CUdeviceptr end = allocs[k]->va + allocs[k]->aligned;
+    while (j < allocs.size() && devs[j] == devs[k] && allocs[j]->va == end && copied < unmap_run_copy_bytes()) {
+      end += allocs[j]->aligned;
+      if (copy[j]) copied += allocs[j]->size;
+      ++j;
+    }
     CtxGuard ctx(drv, devs[k]->ctx);
-    if (copy[k]) {
-      CUresult res = drv->cuEventSynchronize(events[k]);
+    for (size_t m = k; m < j; ++m) {
+      if (!copy[m]) continue;
+      CUresult res = drv->cuEventSynchronize(events[m]);
       if (res != CUDA_SUCCESS) {
         st = ebt_cu_error(res, "cuEventSynchronize (pause copy)", __FILE__, __LINE__);
         break;
       }
-      a->host_valid = true;
-      r->bytes_copied += a->size;
+      allocs[m]->host_valid = true;
+      r->bytes_copied += allocs[m]->size;
       r->copy_s = since(t_copy);
     }
+    if (st != EBT_SUCCESS) break;
     auto t_unmap = Clock::now();
-    CUresult res = drv->cuMemUnmap(a->va, a->aligned);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemUnmap (pause)", __FILE__, __LINE__);
-      break;
-    }
-    res = drv->cuMemRelease(a->handle);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemRelease (pause)", __FILE__, __LINE__);
-      // Unmapped but still held: map the same handle back so the allocation is active again.
-      CUmemAccessDesc acc{{CU_MEM_LOCATION_TYPE_DEVICE, a->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-      if (drv->cuMemMap(a->va, a->aligned, 0, a->handle, 0) != CUDA_SUCCESS ||
-          drv->cuMemSetAccess(a->va, a->aligned, &acc, 1) != CUDA_SUCCESS) {
-        a->handle = 0;  // cannot restore: account it as paused (leaks the handle, keeps bookkeeping honest)
-        a->state = AllocState::kPaused;
-        EBT_WARN(EBT_SUBSYS_MEM, "pause rollback: could not re-map 0x%llx after a failed release", a->va);
-      }
-      break;
-    }
+    st = unmap_run(allocs, k, j, &released, r);
     r->unmap_s += since(t_unmap);
-    a->handle = 0;
-    a->state = AllocState::kPaused;
-    r->allocations += 1;
-    r->bytes += a->aligned;
-    released.push_back(a);
+    k = j;
   }
   // Drain outstanding copies (on failure) and return events to the pool.
   for (size_t k = 0; k < allocs.size(); ++k) {
@@ -534,6 +534,71 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
   return EBT_SUCCESS;
 }
 
+// One cuMemUnmap over the run first: the documentation asks for "the entire contiguous address range that was
+// mapped" without saying whether that range may consist of several mappings; drivers accept it in practice. Any
+// error (a driver that wants one mapping per call) falls back to one call per allocation; an error there is
+// the pause's failure (what was unmapped before it is in *released, for the rollback).
+ebt_status_t Engine::unmap_run(const std::vector<Allocation*>& allocs, size_t begin, size_t end,
+                               std::vector<Allocation*>* released, ebt_mem_report_t* r) {
+  const ebt_driver_table_t* drv;
+  EBT_CHECK(driver(&drv));
+  auto mark = [&](Allocation* a) {
+    a->state = AllocState::kPaused;
+    r->allocations += 1;
+    r->bytes += a->aligned;
+    released->push_back(a);
+  };
+  if (end - begin > 1) {
+    const CUdeviceptr va = allocs[begin]->va;
+    const size_t len = allocs[end - 1]->va + allocs[end - 1]->aligned - va;
+    r->unmap_calls += 1;
+    CUresult res = drv->cuMemUnmap(va, len);
+    if (res == CUDA_SUCCESS) {
+      for (size_t k = begin; k < end; ++k) mark(allocs[k]);
+      return EBT_SUCCESS;
+    }
+    EBT_INFO(EBT_SUBSYS_MEM, "cuMemUnmap over %zu mappings failed (%d); per allocation instead", end - begin, res);
+  }
+  for (size_t k = begin; k < end; ++k) {
+    r->unmap_calls += 1;
+    CUresult res = drv->cuMemUnmap(allocs[k]->va, allocs[k]->aligned);
+    if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuMemUnmap (pause)", __FILE__, __LINE__);
+    mark(allocs[k]);
+  }
+  return EBT_SUCCESS;
+}
+
+// Create, map, and drop the handle: from here the mapping alone keeps the physical memory (unmap frees it).
+// The allocation's device context must be current.
+ebt_status_t Engine::create_map(Allocation* a, ebt_mem_report_t* r) {
+  const ebt_driver_table_t* drv;
+  EBT_CHECK(driver(&drv));
+  CUmemAllocationProp prop = device_prop(a->device, a->shareable);
+  CUmemGenericAllocationHandle h = 0;
+  auto t_create = Clock::now();
+  CUresult res = drv->cuMemCreate(&h, a->aligned, &prop, 0);
+  r->create_s += since(t_create);
+  if (res != CUDA_SUCCESS) {
+    ebt_status_t st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
+    if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(a->device, a->aligned, r);
+    return st;
+  }
+  res = drv->cuMemMap(a->va, a->aligned, 0, h, 0);
+  if (res != CUDA_SUCCESS) {
+    ebt_status_t st = ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
+    drv->cuMemRelease(h);
+    return st;
+  }
+  res = drv->cuMemRelease(h);
+  if (res != CUDA_SUCCESS) {  // still referenced: unmap, then retry the release so nothing is left behind
+    ebt_status_t st = ebt_cu_error(res, "cuMemRelease (resume)", __FILE__, __LINE__);
+    drv->cuMemUnmap(a->va, a->aligned);
+    drv->cuMemRelease(h);
+    return st;
+  }
+  return EBT_SUCCESS;
+}
+
 ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
@@ -545,23 +610,15 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
     EBT_CHECK_GOTO(device(a->device, &d), st, undo);
     {
       CtxGuard ctx(drv, d->ctx);
-      CUmemAllocationProp prop = device_prop(a->device, a->shareable);
-      CUresult res = drv->cuMemCreate(&a->handle, a->aligned, &prop, 0);
-      if (res != CUDA_SUCCESS) {
-        st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
-        if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(a->device, a->aligned, r);
-        goto undo;
-      }
-      res = drv->cuMemMap(a->va, a->aligned, 0, a->handle, 0);
-      if (res != CUDA_SUCCESS) {
-        st = ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
-        drv->cuMemRelease(a->handle);
-        a->handle = 0;
-        goto undo;
-      }
+      EBT_CHECK_GOTO(create_map(a, r), st, undo);
     }
   }
-  EBT_CHECK_GOTO(set_access_runs(allocs), st, undo);
+  {
+    auto t_access = Clock::now();
+    st = set_access_runs(allocs);
+    r->access_s = since(t_access);
+    if (st != EBT_SUCCESS) goto undo;
+  }
   return EBT_SUCCESS;
 undo:
   {
@@ -574,13 +631,11 @@ undo:
 void Engine::unmap_all(const std::vector<Allocation*>& allocs) {
   const ebt_driver_table_t* drv;
   if (driver(&drv) != EBT_SUCCESS) return;
-  for (Allocation* a : allocs) {
+  for (Allocation* a : allocs) {  // every one of them is mapped (no handle held: the unmap frees the memory)
     Device* d;
-    if (!a->handle || device(a->device, &d) != EBT_SUCCESS) continue;
+    if (device(a->device, &d) != EBT_SUCCESS) continue;
     CtxGuard ctx(drv, d->ctx);
     drv->cuMemUnmap(a->va, a->aligned);
-    drv->cuMemRelease(a->handle);
-    a->handle = 0;
   }
 }
 

@@ -53,6 +53,10 @@ def test_fault_injection_rolls_back(op, fault):
     run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0"})
 
 
+def test_unmap_runs_close_at_copy_bytes():
+    run("unmap_runs_and_handle_release", env={"EBBTIDE_MEM_UNMAP_RUN_BYTES": str(4 << 20)})
+
+
 def test_multi_device():
     run("multi_device", env={"EBT_FAKE_DEVICES": "2"})
 
