@@ -36,9 +36,11 @@
 #include "memory/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "csrc/status.h"
 #include "memory/free_ranges.h"
@@ -68,6 +70,13 @@ size_t chunk_bytes() {
 // copied bytes, so unmapping still overlaps the later copies (EBBTIDE_MEM_UNMAP_RUN_BYTES, default 256 MiB).
 size_t unmap_run_copy_bytes() {
   static const size_t n = env_size("EBBTIDE_MEM_UNMAP_RUN_BYTES", size_t(256) << 20);
+  return n;
+}
+// Resume: cuMemCreate on a helper thread ahead of the maps for resumes of at least EBBTIDE_MEM_CREATE_AHEAD
+// allocations (0 or unset: never; off by default until hardware measurements show the driver overlaps creates
+// with maps).
+size_t create_ahead_min() {
+  static const size_t n = env_size("EBBTIDE_MEM_CREATE_AHEAD", 0);
   return n;
 }
 bool poison_enabled() {
@@ -568,64 +577,103 @@ ebt_status_t Engine::unmap_run(const std::vector<Allocation*>& allocs, size_t be
   return EBT_SUCCESS;
 }
 
-// Create, map, and drop the handle: from here the mapping alone keeps the physical memory (unmap frees it).
-// The allocation's device context must be current.
-ebt_status_t Engine::create_map(Allocation* a, ebt_mem_report_t* r) {
+// Map h at a's VA and drop the handle: from here the mapping alone keeps the physical memory (unmap frees it).
+// Takes h over (released on every path). The allocation's device context must be current.
+ebt_status_t Engine::map_release(Allocation* a, CUmemGenericAllocationHandle h) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
-  CUmemAllocationProp prop = device_prop(a->device, a->shareable);
-  CUmemGenericAllocationHandle h = 0;
-  auto t_create = Clock::now();
-  CUresult res = drv->cuMemCreate(&h, a->aligned, &prop, 0);
-  r->create_s += since(t_create);
+  CUresult res = drv->cuMemMap(a->va, a->aligned, 0, h, 0);
   if (res != CUDA_SUCCESS) {
-    ebt_status_t st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
-    if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(a->device, a->aligned, r);
-    return st;
-  }
-  res = drv->cuMemMap(a->va, a->aligned, 0, h, 0);
-  if (res != CUDA_SUCCESS) {
-    ebt_status_t st = ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
     drv->cuMemRelease(h);
-    return st;
+    return ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
   }
   res = drv->cuMemRelease(h);
   if (res != CUDA_SUCCESS) {  // still referenced: unmap, then retry the release so nothing is left behind
-    ebt_status_t st = ebt_cu_error(res, "cuMemRelease (resume)", __FILE__, __LINE__);
     drv->cuMemUnmap(a->va, a->aligned);
     drv->cuMemRelease(h);
-    return st;
+    return ebt_cu_error(res, "cuMemRelease (resume)", __FILE__, __LINE__);
   }
   return EBT_SUCCESS;
 }
 
+// Create + map + release every allocation, then grant access per VA-contiguous run. With create-ahead on, a
+// helper thread makes the physical memory (cuMemCreate, the bulk of a discard resume's driver time) while this
+// thread maps what is ready; it stops at its first failure, which this thread then reports in order.
 ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
+  const size_t n = allocs.size();
+  std::vector<Device*> devs(n);
+  for (size_t i = 0; i < n; ++i) EBT_CHECK(device(allocs[i]->device, &devs[i]));
+  auto create = [drv](const Allocation* a, CUmemGenericAllocationHandle* h) {
+    CUmemAllocationProp prop = device_prop(a->device, a->shareable);
+    return drv->cuMemCreate(h, a->aligned, &prop, 0);
+  };
+  const bool ahead = create_ahead_min() > 0 && n >= create_ahead_min();
+  std::vector<CUmemGenericAllocationHandle> handles(ahead ? n : 0, 0);
+  std::vector<CUresult> results(ahead ? n : 0, CUDA_SUCCESS);
+  std::atomic<size_t> created{0};  // handles[0, created) and results[0, created) are final
+  std::atomic<bool> stop{false};
+  double ahead_create_s = 0;
+  std::thread helper;
+  if (ahead) {
+    helper = std::thread([&] {
+      auto t0 = Clock::now();
+      for (size_t i = 0; i < n && !stop.load(std::memory_order_relaxed); ++i) {
+        CtxGuard ctx(drv, devs[i]->ctx);
+        results[i] = create(allocs[i], &handles[i]);
+        created.store(i + 1, std::memory_order_release);
+        if (results[i] != CUDA_SUCCESS) break;
+      }
+      ahead_create_s = since(t0);
+    });
+  }
   size_t done = 0;
   ebt_status_t st = EBT_SUCCESS;
-  for (; done < allocs.size(); ++done) {
+  for (; done < n; ++done) {
     Allocation* a = allocs[done];
-    Device* d;
-    EBT_CHECK_GOTO(device(a->device, &d), st, undo);
-    {
-      CtxGuard ctx(drv, d->ctx);
-      EBT_CHECK_GOTO(create_map(a, r), st, undo);
+    CtxGuard ctx(drv, devs[done]->ctx);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult res;
+    if (ahead) {
+      while (created.load(std::memory_order_acquire) <= done) std::this_thread::yield();
+      res = results[done];
+      std::swap(h, handles[done]);
+    } else {
+      auto t_create = Clock::now();
+      res = create(a, &h);
+      r->create_s += since(t_create);
+    }
+    if (res != CUDA_SUCCESS) {
+      st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
+      if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(a->device, a->aligned, r);
+      break;
+    }
+    st = map_release(a, h);
+    if (st != EBT_SUCCESS) break;
+  }
+  if (ahead) {
+    stop.store(true, std::memory_order_relaxed);
+    helper.join();
+    r->create_s = ahead_create_s;  // the helper's span (creates overlapped with the maps here)
+    for (size_t i = done; i < n; ++i) {  // made ahead but never mapped (this op failed)
+      if (!handles[i]) continue;
+      CtxGuard ctx(drv, devs[i]->ctx);
+      drv->cuMemRelease(handles[i]);
     }
   }
-  {
+  if (st == EBT_SUCCESS) {
     auto t_access = Clock::now();
     st = set_access_runs(allocs);
     r->access_s = since(t_access);
-    if (st != EBT_SUCCESS) goto undo;
+    if (st == EBT_SUCCESS) return EBT_SUCCESS;
   }
-  return EBT_SUCCESS;
-undo:
   {
+    std::string msg = ebt_last_error();
     std::vector<Allocation*> mapped(allocs.begin(), allocs.begin() + done);
     unmap_all(mapped);
+    return ebt_set_error(st, "%s", msg.c_str());
   }
-  return st;
 }
 
 void Engine::unmap_all(const std::vector<Allocation*>& allocs) {

@@ -126,7 +126,7 @@ class Engine {
   // rollback: mapping back what a failed pause released (the memory margin does not apply).
   ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback = false);
   ebt_status_t map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
-  ebt_status_t create_map(Allocation* a, ebt_mem_report_t* r);  // a's device context current
+  ebt_status_t map_release(Allocation* a, CUmemGenericAllocationHandle h);  // a's device context current
   void unmap_all(const std::vector<Allocation*>& allocs);
   // Unmap allocs[begin, end) (one VA-contiguous run on one device): one call, per allocation if refused.
   // Appends what it unmapped to *released (state set to PAUSED).
