@@ -40,6 +40,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <thread>
 
 #include "csrc/status.h"
@@ -609,14 +610,14 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
     CUmemAllocationProp prop = device_prop(a->device, a->shareable);
     return drv->cuMemCreate(h, a->aligned, &prop, 0);
   };
-  const bool ahead = create_ahead_min() > 0 && n >= create_ahead_min();
+  bool ahead = create_ahead_min() > 0 && n >= create_ahead_min();
   std::vector<CUmemGenericAllocationHandle> handles(ahead ? n : 0, 0);
   std::vector<CUresult> results(ahead ? n : 0, CUDA_SUCCESS);
   std::atomic<size_t> created{0};  // handles[0, created) and results[0, created) are final
   std::atomic<bool> stop{false};
   double ahead_create_s = 0;
   std::thread helper;
-  if (ahead) {
+  if (ahead) try {
     helper = std::thread([&] {
       auto t0 = Clock::now();
       for (size_t i = 0; i < n && !stop.load(std::memory_order_relaxed); ++i) {
@@ -627,6 +628,8 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
       }
       ahead_create_s = since(t0);
     });
+  } catch (const std::exception&) {  // no thread to be had: create here, in order
+    ahead = false;
   }
   size_t done = 0;
   ebt_status_t st = EBT_SUCCESS;
