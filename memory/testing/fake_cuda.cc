@@ -23,6 +23,7 @@
  *   ebt_fake_counters(out[8])           live handles, physical bytes, live mappings, reservations,
  *                                       reserved bytes, registered host bytes, registrations, unpinned copies
  *   ebt_fake_calls(name)                calls of `name` so far
+ *   ebt_fake_call_threads(name)         distinct threads that called `name` so far
  *   ebt_fake_trace(buf, len, clear)     comma-separated call names since the last clear
  *   ebt_fake_set_device_bytes(bytes)    physical memory per device from now on
  *   ebt_fake_set_exact_unmap(on)        cuMemUnmap over more than one mapping fails (INVALID_VALUE); also
@@ -40,7 +41,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -80,6 +83,7 @@ std::map<CUdeviceptr, Reservation> g_reservations;  // by base
 std::map<CUdeviceptr, Mapping> g_mappings;          // by VA
 std::map<char*, size_t> g_registered;               // host registrations
 std::map<std::string, long> g_calls;
+std::map<std::string, std::set<std::thread::id>> g_call_threads;
 std::map<std::string, std::pair<long, CUresult>> g_faults;  // name -> (countdown, error)
 std::string g_trace;
 size_t g_device_bytes = size_t(1) << 30;
@@ -113,6 +117,7 @@ void init_once() {
 bool fault(const char* name, CUresult* err) {
   init_once();
   ++g_calls[name];
+  g_call_threads[name].insert(std::this_thread::get_id());
   if (!g_trace.empty()) g_trace += ",";
   g_trace += name;
   auto it = g_faults.find(name);
@@ -211,6 +216,11 @@ FAKE_API long ebt_fake_calls(const char* name) {
   std::lock_guard<std::mutex> lk(g_mu);
   auto it = g_calls.find(name);
   return it == g_calls.end() ? 0 : it->second;
+}
+FAKE_API long ebt_fake_call_threads(const char* name) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_call_threads.find(name);
+  return it == g_call_threads.end() ? 0 : static_cast<long>(it->second.size());
 }
 FAKE_API size_t ebt_fake_trace(char* buf, size_t len, int clear) {
   std::lock_guard<std::mutex> lk(g_mu);

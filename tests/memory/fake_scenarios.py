@@ -20,6 +20,7 @@ from ebbtide.errors import (DriverError, EbbtideError, InvalidArgumentError, Not
 MiB = 1 << 20
 FAKE = ctypes.CDLL(os.environ["EBBTIDE_LIBCUDA"])
 FAKE.ebt_fake_calls.restype = ctypes.c_long
+FAKE.ebt_fake_call_threads.restype = ctypes.c_long
 FAKE.ebt_fake_trace.restype = ctypes.c_size_t
 NATIVE = _native.load().memory
 RUNTIME = ctypes.CDLL(_native.runtime_library_path())
@@ -716,6 +717,8 @@ def unmap_runs_and_handle_release():
     rep = em.resume("t")
     calls = trace()
     assert [calls.count(f) for f in ("cuMemCreate", "cuMemMap", "cuMemRelease", "cuMemSetAccess")] == [8, 8, 8, 1]
+    if os.environ.get("EBBTIDE_MEM_CREATE_AHEAD", "0") != "0":  # creates on the helper, maps here
+        assert FAKE.ebt_fake_call_threads(b"cuMemCreate") >= 2 and FAKE.ebt_fake_call_threads(b"cuMemMap") == 1
     assert rep.create_s > 0 and rep.map_s >= rep.create_s + rep.access_s, rep
     # A driver error on the span (injected): the pause falls back to one unmap per allocation and succeeds.
     fault("cuMemUnmap", 1)
