@@ -4,7 +4,7 @@
  * Policies and invariants (state machine drawn in memory/NOTES.md):
  *  - Every allocation is one physical allocation mapped at a VA taken from the device's VaSpace; the VA never
  *    changes until free. ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. The engine holds
- *    no handle: each is released right after its cuMemMap (before it on every failure path), so the mapping
+ *    no handle: each is released right after its cuMemMap (and on every failure path), so the mapping
  *    alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
  *    handle reference is left). Whoever needs a handle later (export) retains one from the VA and releases it.
  *  - A tag is ACTIVE or PAUSED (plus busy while an op owns it). pause(ACTIVE tag) pauses its active
@@ -397,9 +397,12 @@ ebt_status_t Engine::execute(Plan& plan, ebt_mem_report_t* report) {
   }
   r.total_s = since(t0);
   if (st == EBT_SUCCESS)
-    EBT_INFO(EBT_SUBSYS_MEM, "%s: %zu allocations, %zu bytes, %zu copied in %.3f ms (sync %.3f copy %.3f unmap %.3f map %.3f)",
+    EBT_INFO(EBT_SUBSYS_MEM,
+             "%s: %zu allocations, %zu bytes, %zu copied in %.3f ms (sync %.3f copy %.3f unmap %.3f in %zu calls, "
+             "map %.3f of which create %.3f access %.3f)",
              plan.kind == OpKind::kPause ? "pause" : "resume", r.allocations, r.bytes, r.bytes_copied, r.total_s * 1e3,
-             r.sync_s * 1e3, r.copy_s * 1e3, r.unmap_s * 1e3, r.map_s * 1e3);
+             r.sync_s * 1e3, r.copy_s * 1e3, r.unmap_s * 1e3, r.unmap_calls, r.map_s * 1e3, r.create_s * 1e3,
+             r.access_s * 1e3);
   commit(plan, st, r);
   if (report) {
     size_t n = report->struct_size && report->struct_size < sizeof(r) ? report->struct_size : sizeof(r);
