@@ -548,9 +548,9 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
 }
 
 // One cuMemUnmap over the run first: the documentation asks for "the entire contiguous address range that was
-// mapped" without saying whether that range may consist of several mappings; drivers accept it in practice. Any
-// error (a driver that wants one mapping per call) falls back to one call per allocation; an error there is
-// the pause's failure (what was unmapped before it is in *released, for the rollback).
+// mapped" without saying whether that range may consist of several mappings (reported to work; unverified
+// here). Any error (a driver that wants one mapping per call) falls back to one call per allocation; an error
+// there is the pause's failure (what was unmapped before it is in *released, for the rollback).
 ebt_status_t Engine::unmap_run(const std::vector<Allocation*>& allocs, size_t begin, size_t end,
                                std::vector<Allocation*>* released, ebt_mem_report_t* r) {
   const ebt_driver_table_t* drv;

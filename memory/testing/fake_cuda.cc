@@ -13,7 +13,8 @@
  * Copies, memsets, streams and events run synchronously. Strict checks return CUDA_ERROR_INVALID_VALUE for
  * misuse the real driver also rejects (map over a mapping, free of a reservation that still has mappings,
  * set-access over an unmapped hole, double host registration). cuMemUnmap and cuMemSetAccess accept a range of
- * several whole back-to-back mappings (what the real driver is observed to do; not spelled out in its docs) unless
+ * several whole back-to-back mappings (reported of the real driver for unmap, used by ebbtide for set-access; the
+ * docs do not say) unless
  * exact-unmap mode is on, where cuMemUnmap must name exactly one mapping (a stricter driver: tests the fallback).
  *
  * Test controls (exported, call through ctypes on the same path):
