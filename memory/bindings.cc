@@ -36,6 +36,9 @@ py::dict report_dict(const ebt_mem_report_t& r) {
   d["copy_s"] = r.copy_s;
   d["unmap_s"] = r.unmap_s;
   d["map_s"] = r.map_s;
+  d["create_s"] = r.create_s;
+  d["access_s"] = r.access_s;
+  d["unmap_calls"] = r.unmap_calls;
   d["total_s"] = r.total_s;
   d["driver_free_before"] = r.driver_free_before;
   d["driver_free_after"] = r.driver_free_after;

@@ -51,6 +51,10 @@ typedef struct {
   size_t driver_free_before, driver_free_after;
   size_t oom_needed, oom_free;
   int oom_device;
+  /* Breakdown (appended): resume's cuMemCreate and cuMemSetAccess time (both inside map_s); driver unmap calls
+   * a pause made (one per VA-contiguous run when the driver accepts it, else one per allocation). */
+  double create_s, access_s;
+  size_t unmap_calls;
 } ebt_mem_report_t;
 
 /* Per (tag, device) statistics; see ebt_mem_stats. */
@@ -59,7 +63,8 @@ typedef struct {
   int device;
   int state;                /* ebt_mem_tag_state_t of the tag */
   size_t allocations;       /* live allocations (active + paused) */
-  size_t handles;           /* physical handles currently held (= active allocations) */
+  size_t handles;           /* physical allocations mapped (= active allocations; the engine releases each handle
+                               right after mapping it, so the mapping alone keeps the memory) */
   size_t bytes_requested;   /* sum of requested sizes of live allocations */
   size_t bytes_active;      /* physical bytes mapped now (aligned) */
   size_t bytes_paused;      /* physical bytes released by pause (aligned) */

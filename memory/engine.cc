@@ -2,22 +2,26 @@
  * engine.cc — the VMM pause/resume engine.
  *
  * Policies and invariants (state machine drawn in memory/NOTES.md):
- *  - Every allocation is one physical handle mapped at a VA taken from the device's VaSpace; the VA never
- *    changes until free. ACTIVE <=> handle valid and mapped read-write; PAUSED <=> no handle, VA kept.
+ *  - Every allocation is one physical allocation mapped at a VA taken from the device's VaSpace; the VA never
+ *    changes until free. ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. The engine holds
+ *    no handle: each is released right after its cuMemMap (and on every failure path), so the mapping
+ *    alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
+ *    handle reference is left). Whoever needs a handle later (export) retains one from the VA and releases it.
  *  - A tag is ACTIVE or PAUSED (plus busy while an op owns it). pause(ACTIVE tag) pauses its active
  *    allocations; pause(PAUSED tag) and resume(ACTIVE tag) are no-ops with a warning. Allocations made into a
  *    paused tag are active; the next resume leaves them alone.
  *  - Ops run in two steps: prepare() marks the tag and its allocations busy under mu_; execute() does driver
  *    work and copies WITHOUT mu_ (so a pause of one tag and a resume of another overlap), then commits under
- *    mu_. Only the owning op touches a busy allocation's state/handle/host; free() of a busy allocation waits.
+ *    mu_. Only the owning op touches a busy allocation's state/mapping/host; free() of a busy allocation waits.
  *  - Drain before unmap (spec item 11): pause synchronizes each involved device (cuCtxSynchronize in that
  *    device's primary context) before its first copy/unmap; free() synchronizes the allocation's device before
  *    unmapping it.
  *  - Pause: copies of all CPU-backed allocations are issued first (chunked, on the device's runtime-owned D2H
- *    stream, never crossing a host registration piece), then allocations are unmapped in order, each right after
- *    its own copy finished: unmap of allocation k overlaps the copies of k+1.. (spec item 7).
- *  - Resume: pre-flight free-memory check per device; create+map every allocation first, grant access once per
- *    VA-contiguous run, then stream H2D. Any failure unmaps what this op mapped: the tag stays PAUSED, host
+ *    stream, never crossing a host registration piece), then VA-contiguous runs of same-device allocations are
+ *    unmapped, one cuMemUnmap per run (per allocation if the driver refuses the span), each run right after its
+ *    own copies finished; a run closes at 256 MiB of copies, so unmaps overlap later copies (spec item 7).
+ *  - Resume: pre-flight free-memory check per device; create+map+release every allocation first, grant access
+ *    once per VA-contiguous run, then stream H2D. Any failure unmaps what this op mapped: the tag stays PAUSED, host
  *    copies intact, retryable (spec item 12). OOM fills report->oom_*.
  *  - Pause failure before the first release: nothing changed. After it: released allocations are mapped again
  *    and restored from their host copies (discard-mode content is gone, as a pause would have made it); if even
@@ -32,9 +36,12 @@
 #include "memory/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <thread>
 
 #include "csrc/status.h"
 #include "memory/free_ranges.h"
@@ -60,6 +67,19 @@ size_t chunk_bytes() {
   return n;
 }
 // Debug: fill discard-mode allocations with 0xA5 on resume so stale reads show (EBBTIDE_MEM_POISON=1).
+// A pause unmaps a VA-contiguous run with one call; a run with CPU-backed copies closes once it holds this many
+// copied bytes, so unmapping still overlaps the later copies (EBBTIDE_MEM_UNMAP_RUN_BYTES, default 256 MiB).
+size_t unmap_run_copy_bytes() {
+  static const size_t n = env_size("EBBTIDE_MEM_UNMAP_RUN_BYTES", size_t(256) << 20);
+  return n;
+}
+// Resume: cuMemCreate on a helper thread ahead of the maps for resumes of at least EBBTIDE_MEM_CREATE_AHEAD
+// allocations (0 or unset: never; off by default until hardware measurements show the driver overlaps creates
+// with maps).
+size_t create_ahead_min() {
+  static const size_t n = env_size("EBBTIDE_MEM_CREATE_AHEAD", 0);
+  return n;
+}
 bool poison_enabled() {
   static const bool on = env_size("EBBTIDE_MEM_POISON", 0) != 0;
   return on;
@@ -220,9 +240,11 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
   CUmemAllocationProp prop = device_prop(device_ordinal, shareable);
   CUmemAccessDesc access{{CU_MEM_LOCATION_TYPE_DEVICE, device_ordinal}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   ebt_status_t st = EBT_SUCCESS;
-  EBT_CU_CHECK_GOTO(drv->cuMemCreate(&a->handle, a->aligned, &prop, 0), st, fail_va);
-  EBT_CU_CHECK_GOTO(drv->cuMemMap(a->va, a->aligned, 0, a->handle, 0), st, fail_handle);
+  CUmemGenericAllocationHandle h = 0;
+  EBT_CU_CHECK_GOTO(drv->cuMemCreate(&h, a->aligned, &prop, 0), st, fail_va);
+  EBT_CU_CHECK_GOTO(drv->cuMemMap(a->va, a->aligned, 0, h, 0), st, fail_handle);
   EBT_CU_CHECK_GOTO(drv->cuMemSetAccess(a->va, a->aligned, &access, 1), st, fail_map);
+  EBT_CU_CHECK_GOTO(drv->cuMemRelease(h), st, fail_map);  // the mapping now holds the memory alone
   {
     std::lock_guard<std::mutex> lock(mu_);
     a->tag = tag_locked(tag);
@@ -241,7 +263,7 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
 fail_map:
   drv->cuMemUnmap(a->va, a->aligned);
 fail_handle:
-  drv->cuMemRelease(a->handle);
+  drv->cuMemRelease(h);  // the last reference: with the mapping gone, this frees the memory
 fail_va:
   d->va->free(a->va, a->aligned);
   return st;
@@ -278,13 +300,11 @@ ebt_status_t Engine::free(void* ptr, int* found) {
     CtxGuard ctx(drv, d->ctx);
     CUresult r = drv->cuCtxSynchronize();  // kernels still using it must finish before unmap (TMS #58)
     if (r != CUDA_SUCCESS) st = ebt_cu_error(r, "cuCtxSynchronize (free)", __FILE__, __LINE__);
-    r = drv->cuMemUnmap(a->va, a->aligned);
+    r = drv->cuMemUnmap(a->va, a->aligned);  // the last unmap frees the memory (its handle was released at map)
     if (r != CUDA_SUCCESS) {
       st = ebt_cu_error(r, "cuMemUnmap (free)", __FILE__, __LINE__);
       va_free = false;  // still mapped: never hand this VA out again
     }
-    r = drv->cuMemRelease(a->handle);
-    if (r != CUDA_SUCCESS) st = ebt_cu_error(r, "cuMemRelease (free)", __FILE__, __LINE__);
   }
   if (va_free) d->va->free(a->va, a->aligned);
   arena_.free(a->host);
@@ -377,9 +397,12 @@ ebt_status_t Engine::execute(Plan& plan, ebt_mem_report_t* report) {
   }
   r.total_s = since(t0);
   if (st == EBT_SUCCESS)
-    EBT_INFO(EBT_SUBSYS_MEM, "%s: %zu allocations, %zu bytes, %zu copied in %.3f ms (sync %.3f copy %.3f unmap %.3f map %.3f)",
+    EBT_INFO(EBT_SUBSYS_MEM,
+             "%s: %zu allocations, %zu bytes, %zu copied in %.3f ms (sync %.3f copy %.3f unmap %.3f in %zu calls, "
+             "map %.3f of which create %.3f access %.3f)",
              plan.kind == OpKind::kPause ? "pause" : "resume", r.allocations, r.bytes, r.bytes_copied, r.total_s * 1e3,
-             r.sync_s * 1e3, r.copy_s * 1e3, r.unmap_s * 1e3, r.map_s * 1e3);
+             r.sync_s * 1e3, r.copy_s * 1e3, r.unmap_s * 1e3, r.unmap_calls, r.map_s * 1e3, r.create_s * 1e3,
+             r.access_s * 1e3);
   commit(plan, st, r);
   if (report) {
     size_t n = report->struct_size && report->struct_size < sizeof(r) ? report->struct_size : sizeof(r);
@@ -469,46 +492,36 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     CUresult res = drv->cuEventRecord(events[i], devs[i]->d2h);
     if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuEventRecord (pause)", __FILE__, __LINE__);
   }
-  // 4. Unmap each allocation as soon as its copy finished; later copies keep streaming meanwhile.
+  // 4. Unmap VA-contiguous runs of same-device allocations, one driver call per run, each as soon as its copies
+  //    finished. A run holding copies closes at unmap_run_copy_bytes() of them, so unmaps still overlap the
+  //    copies that stream behind them; a discard-only run spans the whole contiguous range.
   std::vector<Allocation*> released;
-  for (size_t k = 0; k < allocs.size() && st == EBT_SUCCESS; ++k) {
-    Allocation* a = allocs[k];
+  for (size_t k = 0; k < allocs.size() && st == EBT_SUCCESS;) {
+    size_t j = k + 1;
+    size_t copied = copy[k] ? allocs[k]->size : 0;
+    CUdeviceptr end = allocs[k]->va + allocs[k]->aligned;
+    while (j < allocs.size() && devs[j] == devs[k] && allocs[j]->va == end && copied < unmap_run_copy_bytes()) {
+      end += allocs[j]->aligned;
+      if (copy[j]) copied += allocs[j]->size;
+      ++j;
+    }
     CtxGuard ctx(drv, devs[k]->ctx);
-    if (copy[k]) {
-      CUresult res = drv->cuEventSynchronize(events[k]);
+    for (size_t m = k; m < j; ++m) {
+      if (!copy[m]) continue;
+      CUresult res = drv->cuEventSynchronize(events[m]);
       if (res != CUDA_SUCCESS) {
         st = ebt_cu_error(res, "cuEventSynchronize (pause copy)", __FILE__, __LINE__);
         break;
       }
-      a->host_valid = true;
-      r->bytes_copied += a->size;
+      allocs[m]->host_valid = true;
+      r->bytes_copied += allocs[m]->size;
       r->copy_s = since(t_copy);
     }
+    if (st != EBT_SUCCESS) break;
     auto t_unmap = Clock::now();
-    CUresult res = drv->cuMemUnmap(a->va, a->aligned);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemUnmap (pause)", __FILE__, __LINE__);
-      break;
-    }
-    res = drv->cuMemRelease(a->handle);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemRelease (pause)", __FILE__, __LINE__);
-      // Unmapped but still held: map the same handle back so the allocation is active again.
-      CUmemAccessDesc acc{{CU_MEM_LOCATION_TYPE_DEVICE, a->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-      if (drv->cuMemMap(a->va, a->aligned, 0, a->handle, 0) != CUDA_SUCCESS ||
-          drv->cuMemSetAccess(a->va, a->aligned, &acc, 1) != CUDA_SUCCESS) {
-        a->handle = 0;  // cannot restore: account it as paused (leaks the handle, keeps bookkeeping honest)
-        a->state = AllocState::kPaused;
-        EBT_WARN(EBT_SUBSYS_MEM, "pause rollback: could not re-map 0x%llx after a failed release", a->va);
-      }
-      break;
-    }
+    st = unmap_run(allocs, k, j, &released, r);
     r->unmap_s += since(t_unmap);
-    a->handle = 0;
-    a->state = AllocState::kPaused;
-    r->allocations += 1;
-    r->bytes += a->aligned;
-    released.push_back(a);
+    k = j;
   }
   // Drain outstanding copies (on failure) and return events to the pool.
   for (size_t k = 0; k < allocs.size(); ++k) {
@@ -534,53 +547,149 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
   return EBT_SUCCESS;
 }
 
+// One cuMemUnmap over the run first: the documentation asks for "the entire contiguous address range that was
+// mapped" without saying whether that range may consist of several mappings (reported to work; unverified
+// here). Any error (a driver that wants one mapping per call) falls back to one call per allocation; an error
+// there is the pause's failure (what was unmapped before it is in *released, for the rollback).
+ebt_status_t Engine::unmap_run(const std::vector<Allocation*>& allocs, size_t begin, size_t end,
+                               std::vector<Allocation*>* released, ebt_mem_report_t* r) {
+  const ebt_driver_table_t* drv;
+  EBT_CHECK(driver(&drv));
+  auto mark = [&](Allocation* a) {
+    a->state = AllocState::kPaused;
+    r->allocations += 1;
+    r->bytes += a->aligned;
+    released->push_back(a);
+  };
+  if (end - begin > 1) {
+    const CUdeviceptr va = allocs[begin]->va;
+    const size_t len = allocs[end - 1]->va + allocs[end - 1]->aligned - va;
+    r->unmap_calls += 1;
+    CUresult res = drv->cuMemUnmap(va, len);
+    if (res == CUDA_SUCCESS) {
+      for (size_t k = begin; k < end; ++k) mark(allocs[k]);
+      return EBT_SUCCESS;
+    }
+    EBT_INFO(EBT_SUBSYS_MEM, "cuMemUnmap over %zu mappings failed (%d); per allocation instead", end - begin, res);
+  }
+  for (size_t k = begin; k < end; ++k) {
+    r->unmap_calls += 1;
+    CUresult res = drv->cuMemUnmap(allocs[k]->va, allocs[k]->aligned);
+    if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuMemUnmap (pause)", __FILE__, __LINE__);
+    mark(allocs[k]);
+  }
+  return EBT_SUCCESS;
+}
+
+// Map h at a's VA and drop the handle: from here the mapping alone keeps the physical memory (unmap frees it).
+// Takes h over (released on every path). The allocation's device context must be current.
+ebt_status_t Engine::map_release(Allocation* a, CUmemGenericAllocationHandle h) {
+  const ebt_driver_table_t* drv;
+  EBT_CHECK(driver(&drv));
+  CUresult res = drv->cuMemMap(a->va, a->aligned, 0, h, 0);
+  if (res != CUDA_SUCCESS) {
+    drv->cuMemRelease(h);
+    return ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
+  }
+  res = drv->cuMemRelease(h);
+  if (res != CUDA_SUCCESS) {  // still referenced: unmap, then retry the release so nothing is left behind
+    drv->cuMemUnmap(a->va, a->aligned);
+    drv->cuMemRelease(h);
+    return ebt_cu_error(res, "cuMemRelease (resume)", __FILE__, __LINE__);
+  }
+  return EBT_SUCCESS;
+}
+
+// Create + map + release every allocation, then grant access per VA-contiguous run. With create-ahead on, a
+// helper thread makes the physical memory (cuMemCreate, the bulk of a discard resume's driver time) while this
+// thread maps what is ready; it stops at its first failure, which this thread then reports in order.
 ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
+  const size_t n = allocs.size();
+  std::vector<Device*> devs(n);
+  for (size_t i = 0; i < n; ++i) EBT_CHECK(device(allocs[i]->device, &devs[i]));
+  auto create = [drv](const Allocation* a, CUmemGenericAllocationHandle* h) {
+    CUmemAllocationProp prop = device_prop(a->device, a->shareable);
+    return drv->cuMemCreate(h, a->aligned, &prop, 0);
+  };
+  bool ahead = create_ahead_min() > 0 && n >= create_ahead_min();
+  std::vector<CUmemGenericAllocationHandle> handles(ahead ? n : 0, 0);
+  std::vector<CUresult> results(ahead ? n : 0, CUDA_SUCCESS);
+  std::atomic<size_t> created{0};  // handles[0, created) and results[0, created) are final
+  std::atomic<bool> stop{false};
+  double ahead_create_s = 0;
+  std::thread helper;
+  if (ahead) try {
+    helper = std::thread([&] {
+      auto t0 = Clock::now();
+      for (size_t i = 0; i < n && !stop.load(std::memory_order_relaxed); ++i) {
+        CtxGuard ctx(drv, devs[i]->ctx);
+        results[i] = create(allocs[i], &handles[i]);
+        created.store(i + 1, std::memory_order_release);
+        if (results[i] != CUDA_SUCCESS) break;
+      }
+      ahead_create_s = since(t0);
+    });
+  } catch (const std::exception&) {  // no thread to be had: create here, in order
+    ahead = false;
+  }
   size_t done = 0;
   ebt_status_t st = EBT_SUCCESS;
-  for (; done < allocs.size(); ++done) {
+  for (; done < n; ++done) {
     Allocation* a = allocs[done];
-    Device* d;
-    EBT_CHECK_GOTO(device(a->device, &d), st, undo);
-    {
-      CtxGuard ctx(drv, d->ctx);
-      CUmemAllocationProp prop = device_prop(a->device, a->shareable);
-      CUresult res = drv->cuMemCreate(&a->handle, a->aligned, &prop, 0);
-      if (res != CUDA_SUCCESS) {
-        st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
-        if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(a->device, a->aligned, r);
-        goto undo;
-      }
-      res = drv->cuMemMap(a->va, a->aligned, 0, a->handle, 0);
-      if (res != CUDA_SUCCESS) {
-        st = ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
-        drv->cuMemRelease(a->handle);
-        a->handle = 0;
-        goto undo;
-      }
+    CtxGuard ctx(drv, devs[done]->ctx);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult res;
+    if (ahead) {
+      while (created.load(std::memory_order_acquire) <= done) std::this_thread::yield();
+      res = results[done];
+      std::swap(h, handles[done]);
+    } else {
+      auto t_create = Clock::now();
+      res = create(a, &h);
+      r->create_s += since(t_create);
+    }
+    if (res != CUDA_SUCCESS) {
+      st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
+      if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(a->device, a->aligned, r);
+      break;
+    }
+    st = map_release(a, h);
+    if (st != EBT_SUCCESS) break;
+  }
+  if (ahead) {
+    stop.store(true, std::memory_order_relaxed);
+    helper.join();
+    r->create_s = ahead_create_s;  // the helper's span (creates overlapped with the maps here)
+    for (size_t i = done; i < n; ++i) {  // made ahead but never mapped (this op failed)
+      if (!handles[i]) continue;
+      CtxGuard ctx(drv, devs[i]->ctx);
+      drv->cuMemRelease(handles[i]);
     }
   }
-  EBT_CHECK_GOTO(set_access_runs(allocs), st, undo);
-  return EBT_SUCCESS;
-undo:
+  if (st == EBT_SUCCESS) {
+    auto t_access = Clock::now();
+    st = set_access_runs(allocs);
+    r->access_s = since(t_access);
+    if (st == EBT_SUCCESS) return EBT_SUCCESS;
+  }
   {
+    std::string msg = ebt_last_error();
     std::vector<Allocation*> mapped(allocs.begin(), allocs.begin() + done);
     unmap_all(mapped);
+    return ebt_set_error(st, "%s", msg.c_str());
   }
-  return st;
 }
 
 void Engine::unmap_all(const std::vector<Allocation*>& allocs) {
   const ebt_driver_table_t* drv;
   if (driver(&drv) != EBT_SUCCESS) return;
-  for (Allocation* a : allocs) {
+  for (Allocation* a : allocs) {  // every one of them is mapped (no handle held: the unmap frees the memory)
     Device* d;
-    if (!a->handle || device(a->device, &d) != EBT_SUCCESS) continue;
+    if (device(a->device, &d) != EBT_SUCCESS) continue;
     CtxGuard ctx(drv, d->ctx);
     drv->cuMemUnmap(a->va, a->aligned);
-    drv->cuMemRelease(a->handle);
-    a->handle = 0;
   }
 }
 

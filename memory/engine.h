@@ -35,8 +35,9 @@ struct Allocation {
   int backup = EBT_MEM_BACKUP_NONE;
   bool shareable = false;    // physical memory created exportable as a POSIX fd (every create, resume included)
   AllocState state = AllocState::kActive;
-  bool busy = false;         // owned by an op in flight: only that op changes state/handle/host (engine mu_)
-  CUmemGenericAllocationHandle handle = 0;  // valid iff state == kActive
+  bool busy = false;         // owned by an op in flight: only that op changes state/mapping/host (engine mu_)
+  // No handle is kept: the handle is released right after cuMemMap, so the mapping alone holds the physical
+  // memory (ACTIVE <=> mapped) and one cuMemUnmap frees it. Export retains a handle on demand.
   HostArena::Block host;     // backup block; kept across cycles once allocated (persistent arena)
   bool host_valid = false;   // host holds the device content as of the last pause (or the restore since)
   bool host_clean = false;   // caller promised the device content equals host: next pause skips the copy
@@ -125,7 +126,12 @@ class Engine {
   // rollback: mapping back what a failed pause released (the memory margin does not apply).
   ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback = false);
   ebt_status_t map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
+  ebt_status_t map_release(Allocation* a, CUmemGenericAllocationHandle h);  // a's device context current
   void unmap_all(const std::vector<Allocation*>& allocs);
+  // Unmap allocs[begin, end) (one VA-contiguous run on one device): one call, per allocation if refused.
+  // Appends what it unmapped to *released (state set to PAUSED).
+  ebt_status_t unmap_run(const std::vector<Allocation*>& allocs, size_t begin, size_t end,
+                         std::vector<Allocation*>* released, ebt_mem_report_t* r);
   ebt_status_t set_access_runs(const std::vector<Allocation*>& allocs);
   void commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r);
   void fill_oom(int device, size_t needed, ebt_mem_report_t* r);

@@ -1,10 +1,13 @@
 // engine_ipc.cc — shareable allocations: export an allocation's physical memory as a POSIX fd, map another
 // process's exported memory (invariants: engine.cc header; contract: ebbtide_memory.h "shareable allocations").
 //
-// Policy: export holds mu_ across the one cuMemExportToShareableHandle call, so a concurrent pause cannot release
-// the handle under it (the call is short and never waits on the GPU). Imports are this process's mappings of
+// Policy: the engine keeps no handle (released right after mapping); export retains one from the mapping
+// (cuMemRetainAllocationHandle), exports it and releases it again, holding mu_ across these three short calls so
+// a concurrent pause cannot unmap under it (none waits on the GPU). Imports are this process's mappings of
 // memory it does not own: they live in imports_ (not by_va_), are never paused, and close_import() drains the
 // device before unmapping (kernels may still read them).
+#include <unistd.h>
+
 #include <cstdint>
 
 #include "csrc/status.h"
@@ -17,8 +20,9 @@ ebt_status_t Engine::export_fd(const void* ptr, int* fd, size_t* offset, size_t*
   *fd = -1;
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
-  if (!drv->cuMemExportToShareableHandle)
-    return ebt_set_error(EBT_ERROR_UNSUPPORTED, "the CUDA driver lacks cuMemExportToShareableHandle");
+  if (!drv->cuMemExportToShareableHandle || !drv->cuMemRetainAllocationHandle)
+    return ebt_set_error(EBT_ERROR_UNSUPPORTED,
+                         "the CUDA driver lacks cuMemExportToShareableHandle or cuMemRetainAllocationHandle");
   Device* d = nullptr;
   int dev = -1;
   {
@@ -45,8 +49,16 @@ ebt_status_t Engine::export_fd(const void* ptr, int* fd, size_t* offset, size_t*
   if (a->busy || a->state != AllocState::kActive)
     return ebt_set_error(EBT_ERROR_INVALID_STATE, "the allocation at 0x%llx is %s: export it while it is active",
                          a->va, a->busy ? "being paused or resumed" : "paused");
+  CUmemGenericAllocationHandle h = 0;
+  EBT_CU_CHECK(drv->cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(a->va)));
   int out = -1;
-  EBT_CU_CHECK(drv->cuMemExportToShareableHandle(&out, a->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  CUresult res = drv->cuMemExportToShareableHandle(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  CUresult rel = drv->cuMemRelease(h);  // the mapping keeps the memory; the exported fd holds its own reference
+  if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuMemExportToShareableHandle", __FILE__, __LINE__);
+  if (rel != CUDA_SUCCESS) {
+    close(out);
+    return ebt_cu_error(rel, "cuMemRelease (export)", __FILE__, __LINE__);
+  }
   *fd = out;
   *offset = addr - a->va;
   *size = a->aligned;

@@ -203,8 +203,7 @@ ebt_status_t Engine::reset() {
     if (it != devices_.end() && a->state == AllocState::kActive) {
       CtxGuard ctx(drv, it->second->ctx);
       drv->cuCtxSynchronize();
-      drv->cuMemUnmap(a->va, a->aligned);
-      drv->cuMemRelease(a->handle);
+      drv->cuMemUnmap(a->va, a->aligned);  // frees the memory: the engine holds no handle reference
     }
     delete a;
   }

@@ -5,11 +5,17 @@
  * Model: "device memory" is host memory. cuMemAddressReserve reserves PROT_NONE address space; cuMemCreate makes
  * a memfd of the handle's size (the physical memory; counts against EBT_FAKE_DEVICE_BYTES, default 1 GiB, per
  * device); cuMemMap maps the memfd MAP_SHARED|MAP_FIXED at the VA (inaccessible until cuMemSetAccess); cuMemUnmap
- * puts PROT_NONE address space back. So a device pointer is directly readable by the test (through ctypes) exactly
+ * puts PROT_NONE address space back. As in the real driver, the physical memory lives while it is mapped OR any
+ * handle reference is unreleased: cuMemCreate and cuMemRetainAllocationHandle each add a reference, cuMemRelease
+ * drops one (a handle may be released while mapped; the last unmap then frees the memory), and a released handle
+ * value is invalid for cuMemMap/export. So a device pointer is directly readable by the test (through ctypes) exactly
  * while it is mapped with access, content survives only in the memfd, and a use of released memory faults.
  * Copies, memsets, streams and events run synchronously. Strict checks return CUDA_ERROR_INVALID_VALUE for
  * misuse the real driver also rejects (map over a mapping, free of a reservation that still has mappings,
- * set-access over an unmapped hole, double host registration).
+ * set-access over an unmapped hole, double host registration). cuMemUnmap and cuMemSetAccess accept a range of
+ * several whole back-to-back mappings (reported of the real driver for unmap, used by ebbtide for set-access; the
+ * docs do not say) unless
+ * exact-unmap mode is on, where cuMemUnmap must name exactly one mapping (a stricter driver: tests the fallback).
  *
  * Test controls (exported, call through ctypes on the same path):
  *   ebt_fake_set_fault(name, nth, err)  the nth next call (1 = next) of `name` returns `err` and does nothing;
@@ -18,8 +24,11 @@
  *   ebt_fake_counters(out[8])           live handles, physical bytes, live mappings, reservations,
  *                                       reserved bytes, registered host bytes, registrations, unpinned copies
  *   ebt_fake_calls(name)                calls of `name` so far
+ *   ebt_fake_call_threads(name)         distinct threads that called `name` so far
  *   ebt_fake_trace(buf, len, clear)     comma-separated call names since the last clear
  *   ebt_fake_set_device_bytes(bytes)    physical memory per device from now on
+ *   ebt_fake_set_exact_unmap(on)        cuMemUnmap over more than one mapping fails (INVALID_VALUE); also
+ *                                       EBT_FAKE_EXACT_UNMAP=1 at load
  *   ebt_fake_set_foreign_global_capture(on)  pretend another thread captures a graph in global mode:
  *                                       cuMemHostRegister then fails (906) unless the calling thread is relaxed
  * EBT_FAKE_DEVICES sets the device count (default 1). Thread-safe (one mutex).
@@ -33,7 +42,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -52,7 +63,7 @@ struct Handle {
   size_t size = 0;
   int device = 0;
   int maps = 0;        // live mappings of this handle
-  bool released = false;
+  int refs = 1;        // unreleased handle references (cuMemCreate/Import: 1; +1 per cuMemRetainAllocationHandle)
   bool shareable = false;  // created with requestedHandleTypes = POSIX fd (exportable)
   bool imported = false;   // made by cuMemImportFromShareableHandle: the exporter's memory, not counted again
 };
@@ -73,9 +84,11 @@ std::map<CUdeviceptr, Reservation> g_reservations;  // by base
 std::map<CUdeviceptr, Mapping> g_mappings;          // by VA
 std::map<char*, size_t> g_registered;               // host registrations
 std::map<std::string, long> g_calls;
+std::map<std::string, std::set<std::thread::id>> g_call_threads;
 std::map<std::string, std::pair<long, CUresult>> g_faults;  // name -> (countdown, error)
 std::string g_trace;
 size_t g_device_bytes = size_t(1) << 30;
+bool g_exact_unmap = false;  // ebt_fake_set_exact_unmap: cuMemUnmap must name exactly one mapping
 std::vector<size_t> g_used;  // physical bytes in use, per device
 int g_devices = 1;
 long g_unpinned_copies = 0;
@@ -91,6 +104,7 @@ void init_once() {
   done = true;
   if (const char* d = getenv("EBT_FAKE_DEVICES")) g_devices = atoi(d) > 0 ? atoi(d) : 1;
   if (const char* b = getenv("EBT_FAKE_DEVICE_BYTES")) g_device_bytes = strtoull(b, nullptr, 10);
+  if (const char* x = getenv("EBT_FAKE_EXACT_UNMAP")) g_exact_unmap = atoi(x) != 0;
   g_used.assign(g_devices, 0);
   if (const char* f = getenv("EBT_FAKE_FAULT")) {
     char name[128];
@@ -104,6 +118,7 @@ void init_once() {
 bool fault(const char* name, CUresult* err) {
   init_once();
   ++g_calls[name];
+  g_call_threads[name].insert(std::this_thread::get_id());
   if (!g_trace.empty()) g_trace += ",";
   g_trace += name;
   auto it = g_faults.find(name);
@@ -158,7 +173,7 @@ bool covered_by_mappings(CUdeviceptr p, size_t n, std::vector<CUdeviceptr>* whic
 }
 
 void destroy_handle_if_done(Handle* h) {
-  if (!h->released || h->maps > 0) return;
+  if (h->refs > 0 || h->maps > 0) return;
   close(h->fd);
   if (!h->imported) g_used[h->device] -= h->size;
   g_handles.erase(h);
@@ -203,6 +218,11 @@ FAKE_API long ebt_fake_calls(const char* name) {
   auto it = g_calls.find(name);
   return it == g_calls.end() ? 0 : it->second;
 }
+FAKE_API long ebt_fake_call_threads(const char* name) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_call_threads.find(name);
+  return it == g_call_threads.end() ? 0 : static_cast<long>(it->second.size());
+}
 FAKE_API size_t ebt_fake_trace(char* buf, size_t len, int clear) {
   std::lock_guard<std::mutex> lk(g_mu);
   size_t n = g_trace.size();
@@ -213,6 +233,11 @@ FAKE_API size_t ebt_fake_trace(char* buf, size_t len, int clear) {
 FAKE_API void ebt_fake_set_foreign_global_capture(int on) {
   std::lock_guard<std::mutex> lk(g_mu);
   g_foreign_global_capture = on != 0;
+}
+FAKE_API void ebt_fake_set_exact_unmap(int on) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  init_once();
+  g_exact_unmap = on != 0;
 }
 FAKE_API void ebt_fake_set_device_bytes(size_t bytes) {
   std::lock_guard<std::mutex> lk(g_mu);
@@ -407,7 +432,7 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* out, size_t size, co
     if (fd >= 0) close(fd);
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
-  auto* h = new Handle{fd, size, dev, 0, false};
+  auto* h = new Handle{fd, size, dev, 0, 1};
   h->shareable = prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   g_handles[h] = true;
   g_used[dev] += size;
@@ -417,8 +442,8 @@ FAKE_API CUresult cuMemCreate(CUmemGenericAllocationHandle* out, size_t size, co
 FAKE_API CUresult cuMemRelease(CUmemGenericAllocationHandle hh) {
   ENTER("cuMemRelease");
   auto* h = reinterpret_cast<Handle*>(hh);
-  if (!g_handles.count(h) || h->released) return CUDA_ERROR_INVALID_VALUE;
-  h->released = true;
+  if (!g_handles.count(h) || h->refs == 0) return CUDA_ERROR_INVALID_VALUE;
+  --h->refs;
   destroy_handle_if_done(h);
   return CUDA_SUCCESS;
 }
@@ -426,7 +451,7 @@ FAKE_API CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGener
                            unsigned long long) {
   ENTER("cuMemMap");
   auto* h = reinterpret_cast<Handle*>(hh);
-  if (!g_handles.count(h) || h->released || offset != 0 || size != h->size) return CUDA_ERROR_INVALID_VALUE;
+  if (!g_handles.count(h) || h->refs == 0 || offset != 0 || size != h->size) return CUDA_ERROR_INVALID_VALUE;
   if (!reservation_of(p, size) || overlaps_mapping(p, size)) return CUDA_ERROR_INVALID_VALUE;
   void* m = mmap(reinterpret_cast<void*>(p), size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, 0);
   if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -438,6 +463,7 @@ FAKE_API CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
   ENTER("cuMemUnmap");
   std::vector<CUdeviceptr> which;
   if (!covered_by_mappings(p, size, &which)) return CUDA_ERROR_INVALID_VALUE;
+  if (g_exact_unmap && which.size() != 1) return CUDA_ERROR_INVALID_VALUE;
   mmap(reinterpret_cast<void*>(p), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   for (CUdeviceptr va : which) {
     Handle* h = g_mappings[va].handle;
@@ -461,7 +487,7 @@ FAKE_API CUresult cuMemExportToShareableHandle(void* out, CUmemGenericAllocation
                                                unsigned long long) {
   ENTER("cuMemExportToShareableHandle");
   auto* h = reinterpret_cast<Handle*>(hh);
-  if (!out || !g_handles.count(h) || h->released) return CUDA_ERROR_INVALID_VALUE;
+  if (!out || !g_handles.count(h) || h->refs == 0) return CUDA_ERROR_INVALID_VALUE;
   if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !h->shareable) return CUDA_ERROR_INVALID_VALUE;
   int fd = dup(h->fd);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -476,7 +502,7 @@ FAKE_API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* o
   if (size <= 0) return CUDA_ERROR_INVALID_VALUE;
   int fd = dup(src);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
-  auto* h = new Handle{fd, static_cast<size_t>(size), 0, 0, false};
+  auto* h = new Handle{fd, static_cast<size_t>(size), 0, 0, 1};
   h->imported = true;
   g_handles[h] = true;
   *out = reinterpret_cast<CUmemGenericAllocationHandle>(h);
@@ -488,7 +514,15 @@ FAKE_API CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
   std::swap(*mode, t_capture_mode);
   return CUDA_SUCCESS;
 }
-FAKE_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle*, void*) {
+// The handle of the mapping that contains addr, with one more reference (the caller releases it).
+FAKE_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* out, void* addr) {
   ENTER("cuMemRetainAllocationHandle");
-  return CUDA_ERROR_NOT_SUPPORTED;
+  auto p = reinterpret_cast<CUdeviceptr>(addr);
+  auto it = g_mappings.upper_bound(p);
+  if (!out || it == g_mappings.begin()) return CUDA_ERROR_INVALID_VALUE;
+  --it;
+  if (p >= it->first + it->second.size) return CUDA_ERROR_INVALID_VALUE;
+  ++it->second.handle->refs;
+  *out = reinterpret_cast<CUmemGenericAllocationHandle>(it->second.handle);
+  return CUDA_SUCCESS;
 }

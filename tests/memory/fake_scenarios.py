@@ -20,6 +20,7 @@ from ebbtide.errors import (DriverError, EbbtideError, InvalidArgumentError, Not
 MiB = 1 << 20
 FAKE = ctypes.CDLL(os.environ["EBBTIDE_LIBCUDA"])
 FAKE.ebt_fake_calls.restype = ctypes.c_long
+FAKE.ebt_fake_call_threads.restype = ctypes.c_long
 FAKE.ebt_fake_trace.restype = ctypes.c_size_t
 NATIVE = _native.load().memory
 RUNTIME = ctypes.CDLL(_native.runtime_library_path())
@@ -255,6 +256,10 @@ def fault_injection(op: str, spec: str):
     ps = [alloc(s, "w", "cpu") for s in sizes]
     ps.append(alloc(2 * MiB, "w", "none"))
     data = [fill(p, s, i + 1) for i, (p, s) in enumerate(zip(ps, sizes))]
+    if name == "cuMemUnmap":  # see fake_scenarios_spec.FAULTS: per-allocation unmaps after the refused run
+        aligned = [4 * MiB, 4 * MiB, 6 * MiB]  # sizes rounded up to the fake's 2 MiB granularity
+        assert all(ps[i + 1] == ps[i] + aligned[i] for i in range(3)), "the allocations are one VA-contiguous run"
+        FAKE.ebt_fake_set_exact_unmap(1)
     if op == "resume":
         em.pause("w")
     state_before = tag_row("w")["state"]
@@ -663,7 +668,8 @@ def memory_margin_and_tag_epochs():
     assert NATIVE.tag_state("w") == ("active", 1) and pool_epoch("w") == "main"
     # A pause that fails after releasing some allocations maps them back even when the margin would refuse it.
     em.set_memory_margin(60 * MiB)
-    fault("cuMemUnmap", 2)
+    FAKE.ebt_fake_set_exact_unmap(1)  # the run's one unmap is refused: per allocation, the second one fails
+    fault("cuMemUnmap", 3 if b == a + 16 * MiB else 2)
     try:
         em.pause("w")
         raise AssertionError("pause with an injected unmap failure succeeded")
@@ -673,6 +679,7 @@ def memory_margin_and_tag_epochs():
     # period's pool), so the failed one moved the epoch on too
     assert NATIVE.tag_state("w") == ("active", 2), NATIVE.tag_state("w")
     assert read(a, 16 * MiB) == data
+    FAKE.ebt_fake_set_exact_unmap(0)
     em.set_memory_margin(0)
     em.pause("w")
     assert NATIVE.tag_state("w") == ("paused", 3) and pool_epoch("w") == ("paused", 3)
@@ -689,6 +696,62 @@ def memory_margin_and_tag_epochs():
             pass
     free(a)
     free(b)
+    assert_clean()
+
+
+def unmap_runs_and_handle_release():
+    """No handle is kept: malloc and resume release each handle right after mapping it, so pause is unmap only
+    (one call per VA-contiguous run; per allocation when the driver refuses the span) and frees the memory."""
+    ps = [alloc(2 * MiB, "t", "none") for _ in range(8)]
+    assert all(ps[i + 1] == ps[i] + 2 * MiB for i in range(7)), "allocations are VA-contiguous"
+    assert FAKE.ebt_fake_calls(b"cuMemRelease") == 8  # each right after its map
+    c = counters()
+    assert (c["handles"], c["mappings"], c["phys"]) == (8, 8, 16 * MiB), c
+    trace()
+    rep = em.pause("t")
+    calls = trace()
+    assert calls.count("cuMemUnmap") == 1 and "cuMemRelease" not in calls, calls
+    assert rep.unmap_calls == 1 and rep.allocations == 8 and rep.bytes == 16 * MiB, rep
+    c = counters()
+    assert (c["handles"], c["mappings"], c["phys"]) == (0, 0, 0), c  # the unmap freed the memory
+    rep = em.resume("t")
+    calls = trace()
+    assert [calls.count(f) for f in ("cuMemCreate", "cuMemMap", "cuMemRelease", "cuMemSetAccess")] == [8, 8, 8, 1]
+    if os.environ.get("EBBTIDE_MEM_CREATE_AHEAD", "0") != "0":  # creates on the helper, maps here
+        assert FAKE.ebt_fake_call_threads(b"cuMemCreate") >= 2 and FAKE.ebt_fake_call_threads(b"cuMemMap") == 1
+    assert rep.create_s > 0 and rep.map_s >= rep.create_s + rep.access_s, rep
+    # A driver error on the span (injected): the pause falls back to one unmap per allocation and succeeds.
+    fault("cuMemUnmap", 1)
+    rep = em.pause("t")
+    assert rep.unmap_calls == 9 and trace().count("cuMemUnmap") == 9, rep
+    assert counters()["phys"] == 0
+    em.resume("t")
+    # A driver that wants one mapping per call (exact-unmap mode): same fallback; resume and free still clean.
+    FAKE.ebt_fake_set_exact_unmap(1)
+    for i, p in enumerate(ps):
+        fill(p, 2 * MiB, i)
+    rep = em.pause("t")
+    assert rep.unmap_calls == 9 and counters()["phys"] == 0, rep
+    em.resume("t")
+    assert counters()["phys"] == 16 * MiB
+    FAKE.ebt_fake_set_exact_unmap(0)
+    # A run of CPU-backed allocations closes at EBBTIDE_MEM_UNMAP_RUN_BYTES of copies (when the test sets it).
+    run_bytes = int(os.environ.get("EBBTIDE_MEM_UNMAP_RUN_BYTES", 256 * MiB))
+    qs = [alloc(2 * MiB, "c", "cpu") for _ in range(4)]
+    cdata = [fill(q, 2 * MiB, 10 + i) for i, q in enumerate(qs)]
+    rep = em.pause("c")
+    per_run = max(1, -(-run_bytes // (2 * MiB)))
+    assert all(qs[i + 1] == qs[i] + 2 * MiB for i in range(3)), "allocations are VA-contiguous"
+    assert rep.unmap_calls == -(-4 // per_run) and rep.bytes_copied == 8 * MiB, (rep, per_run)
+    em.resume("c")
+    assert [read(q, 2 * MiB) for q in qs] == cdata
+    trace()
+    free(ps[0])  # free of an active allocation: drain, one unmap (which frees it), no release
+    calls = trace()
+    assert calls.count("cuMemUnmap") == 1 and "cuMemRelease" not in calls, calls
+    assert counters()["phys"] == (7 + 4) * 2 * MiB  # ps[1:] and qs
+    for p in ps[1:] + qs:
+        free(p)
     assert_clean()
 
 

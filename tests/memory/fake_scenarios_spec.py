@@ -10,6 +10,7 @@ SIMPLE = [
     "mark_clean_skips_copy",
     "batched_set_access_and_drain_order",
     "set_access_fallback",
+    "unmap_runs_and_handle_release",
     "background_pinning",
     "cpu_backup_view",
     "fork_child_disabled",
@@ -22,12 +23,13 @@ SIMPLE = [
     "cupy_allocator_routing",
 ]
 
-# (operation, "symbol:nth"): the nth call of symbol fails during the operation.
+# (operation, "symbol:nth"): the nth call of symbol fails during the operation (nth -1: every call). cuMemUnmap
+# faults run with the fake in exact-unmap mode: the pause's one call over the VA-contiguous run (call 1) is
+# refused, so calls 2.. are the per-allocation fallback and :4 fails after two allocations were released.
 FAULTS = {
-    "malloc": ["cuMemAddressReserve:1", "cuMemCreate:1", "cuMemMap:1", "cuMemSetAccess:1"],
+    "malloc": ["cuMemAddressReserve:1", "cuMemCreate:1", "cuMemMap:1", "cuMemSetAccess:1", "cuMemRelease:1"],
     "pause": ["cuCtxSynchronize:1", "cuMemHostRegister:1", "cuMemcpyDtoHAsync:2", "cuEventRecord:2",
-              "cuEventSynchronize:2", "cuMemUnmap:1", "cuMemUnmap:3", "cuMemRelease:1", "cuMemRelease:3",
-              "cuStreamCreate:1"],
-    "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:3", "cuMemMap:2", "cuMemSetAccess:-1",
-               "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
+              "cuEventSynchronize:2", "cuMemUnmap:-1", "cuMemUnmap:2", "cuMemUnmap:4", "cuStreamCreate:1"],
+    "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:3", "cuMemMap:2", "cuMemRelease:2",
+               "cuMemSetAccess:-1", "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
 }

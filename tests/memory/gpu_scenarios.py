@@ -173,6 +173,39 @@ def backward_default_region(mode: str):
     em.set_default_region(None)
 
 
+def unmap_runs(mode: str):
+    """Many adjacent allocations: a pause unmaps each VA-contiguous run with one call where the driver accepts it
+    (else one per allocation after the refused span), and the driver gets every byte back either way (the engine
+    keeps no handle: the unmap alone frees). Discarded memory is usable after resume; backups come back bitwise."""
+    check_mode(mode)
+    n = 64
+    with em.region("many", backup="none"):
+        d = [torch.empty(16 * MiB, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    with em.region("many_cpu", backup="cpu"):
+        c = [torch.full((16 * MiB,), i, dtype=torch.uint8, device="cuda") for i in range(n)]
+    ptrs = [t.data_ptr() for t in d + c]
+    em.pause("many")  # warm-up: the first pause creates the runtime's streams and events
+    em.resume("many")
+    for tensors, tag, per_run in ((d, "many", n), (c, "many_cpu", 16)):  # CPU-backed runs close at 256 MiB
+        contiguous = all(tensors[i + 1].data_ptr() == tensors[i].data_ptr() + 16 * MiB for i in range(n - 1))
+        f0 = free_bytes()
+        rep = em.pause(tag)
+        f1 = free_bytes()
+        assert rep.allocations == n and f1 - f0 >= 0.99 * rep.bytes, (tag, rep, f1 - f0)
+        runs = n // per_run
+        if contiguous:  # accepted: one call per run; refused: the span, then one per allocation
+            assert rep.unmap_calls in (runs, runs + n), (tag, rep.unmap_calls)
+        print(f"{tag}: contiguous={contiguous} unmap_calls={rep.unmap_calls} unmap_ms={rep.unmap_s * 1e3:.2f}")
+        rep = em.resume(tag)
+        assert f1 - free_bytes() >= 0.99 * rep.bytes
+    assert [t.data_ptr() for t in d + c] == ptrs
+    for i, t in enumerate(c):
+        assert torch.all(t == i).item(), f"backup {i} not restored"
+    for t in d:
+        t.fill_(5)
+    assert all(torch.all(t == 5).item() for t in d)
+
+
 if __name__ == "__main__":
     torch.cuda.init()
     globals()[sys.argv[1]](sys.argv[2])

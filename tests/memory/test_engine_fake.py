@@ -53,6 +53,21 @@ def test_fault_injection_rolls_back(op, fault):
     run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0"})
 
 
+def test_unmap_runs_close_at_copy_bytes():
+    run("unmap_runs_and_handle_release", env={"EBBTIDE_MEM_UNMAP_RUN_BYTES": str(4 << 20)})
+
+
+@pytest.mark.parametrize("op,fault", [("resume", f) for f in spec.FAULTS["resume"]])
+def test_fault_injection_create_ahead(op, fault):
+    # Creates on the helper thread (EBBTIDE_MEM_CREATE_AHEAD=1: every resume): same rollback guarantees.
+    run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0", "EBBTIDE_MEM_CREATE_AHEAD": "1"})
+
+
+@pytest.mark.parametrize("scenario", ["unmap_runs_and_handle_release", "oom_at_resume", "multi_device", "soak"])
+def test_create_ahead(scenario):
+    run(scenario, env={"EBBTIDE_MEM_CREATE_AHEAD": "1", "EBT_FAKE_DEVICES": "2"})
+
+
 def test_multi_device():
     run("multi_device", env={"EBT_FAKE_DEVICES": "2"})
 

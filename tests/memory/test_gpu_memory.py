@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-SCENARIOS = ["basic", "multi_tag", "caching_allocator", "oom_at_resume", "async_overlap", "backward_default_region"]
+SCENARIOS = ["basic", "multi_tag", "caching_allocator", "oom_at_resume", "async_overlap", "backward_default_region",
+             "unmap_runs"]
 
 
-def run(scenario: str, mode: str) -> None:
+def run(scenario: str, mode: str, extra_env: dict | None = None) -> None:
     from ebbtide.memory import preload_env  # noqa: PLC0415
 
     env = preload_env() if mode == "preload" else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(extra_env or {})
     p = subprocess.run([sys.executable, str(HERE / "gpu_scenarios.py"), scenario, mode], capture_output=True,
                        text=True, env=env, timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (
@@ -28,3 +30,10 @@ def run(scenario: str, mode: str) -> None:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_gpu_scenario(scenario, mode):
     run(scenario, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["basic", "oom_at_resume", "unmap_runs"])
+def test_gpu_create_ahead(scenario):
+    # Resume's cuMemCreate calls on a helper thread (EBBTIDE_MEM_CREATE_AHEAD=1: every resume).
+    run(scenario, "torch", {"EBBTIDE_MEM_CREATE_AHEAD": "1"})

@@ -61,11 +61,14 @@ class Report:
     total_s: float
     driver_free_before: int
     driver_free_after: int
+    create_s: float = 0.0  # resume: cuMemCreate time (inside map_s)
+    access_s: float = 0.0  # resume: cuMemSetAccess time (inside map_s)
+    unmap_calls: int = 0   # pause: driver unmap calls (one per VA-contiguous run where the driver accepts it)
 
     @classmethod
     def from_native(cls, kind: str, tag: Optional[str], d: dict) -> "Report":
         fields = {f.name for f in dataclasses.fields(cls)} - {"kind", "tag"}
-        return cls(kind=kind, tag=tag, **{k: d[k] for k in fields})
+        return cls(kind=kind, tag=tag, **{k: d[k] for k in fields if k in d})
 
     @property
     def gbps(self) -> Optional[float]:

@@ -43,7 +43,7 @@ def _cycles(pause, resume, n: int) -> tuple[list, list]:
     return ps, rs
 
 
-def _discard(out: dict, region_fn, pause, resume, total: int, small: int) -> list:
+def _discard(out: dict, region_fn, pause, resume, total: int, small: int, phases=None) -> list:
     keep = []
     for label, n in (("d8", 8), ("dmany", small)):
         keep.append(_tensors(region_fn(label, False), n, total))
@@ -51,6 +51,8 @@ def _discard(out: dict, region_fn, pause, resume, total: int, small: int) -> lis
         resume(label)  # warm-up (first map of fresh pools, streams)
         ps, rs = _cycles(lambda: pause(label), lambda: resume(label), WARM)
         out[f"{label}_pause"], out[f"{label}_resume"] = statistics.median(ps), statistics.median(rs)
+        if phases:
+            out[f"{label}_phases"] = phases(label)  # the last cycle's engine-side breakdown
         pause(label)  # leave it paused: its GPU memory is free for what follows
     return keep
 
@@ -75,7 +77,12 @@ def ours(total: int, small: int) -> dict:
         _captured(em, tag, total)
         return em.pause(tag)
 
-    keep = _discard(out, region, pause, em.resume, total, small)
+    def phases(tag):
+        row = [r for r in em.stats()["tags"] if r["tag"] == tag][0]
+        return {"pause": {k: row["last_pause"].get(k) for k in ("sync_s", "unmap_s", "unmap_calls", "total_s")},
+                "resume": {k: row["last_resume"].get(k) for k in ("create_s", "map_s", "access_s", "total_s")}}
+
+    keep = _discard(out, region, pause, em.resume, total, small, phases)
     # First cycle with the pause pinning its own host memory (background pinning off) ...
     em.set_background_pinning(False)
     keep.append(_tensors(em.region("w0", backup="cpu"), 8, total))

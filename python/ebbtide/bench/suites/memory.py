@@ -37,6 +37,21 @@ def _worker(which: str, total: int, small: int, log) -> tuple[dict | None, str]:
 
 
 @suite("memory", needs="gpu", description="VMM pause/resume: CPU backup bandwidth, discard cost, overlap, hook cost")
+def _discard_note(ours: dict, label: str, op: str, n: int) -> str:
+    """Per-allocation cost plus the engine's own breakdown of the last cycle (ms; the rest is Python + sync)."""
+    t = ours.get(f"{label}_{op}")
+    if not t:
+        return ""
+    note = f"{t / n * 1e6:.1f} us per allocation"
+    ph = (ours.get(f"{label}_phases") or {}).get(op) or {}
+    parts = [f"{k[:-2]} {v * 1e3:.2f}" for k, v in ph.items() if k.endswith("_s") and v is not None]
+    if parts:
+        note += "; engine ms: " + " ".join(parts)
+    if ph.get("unmap_calls") is not None:
+        note += f"; {ph['unmap_calls']} unmap calls"
+    return note
+
+
 def run(ctx):
     ctx.require_gpu()
     total = (2 if ctx.quick else 16) * GiB
@@ -89,7 +104,7 @@ def run(ctx):
                       ours[key] * 1e3 if ours.get(key) else None, higher_is_better=False,
                       anchor=a * 1e3 if a else None, anchor_name="torch_memory_saver",
                       anchor_note="" if a else (tms_note or "n/a"), params={"bytes": total, "allocations": n},
-                      note=f"{ours[key] / n * 1e6:.1f} us per allocation" if ours.get(key) else "")
+                      note=_discard_note(ours, label, op, n))
 
     seq, ovl = ours.get("switch_sequential"), ours.get("switch_overlapped")
     if seq and ovl:
