@@ -12,7 +12,8 @@ Policies (the caller's contract is in ``__init__.py``):
 - Order of release: detach the inners (ops now raise StateError) -> drain the device -> agree on the CPU control
   plane (journal hash, options, per-group strategy) -> tear down or suspend in reverse journal order (children
   before the WORLD they were split from, as c10d does; a global order, so overlapping groups never wait on each
-  other in a cycle: the PP=4 deadlock of one-by-one destroys cannot happen).
+  other in a cycle: the PP=4 deadlock of one-by-one destroys cannot happen; teardowns of one split level run
+  concurrently, see Note [Concurrent teardown]) -> trailing barrier (peers' mappings of our buffers are gone too).
 - Order of reload: agree (journal hash, which communicators existed) -> rebuild WORLD first (subgroups split from
   it) -> every journal entry in order, with a fresh store prefix per generation (``<name>.ebt<gen>``) -> eager
   connect of communicators that existed before release, except where replaying the creation connected them already
@@ -404,11 +405,19 @@ class Runtime:
                 if e.plan is not None:
                     # Name lookups now reach the wrapper, whose ops raise StateError.
                     _register_native(e.group._ebt_name, e.group)
-            self.state = RELEASED
+            self.state = RELEASED  # before the barrier: a timeout there leaves a consistent RELEASED state
+            # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
+            #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
+            #    a rank that measures (or allocates) before its peers finish sees part of its memory still held.
+            tb2 = time.perf_counter()
+            control.barrier("released", tmo)
+            barrier_s += time.perf_counter() - tb2
             rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
                          device_free_bytes(), reports)
             self.last_release = rep
             log.info("%s", rep.summary())
+            log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "
+                      "NCCL memory never goes through it)", _reserved_mib())
             return rep
 
     def _local_choices(self, include_world: bool, include_cpu: bool):
@@ -917,6 +926,15 @@ def _sever_split_from(inner: ProcessGroup) -> None:
     for dev in ("cuda",):
         with contextlib.suppress(Exception):
             inner._get_backend(torch.device(dev)).options.split_from = None
+
+
+def _reserved_mib() -> str:
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return f"{torch.cuda.memory_reserved() / 2**20:.0f}"
+    except Exception:
+        pass
+    return "n/a"
 
 
 def _creation_connects(e: Entry) -> bool:

@@ -43,7 +43,8 @@ def topology(kind: str, world: int) -> list[tuple[str, list[int]]]:
 
 def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", kind: str = "flat",
                    cycles: int = 2, soak: int = 0, anchor: bool = True, bound: bool = True,
-                   teardown: str = "abort", strategy: str = "auto", payload: int = 1 << 18,
+                   teardown: str = "abort", concurrent_teardown: bool = True, strategy: str = "auto",
+                   payload: int = 1 << 18,
                    pg_timeout: float = 60.0, control_timeout: float = 60.0) -> dict:
     """``pg_timeout`` bounds every NCCL collective (torch's watchdog), ``control_timeout`` every ebbtide.comm
     control-plane barrier, so a rank whose peer failed or hangs fails too instead of waiting for minutes."""
@@ -78,6 +79,8 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
             "r": torch.empty(4096, device=dev)}
     (bufs["x"] == 0).all()  # warm the caching allocator for the checks below (keeps the baseline honest)
     free_ctx = free()
+    # Baseline with NCCL's process-wide state loaded (see _nccl_process_state): what no communicator API returns.
+    free_nccl = _nccl_process_state(dev, bufs["x"], progress, rank) if gpu else None
     progress(f"rank {rank}: init_process_group({backend}, bound={bound}) kind={kind} cycles={cycles} soak={soak}")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             device_id=dev if (gpu and bound) else None,
@@ -127,7 +130,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         sync()
         return (time.perf_counter() - t) / n
 
-    out: dict = {"world": world, "kind": kind, "backend": backend, "free_ctx": free_ctx}
+    out: dict = {"world": world, "kind": kind, "backend": backend, "free_ctx": free_ctx, "free_nccl": free_nccl}
     world_g = dist.group.WORLD
     first_use([], world_g)
     out["free_world"] = free()
@@ -158,7 +161,8 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         progress(f"rank {rank}: anchor done; free {_mib(out['free_after_anchor'])}")
 
     # ---- ours -------------------------------------------------------------------------------------------------
-    comm.install(strategy=strategy, teardown=teardown, check_env=(rank == 0), timeout=control_timeout)
+    comm.install(strategy=strategy, teardown=teardown, concurrent_teardown=concurrent_teardown,
+                 check_env=(rank == 0), timeout=control_timeout)
     world_g = dist.group.WORLD  # adopted: now a ReloadableGroup
     groups = create()
     first_use(groups, world_g)
@@ -166,9 +170,13 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     progress(f"rank {rank}: ebbtide groups used; free {_mib(out['free_loaded'])}")
     if gpu:
         # Communicator memory ebbtide manages: WORLD's (measured before the anchor ran) plus our groups' (measured
-        # from after the anchor's cleanup, so anything the anchor left behind is not counted against us).
-        out["comm_bytes"] = (free_ctx - out["free_world"]) + \
-            (out.get("free_after_anchor", out["free_world"]) - out["free_loaded"])
+        # from after the anchor's cleanup, so anything the anchor left behind is not counted against us). WORLD's
+        # share is counted from the NCCL-loaded baseline where it was measured (``comm_bytes``), and from the bare
+        # CUDA context for the record (``comm_bytes_ctx``: it includes NCCL's process-wide state).
+        subgroups = out.get("free_after_anchor", out["free_world"]) - out["free_loaded"]
+        out["comm_bytes_ctx"] = (free_ctx - out["free_world"]) + subgroups
+        base = free_nccl if free_nccl is not None else free_ctx
+        out["comm_bytes"] = (base - out["free_world"]) + subgroups
     out["op_s"] = op_latency(groups[0][1])
     count0 = len(c10d._world.pg_map)
 
@@ -180,7 +188,11 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         sync()
         rel_s = time.perf_counter() - t
         free_rel = free()
-        progress(f"rank {rank}: cycle {n}: released in {rel_s:.3f} s; free {_mib(free_rel)}; {rep.by_strategy()}")
+        reserved = int(torch.cuda.memory_reserved()) if gpu else None
+        progress(f"rank {rank}: cycle {n}: released in {rel_s:.3f} s; free {_mib(free_rel)} (vs loaded "
+                 f"{_mib(None if free_rel is None else free_rel - out['free_loaded'])}, vs NCCL-loaded baseline "
+                 f"{_mib(None if free_nccl is None or free_rel is None else free_nccl - free_rel)} still used; "
+                 f"torch allocator reserved {_mib(reserved)}); {rep.by_strategy()}")
         try:
             dist.all_reduce(bufs["s"], group=groups[0][1])
         except StateError:
@@ -197,6 +209,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         progress(f"rank {rank}: cycle {n}: first collectives exact; free {_mib(free_rl)}")
         return {"release_s": rel_s, "reload_s": reload_s, "reload_first_s": reload_first_s,
                 "free_released": free_rel, "free_reloaded": free_rl, "strategies": rep.by_strategy(),
+                "reserved_released": reserved,
                 "release_barrier_s": rep.barrier_seconds, "reload_barrier_s": rl.barrier_seconds,
                 "groups": [(g.name, g.strategy, g.reason, g.bytes) for g in rep.groups]}
 
@@ -212,10 +225,15 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         soak_rows.append([c["free_reloaded"], len(c10d._world.pg_map), c["release_s"], c["reload_first_s"]])
     out["soak"] = soak_rows
     out["registered_before"], out["registered_after"] = count0, len(c10d._world.pg_map)
-    if teardown == "abort" and gpu:  # one cycle with the other teardown, for the record
-        comm.install(teardown="shutdown", check_env=False)
-        out["cycle_shutdown"] = cycle(False)
-        comm.install(teardown="abort", check_env=False)
+    if gpu:  # one cycle with each other teardown strategy, for the record (the bench reports them beside ours)
+        for label, how, conc in (("cycle_shutdown", "shutdown", True), ("cycle_sequential", teardown, False),
+                                 ("cycle_shutdown_sequential", "shutdown", False)):
+            if (how, conc) == (teardown, concurrent_teardown):
+                continue
+            comm.install(teardown=how, concurrent_teardown=conc, check_env=False)
+            out[label] = cycle(False)
+        comm.install(teardown=teardown, concurrent_teardown=concurrent_teardown, check_env=False)
+    out["teardown"] = {"how": teardown, "concurrent": concurrent_teardown}
     out["env"] = {k: os.environ.get(k) for k in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")}
     if gpu:
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()[:3]))
@@ -223,6 +241,38 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     progress(f"rank {rank}: destroy_process_group")
     dist.destroy_process_group()
     return out
+
+
+def _nccl_process_state(dev, buf, progress, rank) -> int | None:
+    """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway one-rank
+    communicator (created, used once, torn down) before WORLD exists.
+
+    The first communicator of a process loads NCCL's device code into the CUDA context (NCCL calls
+    cudaFuncGetAttributes on every kernel at init, which loads them under lazy module loading) and may raise the
+    context's per-thread stack / local-memory reservation for its kernels. Neither belongs to a communicator and no
+    NCCL or torch API gives it back while the process lives, so release() cannot free it; counting it as
+    communicator memory would make the goal unreachable by construction. Both figures are reported: ``comm_bytes``
+    from this baseline and ``comm_bytes_ctx`` from the bare context. Returns None where the throwaway
+    communicator cannot be made (the figures then fall back to the bare context)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, dist.ProcessGroupNCCL.Options())
+        pg.allreduce([buf]).wait()
+        torch.cuda.synchronize(dev)
+        try:
+            pg.shutdown()
+        except Exception:
+            pg.abort()
+        del pg
+        torch.cuda.synchronize(dev)
+        free = int(torch.cuda.mem_get_info()[0])
+    except Exception as e:  # the baseline is a measurement aid; never fail the scenario for it
+        progress(f"rank {rank}: NCCL-loaded baseline not measured ({type(e).__name__}: {e}); using the bare context")
+        return None
+    progress(f"rank {rank}: NCCL process state loaded by a throwaway 1-rank communicator; free {_mib(free)}")
+    return free
 
 
 def _mib(b) -> str:
