@@ -425,6 +425,15 @@ def nccl_split(rank, world, init, cycles=2):
         progress(f"rank {rank}: cycle {cycle}: reloaded; checking collectives")
         check()
         assert mesh.get_group("dp") is mesh_group
+    # The last cycle rebuilt WORLD: a new split of the rebuilt WORLD (Note [A rebuilt WORLD has no rank map]),
+    # then one more cycle with it in the journal.
+    progress(f"rank {rank}: split_group on the rebuilt WORLD")
+    late = dist.split_group(split_ranks=[list(range(world))], group_desc="late")
+    _expect_sum_dev(late, list(range(world)), rank, dev)
+    comm.release(True)
+    comm.reload()
+    check()
+    _expect_sum_dev(late, list(range(world)), rank, dev)
     progress(f"rank {rank}: destroy_process_group")
     dist.destroy_process_group()
     return {"groups": len(rep.groups)}

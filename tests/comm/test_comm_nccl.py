@@ -110,6 +110,9 @@ def test_nccl_megatron_topology_all_gpus():
 
 @pytest.mark.multigpu
 def test_nccl_split_group_and_device_mesh():
+    """split_group children (members and non-members) and a DeviceMesh survive cycles with WORLD kept and with
+    WORLD rebuilt (run 11 segfaulted there: Note [A rebuilt WORLD has no rank map]), and a split of the rebuilt
+    WORLD made afterwards survives one more cycle."""
     import comm_spawn  # tests/comm is on sys.path (conftest.py)
 
     res = comm_spawn.run("nccl_split", 2, timeout=DEADLINE_S["test_nccl_split_group_and_device_mesh"])

@@ -275,6 +275,14 @@ class Runtime:
             self._check_pid()
             if self.state != READY or parent._ebt_inner is None:
                 raise parent._ebt_released_error("split_group")
+            dev = parent._ebt_inner.bound_device_id or parent.bound_device_id
+            if dev is not None:  # a new split of a rebuilt WORLD needs its rank map too
+                try:
+                    backend = parent._ebt_inner._get_backend(dev)
+                except Exception:
+                    backend = None  # c10d raises its own error for a group that cannot split
+                if backend is not None and getattr(backend, "supports_splitting", False):
+                    _ensure_rank_map(backend, parent, f"split_group of '{parent._ebt_name}'")
             child = parent._ebt_inner.split_group(ranks, *args, **kwargs)
             call = {"args": args, "kwargs": dict(kwargs)}
             call.update({k: kwargs.get(k) for k in ("timeout", "group_desc")})
@@ -662,6 +670,13 @@ class Runtime:
         if pg is None or pg == c10d.GroupMember.NON_GROUP_MEMBER:
             return None
         _forget_registration(pg, temp_name)
+        if e.kind == "world" and _has_accelerator(e.group):
+            # Note [A rebuilt WORLD has no rank map]: give its NCCL backend the identity map now.
+            with contextlib.suppress(Exception):
+                dev = pg.bound_device_id or torch.device("cuda", torch.cuda.current_device())
+                backend = pg._get_backend(dev)
+                if not list(backend.options.global_ranks_in_group):
+                    backend.options.global_ranks_in_group = list(range(pg.size()))
         return pg
 
     def _split_parent_ready(self, e: Entry) -> ProcessGroup:
@@ -688,6 +703,7 @@ class Runtime:
             raise StateError(f"{where}: parent '{parent._ebt_name}' has no backend on {dev}: {err}") from err
         if not getattr(backend, "supports_splitting", False):
             raise StateError(f"{where}: the backend of parent '{parent._ebt_name}' on {dev} cannot split")
+        _ensure_rank_map(backend, parent, where)
         if parent in self._rebuilt_now and parent not in self._connected_now:
             log.debug("ebbtide.comm: reload: connecting rebuilt parent %s before splitting it", parent._ebt_name)
             backend.eager_connect_single_device(dev)
@@ -846,9 +862,10 @@ def _timed_teardown(inner: ProcessGroup, how: str) -> float:
 #     Replaying the journaled object after the parent was rebuilt (release(include_world=True)) hands NCCL a
 #     structure that belongs to torn-down backends: split() overwrites ``split_from``, which can drop the last
 #     reference to the old, aborted parent backend and destroy it in the middle of the new split; the config it
-#     carries was filled in for the old communicator. The 2-GPU run of 2026-11-22 (torch 2.11, NCCL 2.28.9)
-#     segfaulted exactly there (cycle with WORLD rebuilt; cycles with WORLD kept replay the live parent's own
-#     object and passed). So the journal keeps only the scalar settings a user can choose (a snapshot), and
+#     carries was filled in for the old communicator. (Found while tracing the 2-GPU segfault of 2026-11-22,
+#     whose direct cause is Note [A rebuilt WORLD has no rank map]; this one is the same kind of hazard: a
+#     native structure outliving what it points at.) So the journal keeps only the scalar settings a user can
+#     choose (a snapshot), and
 #     replay builds fresh options from the *live* parent's (what dist.split_group does for a new split) with the
 #     snapshot applied. At teardown, ``split_from`` of the dying backend's options is cleared, so an old parent is
 #     freed there (a controlled point, after its abort) rather than by a later split.
@@ -917,6 +934,40 @@ def _replay_split_options(parent_inner: ProcessGroup, snap, e: Entry):
     if isinstance(snap, _OptionsSnapshot):
         snap.apply(fresh)
     return fresh
+
+
+# Note [A rebuilt WORLD has no rank map]
+#     ProcessGroupNCCL::split maps the requested group ranks to global ranks with ``groupRanks()[rank]``.
+#     ``groupRanks()`` returns ``options.global_ranks_in_group``, except for the *first* ProcessGroupNCCL of the
+#     process (``local_id_ == 0``) when that list is empty: then a static 0..size-1 list. c10d creates WORLD with an
+#     empty list, which works only because WORLD is normally the first NCCL group of the process. A WORLD rebuilt by
+#     reload() is not (local ids count up for the life of the process), so its groupRanks() is empty and split()
+#     reads past the end of an empty vector: the segfault of the 2-GPU run of 2026-11-22 (dist.split_group
+#     children rebuilt after release(include_world=True); cycles with WORLD kept split the original WORLD and
+#     passed; new_group children of a rebuilt WORLD never call split(), so they were fine). The rebuilt WORLD gets
+#     the identity map (what the static list holds), and every split parent is checked before split() runs.
+def _ensure_rank_map(backend, parent: ReloadableGroup, where: str) -> None:
+    """Make sure ProcessGroupNCCL::split will find the parent's rank map (Note [A rebuilt WORLD has no rank
+    map]); raise StateError where it cannot be given one."""
+    opts = getattr(backend, "options", None)
+    if opts is None or not hasattr(opts, "global_ranks_in_group"):
+        return  # not a ProcessGroupNCCL-like backend: nothing to check
+    size = parent.size()
+    current = list(opts.global_ranks_in_group)
+    if len(current) == size:
+        return
+    if current:
+        raise StateError(f"{where}: parent '{parent._ebt_name}' maps {len(current)} ranks, but has {size}")
+    wanted = _global_ranks(parent) or list(range(size))
+    try:
+        opts.global_ranks_in_group = wanted
+        ok = list(opts.global_ranks_in_group) == wanted
+    except Exception:
+        ok = False
+    if not ok:
+        raise StateError(f"{where}: parent '{parent._ebt_name}' has no global rank map and none can be set; "
+                         "ProcessGroupNCCL::split would read past an empty vector")
+    log.debug("ebbtide.comm: gave split parent %s the rank map %s", parent._ebt_name, wanted)
 
 
 def _sever_split_from(inner: ProcessGroup) -> None:

@@ -244,28 +244,53 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
 
 
 def _nccl_process_state(dev, buf, progress, rank) -> int | None:
-    """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway one-rank
-    communicator (created, used once, torn down) before WORLD exists.
+    """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway one-rank NCCL
+    communicator (created, used once, destroyed) before WORLD exists.
 
     The first communicator of a process loads NCCL's device code into the CUDA context (NCCL calls
-    cudaFuncGetAttributes on every kernel at init, which loads them under lazy module loading) and may raise the
-    context's per-thread stack / local-memory reservation for its kernels. Neither belongs to a communicator and no
+    cudaFuncGetAttributes on its kernels at every init, which loads them under lazy module loading) and may raise
+    the context's per-thread stack / local-memory reservation for them. Neither belongs to a communicator and no
     NCCL or torch API gives it back while the process lives, so release() cannot free it; counting it as
     communicator memory would make the goal unreachable by construction. Both figures are reported: ``comm_bytes``
-    from this baseline and ``comm_bytes_ctx`` from the bare context. Returns None where the throwaway
-    communicator cannot be made (the figures then fall back to the bare context)."""
+    from this baseline and ``comm_bytes_ctx`` from the bare context.
+
+    The communicator is made through ctypes on the libnccl instance torch already loaded, *not* as a torch
+    ProcessGroupNCCL: the first ProcessGroupNCCL of a process takes ``local_id_`` 0 and initialises torch's
+    process-wide ``static globalRank`` (see Note [A rebuilt WORLD has no rank map] in ``_runtime.py``), so a
+    throwaway one would change how the real WORLD behaves. Returns None where it cannot be done (the figures then
+    fall back to the bare context)."""
+    import ctypes
+
     import torch
-    import torch.distributed as dist
 
     try:
-        pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, dist.ProcessGroupNCCL.Options())
-        pg.allreduce([buf]).wait()
-        torch.cuda.synchronize(dev)
-        try:
-            pg.shutdown()
-        except Exception:
-            pg.abort()
-        del pg
+        lib = _loaded_nccl()
+
+        class UniqueId(ctypes.Structure):
+            _fields_ = [("internal", ctypes.c_byte * 128)]  # NCCL_UNIQUE_ID_BYTES
+
+        def check(what, res):
+            if res != 0:
+                raise RuntimeError(f"{what} returned ncclResult {res}")
+
+        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int]
+        lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+        for fn in (lib.ncclGetUniqueId, lib.ncclCommInitRank, lib.ncclAllReduce, lib.ncclCommDestroy):
+            fn.restype = ctypes.c_int
+        uid = UniqueId()
+        check("ncclGetUniqueId", lib.ncclGetUniqueId(ctypes.byref(uid)))
+        comm = ctypes.c_void_p()
+        with torch.cuda.device(dev):
+            check("ncclCommInitRank", lib.ncclCommInitRank(ctypes.byref(comm), 1, uid, 0))
+            stream = torch.cuda.current_stream(dev)
+            ptr = ctypes.c_void_p(buf.data_ptr())
+            check("ncclAllReduce", lib.ncclAllReduce(ptr, ptr, buf.numel(), 7, 0, comm,  # ncclFloat32, ncclSum
+                                                     ctypes.c_void_p(stream.cuda_stream)))
+            stream.synchronize()
+            check("ncclCommDestroy", lib.ncclCommDestroy(comm))
         torch.cuda.synchronize(dev)
         free = int(torch.cuda.mem_get_info()[0])
     except Exception as e:  # the baseline is a measurement aid; never fail the scenario for it
@@ -273,6 +298,21 @@ def _nccl_process_state(dev, buf, progress, rank) -> int | None:
         return None
     progress(f"rank {rank}: NCCL process state loaded by a throwaway 1-rank communicator; free {_mib(free)}")
     return free
+
+
+def _loaded_nccl():
+    """The libnccl instance this process already mapped (torch's), never a second copy: a different copy would
+    load different device code. Falls back to torch's own library where NCCL is linked statically into it."""
+    import ctypes
+
+    maps = open("/proc/self/maps").read().splitlines()
+    paths = [line.split()[-1] for line in maps if len(line.split()) >= 6]
+    for name in ("libnccl.so", "libtorch_cuda.so"):
+        for path in dict.fromkeys(p for p in paths if name in p.rsplit("/", 1)[-1]):
+            lib = ctypes.CDLL(path)
+            if hasattr(lib, "ncclCommInitRank"):
+                return lib
+    raise RuntimeError("no NCCL library is mapped into this process")
 
 
 def _mib(b) -> str:
