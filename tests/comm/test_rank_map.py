@@ -50,9 +50,14 @@ def test_full_map_is_left_alone():
     assert b.options.global_ranks_in_group == [3, 5]
 
 
-def test_wrong_size_raises():
-    with pytest.raises(StateError, match="maps 1 ranks, but has 2"):
-        _ensure_rank_map(_Backend(_Opts([0])), _Parent(2), "test")
+def test_other_size_is_left_to_torch(caplog):
+    """A non-empty map of another size (a torch that lets split() write into the parent's own options) is
+    reported, not rewritten: it is not the empty-vector crash, and rewriting it could change torch's behaviour."""
+    b = _Backend(_Opts([1]))
+    with caplog.at_level("WARNING", logger="ebbtide.comm"):
+        _ensure_rank_map(b, _Parent(2), "test")
+    assert b.options.global_ranks_in_group == [1]
+    assert "maps 1 ranks" in caplog.text
 
 
 def test_unsettable_map_raises_instead_of_crashing():

@@ -957,7 +957,11 @@ def _ensure_rank_map(backend, parent: ReloadableGroup, where: str) -> None:
     if len(current) == size:
         return
     if current:
-        raise StateError(f"{where}: parent '{parent._ebt_name}' maps {len(current)} ranks, but has {size}")
+        # Not the crash this guards against (an empty map); torches whose dist.split_group hands split() the
+        # parent's own options (no deepcopy) leave the last child's ranks here. Say so and let torch decide.
+        log.warning("ebbtide.comm: %s: parent '%s' maps %d ranks (%s) but has %d; ProcessGroupNCCL::split reads "
+                    "this map", where, parent._ebt_name, len(current), current, size)
+        return
     wanted = _global_ranks(parent) or list(range(size))
     try:
         opts.global_ranks_in_group = wanted
