@@ -558,3 +558,13 @@ def split_replay_guards(rank, world, init):
     snap.apply(fresh)
     dist.destroy_process_group()
     return {"errors": errors, "snap_fields": sorted(snap.fields), "applied_timeout": fresh._timeout.total_seconds()}
+
+
+def nccl_baseline_handshake(rank, world, init):
+    """The scenario's NCCL-loaded baseline either runs on every rank or on none: here (no NCCL in the CPU build)
+    every rank reports it cannot, and no rank is left waiting for the others."""
+    from ebbtide.comm.scenarios import _nccl_process_state
+
+    lines = []
+    free = _nccl_process_state(rank, world, init, torch.device("cpu"), torch.zeros(4), lines.append)
+    return {"free": free, "lines": lines}

@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 import comm_spawn as _spawn  # noqa: E402  (tests/comm is on sys.path: conftest.py)
+import torch  # noqa: E402
 
 
 def test_overlapping_groups_several_generations():
@@ -93,3 +94,10 @@ def test_split_replay_guards():
     assert "no bound device" in r["errors"]["unbound"], r
     assert "is not live" in r["errors"]["released"], r
     assert "_timeout" in r["snap_fields"] and r["applied_timeout"] == 7.0, r
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check: with CUDA the baseline really runs (GPU tests)")
+def test_nccl_baseline_all_or_none():
+    res = _spawn.run("nccl_baseline_handshake", 2, timeout=60)
+    for r in res:
+        assert r["free"] is None and "not measured" in r["lines"][0], r

@@ -80,7 +80,8 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     (bufs["x"] == 0).all()  # warm the caching allocator for the checks below (keeps the baseline honest)
     free_ctx = free()
     # Baseline with NCCL's process-wide state loaded (see _nccl_process_state): what no communicator API returns.
-    free_nccl = _nccl_process_state(dev, bufs["x"], progress, rank) if gpu else None
+    progress(f"rank {rank}: CUDA context up; free {_mib(free_ctx)}; CUDA stack limit {_stack_limit()}")
+    free_nccl = _nccl_process_state(rank, world, init, dev, bufs["x"], progress) if gpu else None
     progress(f"rank {rank}: init_process_group({backend}, bound={bound}) kind={kind} cycles={cycles} soak={soak}")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             device_id=dev if (gpu and bound) else None,
@@ -134,7 +135,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     world_g = dist.group.WORLD
     first_use([], world_g)
     out["free_world"] = free()
-    progress(f"rank {rank}: WORLD used; free {_mib(out['free_world'])}")
+    progress(f"rank {rank}: WORLD used; free {_mib(out['free_world'])}; CUDA stack limit {_stack_limit()}")
 
     # ---- anchor: plain torch destroy + re-create of the subgroups (WORLD stays) --------------------------------
     if anchor:
@@ -243,48 +244,77 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     return out
 
 
-def _nccl_process_state(dev, buf, progress, rank) -> int | None:
-    """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway one-rank NCCL
-    communicator (created, used once, destroyed) before WORLD exists.
+def _nccl_process_state(rank: int, world: int, init: str, dev, buf, progress) -> int | None:
+    """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway NCCL communicator over
+    the same ranks (created, used for one all_reduce, destroyed on every rank) before WORLD exists.
 
-    The first communicator of a process loads NCCL's device code into the CUDA context (NCCL calls
-    cudaFuncGetAttributes on its kernels at every init, which loads them under lazy module loading) and may raise
-    the context's per-thread stack / local-memory reservation for them. Neither belongs to a communicator and no
-    NCCL or torch API gives it back while the process lives, so release() cannot free it; counting it as
-    communicator memory would make the goal unreachable by construction. Both figures are reported: ``comm_bytes``
-    from this baseline and ``comm_bytes_ctx`` from the bare context.
+    The first communicators of a process load NCCL's device code into the CUDA context and grow the context's
+    local-memory (per-thread stack) reservation to what NCCL's kernels need - by default at their first launch,
+    hence a real multi-rank collective here, not a one-rank one (NCCL short-cuts those). Neither belongs to a
+    communicator and no NCCL or torch API gives it back while the process lives, so release() cannot free it;
+    counting it as communicator memory would make the goal unreachable by construction. Both figures are reported:
+    ``comm_bytes`` from this baseline and ``comm_bytes_ctx`` from the bare context.
 
     The communicator is made through ctypes on the libnccl instance torch already loaded, *not* as a torch
     ProcessGroupNCCL: the first ProcessGroupNCCL of a process takes ``local_id_`` 0 and initialises torch's
     process-wide ``static globalRank`` (see Note [A rebuilt WORLD has no rank map] in ``_runtime.py``), so a
-    throwaway one would change how the real WORLD behaves. Returns None where it cannot be done (the figures then
-    fall back to the bare context)."""
+    throwaway one would change how the real WORLD behaves. The unique id travels through a FileStore (one host).
+    Every rank first says whether it is ready, so either all ranks make the communicator or none does (a lone rank
+    would wait in ncclCommInitRank forever). Returns None where it cannot be done (the figures then fall back to
+    the bare context)."""
     import ctypes
+    import hashlib
+    import tempfile
 
     import torch
+    import torch.distributed as dist
 
+    tmo = datetime.timedelta(seconds=60)
+    store = None
+    if world > 1:
+        name = "ebt-nccl-baseline-" + hashlib.sha1(init.encode()).hexdigest()[:16]
+        store = dist.FileStore(os.path.join(tempfile.gettempdir(), name), world)
     try:
-        lib = _loaded_nccl()
+        try:
+            lib = _loaded_nccl()
 
-        class UniqueId(ctypes.Structure):
-            _fields_ = [("internal", ctypes.c_byte * 128)]  # NCCL_UNIQUE_ID_BYTES
+            class UniqueId(ctypes.Structure):
+                _fields_ = [("internal", ctypes.c_byte * 128)]  # NCCL_UNIQUE_ID_BYTES
+
+            lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
+            lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int]
+            lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+            for fn in (lib.ncclGetUniqueId, lib.ncclCommInitRank, lib.ncclAllReduce, lib.ncclCommDestroy):
+                fn.restype = ctypes.c_int
+            ready, why = True, ""
+        except Exception as e:
+            ready, why = False, f"{type(e).__name__}: {e}"
+        if store is not None:
+            store.set(f"ready/{rank}", b"1" if ready else b"0")
+            store.wait([f"ready/{r}" for r in range(world)], tmo)
+            if not all(store.get(f"ready/{r}") == b"1" for r in range(world)):
+                why = why or "a peer could not load NCCL"
+                ready = False
+        if not ready:
+            raise RuntimeError(why)
 
         def check(what, res):
             if res != 0:
                 raise RuntimeError(f"{what} returned ncclResult {res}")
 
-        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
-        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int]
-        lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-        lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
-        for fn in (lib.ncclGetUniqueId, lib.ncclCommInitRank, lib.ncclAllReduce, lib.ncclCommDestroy):
-            fn.restype = ctypes.c_int
         uid = UniqueId()
-        check("ncclGetUniqueId", lib.ncclGetUniqueId(ctypes.byref(uid)))
+        if rank == 0:
+            check("ncclGetUniqueId", lib.ncclGetUniqueId(ctypes.byref(uid)))
+            if store is not None:
+                store.set("uid", bytes(uid))
+        else:
+            store.wait(["uid"], tmo)
+            ctypes.memmove(ctypes.byref(uid), store.get("uid"), ctypes.sizeof(uid))
         comm = ctypes.c_void_p()
         with torch.cuda.device(dev):
-            check("ncclCommInitRank", lib.ncclCommInitRank(ctypes.byref(comm), 1, uid, 0))
+            check("ncclCommInitRank", lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
             stream = torch.cuda.current_stream(dev)
             ptr = ctypes.c_void_p(buf.data_ptr())
             check("ncclAllReduce", lib.ncclAllReduce(ptr, ptr, buf.numel(), 7, 0, comm,  # ncclFloat32, ncclSum
@@ -292,12 +322,35 @@ def _nccl_process_state(dev, buf, progress, rank) -> int | None:
             stream.synchronize()
             check("ncclCommDestroy", lib.ncclCommDestroy(comm))
         torch.cuda.synchronize(dev)
+        if store is not None:  # peers map our buffers: measure once every rank has destroyed its side
+            store.set(f"done/{rank}", b"1")
+            store.wait([f"done/{r}" for r in range(world)], tmo)
         free = int(torch.cuda.mem_get_info()[0])
     except Exception as e:  # the baseline is a measurement aid; never fail the scenario for it
         progress(f"rank {rank}: NCCL-loaded baseline not measured ({type(e).__name__}: {e}); using the bare context")
         return None
-    progress(f"rank {rank}: NCCL process state loaded by a throwaway 1-rank communicator; free {_mib(free)}")
+    finally:
+        del store
+    progress(f"rank {rank}: NCCL process state loaded by a throwaway {world}-rank communicator (ctypes); "
+             f"free {_mib(free)}; CUDA stack limit {_stack_limit()}")
     return free
+
+
+def _stack_limit() -> str:
+    """cudaLimitStackSize of the current context (bytes per thread): NCCL's kernels raise the context's local-memory
+    reservation, which is stack size x resident threads; logged to explain the process-state figure."""
+    import ctypes
+
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+        path = next(line.split()[-1] for line in maps if "libcudart.so" in line.rsplit("/", 1)[-1])
+        rt = ctypes.CDLL(path)
+        v = ctypes.c_size_t()
+        if rt.cudaDeviceGetLimit(ctypes.byref(v), 0) != 0:  # cudaLimitStackSize
+            return "n/a"
+        return f"{v.value} B/thread"
+    except Exception:
+        return "n/a"
 
 
 def _loaded_nccl():
