@@ -47,8 +47,8 @@ def _rows(res: list[dict], label: str, soak: int):
               anchor_note="n/a (torch cannot re-create WORLD in place)", limit=100.0,
               limit_name="all communicator memory",
               note="goal >= 95%; comm memory counted above " + (
-                  "the CUDA context with NCCL's process state loaded (throwaway communicator over the same ranks)" if nccl_base
-                  else "the bare CUDA context (NCCL-loaded baseline not measured)"))
+                  "the CUDA context with NCCL's process state loaded (throwaway communicator over the same ranks)"
+                  if nccl_base else "the bare CUDA context (NCCL-loaded baseline not measured)"))
     if nccl_base:
         state = max(r["free_ctx"] - r["free_nccl"] for r in res)
         yield row("NCCL process state (device code etc.; not communicator memory)", "MiB", state / MiB,
