@@ -425,6 +425,15 @@ def nccl_split(rank, world, init, cycles=2):
         progress(f"rank {rank}: cycle {cycle}: reloaded; checking collectives")
         check()
         assert mesh.get_group("dp") is mesh_group
+    # The last cycle rebuilt WORLD: a new split of the rebuilt WORLD (Note [A rebuilt WORLD has no rank map]),
+    # then one more cycle with it in the journal.
+    progress(f"rank {rank}: split_group on the rebuilt WORLD")
+    late = dist.split_group(split_ranks=[list(range(world))], group_desc="late")
+    _expect_sum_dev(late, list(range(world)), rank, dev)
+    comm.release(True)
+    comm.reload()
+    check()
+    _expect_sum_dev(late, list(range(world)), rank, dev)
     progress(f"rank {rank}: destroy_process_group")
     dist.destroy_process_group()
     return {"groups": len(rep.groups)}
@@ -480,20 +489,29 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
     return out
 
 
-def teardown_order(rank, world, init):
-    """release() tears groups down children first, WORLD last (reverse journal order, as c10d's
-    destroy_process_group does): with a device-bound WORLD every subgroup is an ncclCommSplit child of WORLD."""
+def teardown_order(rank, world, init, concurrent=True):
+    """release() tears groups down children first, WORLD last (as c10d's destroy_process_group does): with a
+    device-bound WORLD every subgroup is an ncclCommSplit child of WORLD. Concurrent teardown runs the children in
+    one wave of threads (any order among them, all finished before WORLD starts); sequential teardown keeps exact
+    reverse journal order."""
+    import threading
+
     import ebbtide.comm._runtime as R
 
-    order = []
+    order = []  # (event, group name, thread name)
     real = R._teardown
+    lock = threading.Lock()
 
     def recording(inner, how):
-        order.append(inner.group_name)
+        name = inner.group_name
+        with lock:
+            order.append(("start", name, threading.current_thread().name))
         real(inner, how)
+        with lock:
+            order.append(("end", name, threading.current_thread().name))
 
     R._teardown = recording
-    _init(rank, world, init)
+    _init(rank, world, init, concurrent_teardown=concurrent)
     names = [dist.group.WORLD.group_name]
     for _ in range(3):
         g = dist.new_group(list(range(world)))
@@ -506,3 +524,47 @@ def teardown_order(rank, world, init):
         _expect_sum(g, list(range(world)), rank)
     dist.destroy_process_group()
     return {"order": order, "names": names}
+
+
+def split_replay_guards(rank, world, init):
+    """Rebuilding a split child checks ProcessGroupNCCL::split's preconditions first and raises StateError (a
+    segfault or a hang inside native code otherwise); split options are journaled as a scalar snapshot, never as
+    the native object split() writes into (Note [Split options are not replayed])."""
+    import ebbtide.comm._runtime as R
+
+    _init(rank, world, init)
+    w = dist.group.WORLD
+    errors = {}
+
+    def attempt(key, entry):
+        try:
+            R.RUNTIME._split_parent_ready(entry)
+        except StateError as err:
+            errors[key] = str(err)
+        else:
+            raise AssertionError(f"{key}: no StateError")
+
+    attempt("unknown", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=None))
+    attempt("unbound", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
+    inner, w._ebt_inner = w._ebt_inner, None
+    try:
+        attempt("released", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
+    finally:
+        w._ebt_inner = inner
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=7)
+    snap = R._OptionsSnapshot.take(opts)
+    fresh = dist.ProcessGroupGloo._Options()
+    snap.apply(fresh)
+    dist.destroy_process_group()
+    return {"errors": errors, "snap_fields": sorted(snap.fields), "applied_timeout": fresh._timeout.total_seconds()}
+
+
+def nccl_baseline_handshake(rank, world, init):
+    """The scenario's NCCL-loaded baseline either runs on every rank or on none: here (no NCCL in the CPU build)
+    every rank reports it cannot, and no rank is left waiting for the others."""
+    from ebbtide.comm.scenarios import _nccl_process_state
+
+    lines = []
+    free = _nccl_process_state(rank, world, init, torch.device("cpu"), torch.zeros(4), lines.append)
+    return {"free": free, "lines": lines}

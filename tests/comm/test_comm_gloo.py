@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 import comm_spawn as _spawn  # noqa: E402  (tests/comm is on sys.path: conftest.py)
+import torch  # noqa: E402
 
 
 def test_overlapping_groups_several_generations():
@@ -69,6 +70,34 @@ def test_failed_suspend_makes_every_member_rebuild():
 
 
 def test_teardown_children_before_world():
+    """Concurrent (default): the children in one wave of threads, each finished before WORLD's teardown starts."""
     res = _spawn.run("teardown_order", 2)
     for r in res:
-        assert r["order"] == list(reversed(r["names"])), r
+        world, children = r["names"][0], set(r["names"][1:])
+        events = [tuple(x) for x in r["order"]]
+        world_start = events.index(("start", world, "MainThread"))
+        assert {n for ev, n, _t in events[:world_start] if ev == "end"} == children, r
+        assert {t for _ev, n, t in events if n in children} != {"MainThread"}, r  # ran on worker threads
+        assert events[-1][:2] == ("end", world), r
+
+
+def test_teardown_sequential_reverse_order():
+    res = _spawn.run("teardown_order", 2, concurrent=False)
+    for r in res:
+        starts = [n for ev, n, _t in (tuple(x) for x in r["order"]) if ev == "start"]
+        assert starts == list(reversed(r["names"])), r
+
+
+def test_split_replay_guards():
+    (r,) = _spawn.run("split_replay_guards", 1)
+    assert "parent group is unknown" in r["errors"]["unknown"], r
+    assert "no bound device" in r["errors"]["unbound"], r
+    assert "is not live" in r["errors"]["released"], r
+    assert "_timeout" in r["snap_fields"] and r["applied_timeout"] == 7.0, r
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check: with CUDA the baseline really runs (GPU tests)")
+def test_nccl_baseline_all_or_none():
+    res = _spawn.run("nccl_baseline_handshake", 2, timeout=60)
+    for r in res:
+        assert r["free"] is None and "not measured" in r["lines"][0], r

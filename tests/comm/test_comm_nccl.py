@@ -38,12 +38,23 @@ def test_scenario_code_on_gloo():
         assert r["cycles_world"][0]["strategies"] == {"destroy": 1 + 6 + 1}  # WORLD + 6 overlapping + own singleton
 
 
+# Share of communicator memory release(include_world=True) must free: the issue's goal. Communicator memory is
+# counted from a baseline with NCCL's process-wide state already loaded (device code, context stack reservation:
+# no API returns it while the process lives; see scenarios._nccl_process_state), measured by a throwaway 1-rank
+# communicator. Until run 11 the baseline was the bare CUDA context and the bar 90%; on 2 H200 that baseline put
+# ~418 MiB of NCCL process state per GPU into "communicator memory", and rank 0 measured before its peer had
+# unmapped rank 0's buffers (fixed: release() ends with a barrier). The process state is reported on its own.
+FREED_SHARE = 0.95
+
+
 def _check_memory(r, soak):
     comm_bytes = r["comm_bytes"]
     assert comm_bytes > 64 * MiB, f"communicators hold only {comm_bytes / MiB:.0f} MiB: nothing to test"
+    assert r["free_nccl"] is not None, "the NCCL-loaded baseline was not measured (see the rank log)"
     for c in r["cycles_world"]:
         freed = c["free_released"] - r["free_loaded"]
-        assert freed >= 0.9 * comm_bytes, (freed / MiB, comm_bytes / MiB, c["groups"])
+        assert freed >= FREED_SHARE * comm_bytes, (freed / MiB, comm_bytes / MiB, r["comm_bytes_ctx"] / MiB,
+                                                    c["groups"])
     subgroups = r.get("free_after_anchor", r["free_world"]) - r["free_loaded"]
     for c in r["cycles_subgroups"]:  # WORLD kept: the subgroups' communicators go
         assert c["free_released"] - r["free_loaded"] >= 0.9 * subgroups, (c["groups"], subgroups / MiB)
@@ -56,12 +67,16 @@ def _check_memory(r, soak):
 
 @pytest.mark.multigpu
 def test_nccl_flat_bound_world():
-    """WORLD bound to the device (eager, subgroups split from WORLD): release frees >= 90% of communicator memory
-    with WORLD included, collectives are exact after every reload, no drift over 10 cycles."""
+    """WORLD bound to the device (eager, subgroups split from WORLD): release frees >= 95% of communicator memory
+    (from the NCCL-loaded baseline, FREED_SHARE) with WORLD included, collectives are exact after every reload, no
+    drift over 10 cycles."""
     res = _run(2, "test_nccl_flat_bound_world", cycles=2, soak=10)
     for r in res:
         _check_memory(r, 10)
-        print(f"rank: comm {r['comm_bytes'] / MiB:.0f} MiB; "
+        state = (r["free_ctx"] - r["free_nccl"]) / MiB
+        freed = (r["cycles_world"][-1]["free_released"] - r["free_loaded"]) / MiB
+        print(f"rank: comm {r['comm_bytes'] / MiB:.0f} MiB (NCCL process state {state:.0f} MiB not counted); "
+              f"freed(world) {freed:.0f} MiB; "
               f"release(world) {r['cycles_world'][-1]['release_s'] * 1e3:.0f} ms; "
               f"reload+first {r['cycles_world'][-1]['reload_first_s'] * 1e3:.0f} ms; "
               f"anchor destroy {r['anchor_destroy_s'] * 1e3:.0f} ms, re-create+first "
@@ -74,8 +89,10 @@ def test_nccl_lazy_world():
     order (ncclCommInitRank per group, no split) and results stay exact."""
     res = _run(2, "test_nccl_lazy_world", cycles=2, soak=0, anchor=False, bound=False)
     for r in res:
+        assert r["free_nccl"] is not None, "the NCCL-loaded baseline was not measured (see the rank log)"
         for c in r["cycles_world"]:
-            assert c["free_released"] - r["free_loaded"] >= 0.9 * r["comm_bytes"]
+            assert c["free_released"] - r["free_loaded"] >= FREED_SHARE * r["comm_bytes"], (
+                (c["free_released"] - r["free_loaded"]) / MiB, r["comm_bytes"] / MiB, r["comm_bytes_ctx"] / MiB)
 
 
 @pytest.mark.multigpu
@@ -93,6 +110,9 @@ def test_nccl_megatron_topology_all_gpus():
 
 @pytest.mark.multigpu
 def test_nccl_split_group_and_device_mesh():
+    """split_group children (members and non-members) and a DeviceMesh survive cycles with WORLD kept and with
+    WORLD rebuilt (run 11 segfaulted there: Note [A rebuilt WORLD has no rank map]), and a split of the rebuilt
+    WORLD made afterwards survives one more cycle."""
     import comm_spawn  # tests/comm is on sys.path (conftest.py)
 
     res = comm_spawn.run("nccl_split", 2, timeout=DEADLINE_S["test_nccl_split_group_and_device_mesh"])

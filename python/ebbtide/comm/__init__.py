@@ -44,14 +44,17 @@ __all__ = [
 
 
 def install(*, strategy: str = "auto", teardown: str = "abort", timeout: float | None = None,
-            check_env: bool = True) -> list[str]:
+            check_env: bool = True, concurrent_teardown: bool = True) -> list[str]:
     """Hook c10d group creation so every group becomes reloadable. Idempotent; call it before
     ``init_process_group``. ``strategy``: "auto" (suspend where supported, else destroy), "destroy" or "suspend"
     (falls back to destroy, with the reason, where unsupported). ``teardown``: how destroyed NCCL backends go,
     "abort" (immediate; safe because release() drains and barriers first) or "shutdown" (ncclCommFinalize).
-    ``timeout``: seconds for control-plane barriers (default ``EBBTIDE_COMM_TIMEOUT`` or 300). Warns about NCCL
+    ``timeout``: seconds for control-plane barriers (default ``EBBTIDE_COMM_TIMEOUT`` or 300).
+    ``concurrent_teardown``: tear the released groups down concurrently, one thread per group, children before
+    the group they were split from (default); False: one at a time in reverse creation order. Warns about NCCL
     settings that defeat release and returns the names of the variables it warned about."""
-    return _RT.install(strategy=strategy, teardown=teardown, timeout=timeout, check_env=check_env)
+    return _RT.install(strategy=strategy, teardown=teardown, timeout=timeout, check_env=check_env,
+                       concurrent_teardown=concurrent_teardown)
 
 
 def uninstall() -> None:

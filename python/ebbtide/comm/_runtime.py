@@ -12,7 +12,8 @@ Policies (the caller's contract is in ``__init__.py``):
 - Order of release: detach the inners (ops now raise StateError) -> drain the device -> agree on the CPU control
   plane (journal hash, options, per-group strategy) -> tear down or suspend in reverse journal order (children
   before the WORLD they were split from, as c10d does; a global order, so overlapping groups never wait on each
-  other in a cycle: the PP=4 deadlock of one-by-one destroys cannot happen).
+  other in a cycle: the PP=4 deadlock of one-by-one destroys cannot happen; teardowns of one split level run
+  concurrently, see Note [Concurrent teardown]) -> trailing barrier (peers' mappings of our buffers are gone too).
 - Order of reload: agree (journal hash, which communicators existed) -> rebuild WORLD first (subgroups split from
   it) -> every journal entry in order, with a fresh store prefix per generation (``<name>.ebt<gen>``) -> eager
   connect of communicators that existed before release, except where replaying the creation connected them already
@@ -130,6 +131,7 @@ class Runtime:
         self.installed = False
         self.strategy = "auto"  # requested: "auto", "suspend", "destroy"
         self.teardown = "abort"  # how a destroyed NCCL backend is torn down: "abort" or "shutdown"
+        self.concurrent_teardown = True  # see Note [Concurrent teardown]
         self.timeout = datetime.timedelta(seconds=_DEFAULT_TIMEOUT_S)
         self.state = READY
         self.generation = 0
@@ -142,9 +144,12 @@ class Runtime:
         self.orig: dict = {}  # (module, attribute) -> original object, restored by uninstall()
         self.helper_sig: inspect.Signature | None = None
         self.last_release: Report | None = None
+        self._rebuilt_now: set = set()  # wrappers rebuilt by the reload in progress
+        self._connected_now: set = set()  # ... of which the communicator exists now
 
     # ---- install / uninstall ------------------------------------------------------------------------------
-    def install(self, *, strategy: str, teardown: str, timeout: float | None, check_env: bool) -> list[str]:
+    def install(self, *, strategy: str, teardown: str, timeout: float | None, check_env: bool,
+                concurrent_teardown: bool = True) -> list[str]:
         if strategy not in S.REQUESTS:
             raise InvalidArgumentError(f"strategy must be one of {S.REQUESTS}, not {strategy!r}")
         if teardown not in ("abort", "shutdown"):
@@ -154,6 +159,7 @@ class Runtime:
         with self.lock:
             self._check_pid()
             self.strategy, self.teardown = strategy, teardown
+            self.concurrent_teardown = bool(concurrent_teardown)
             if timeout is not None:
                 self.timeout = datetime.timedelta(seconds=float(timeout))
             warned: list[str] = []
@@ -269,9 +275,20 @@ class Runtime:
             self._check_pid()
             if self.state != READY or parent._ebt_inner is None:
                 raise parent._ebt_released_error("split_group")
+            dev = parent._ebt_inner.bound_device_id or parent.bound_device_id
+            if dev is not None:  # a new split of a rebuilt WORLD needs its rank map too
+                try:
+                    backend = parent._ebt_inner._get_backend(dev)
+                except Exception:
+                    backend = None  # c10d raises its own error for a group that cannot split
+                if backend is not None and getattr(backend, "supports_splitting", False):
+                    _ensure_rank_map(backend, parent, f"split_group of '{parent._ebt_name}'")
             child = parent._ebt_inner.split_group(ranks, *args, **kwargs)
             call = {"args": args, "kwargs": dict(kwargs)}
             call.update({k: kwargs.get(k) for k in ("timeout", "group_desc")})
+            if call["kwargs"].get("opts") is not None:
+                # Never journal the native Options object: see Note [Split options are not replayed].
+                call["kwargs"]["opts"] = _OptionsSnapshot.take(call["kwargs"]["opts"])
             if child is None:
                 self._append(Entry("split", str(kwargs.get("group_name")), tuple(ranks), call, None, parent=parent))
                 return None
@@ -373,7 +390,7 @@ class Runtime:
             log.debug("ebbtide.comm: release: agreed (%.3f s); plans %s", barrier_s, plans)
             reasons = {e: r for e, _c, r in local}
             choices = {e: c for e, c, _r in local}
-            reports = []
+            todo = []
             for e in reversed(self.journal):
                 if e.local_sync:
                     e.plan = S.DESTROY if e in detached else None
@@ -389,17 +406,26 @@ class Runtime:
                 e.reason = reasons.get(e, "")
                 if e.plan != choices[e]:
                     e.reason = f"{choices[e]} here, {e.plan} on a peer: {e.reason}"
-                reports.append(self._release_one(e, detached[e]))
+                todo.append(e)
+            reports = self._release_all(todo, detached)
             reports.reverse()  # report in journal order
             for e in detached:
                 if e.plan is not None:
                     # Name lookups now reach the wrapper, whose ops raise StateError.
                     _register_native(e.group._ebt_name, e.group)
-            self.state = RELEASED
+            self.state = RELEASED  # before the barrier: a timeout there leaves a consistent RELEASED state
+            # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
+            #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
+            #    a rank that measures (or allocates) before its peers finish sees part of its memory still held.
+            tb2 = time.perf_counter()
+            control.barrier("released", tmo)
+            barrier_s += time.perf_counter() - tb2
             rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
                          device_free_bytes(), reports)
             self.last_release = rep
             log.info("%s", rep.summary())
+            log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "
+                      "NCCL memory never goes through it)", _reserved_mib())
             return rep
 
     def _local_choices(self, include_world: bool, include_cpu: bool):
@@ -422,6 +448,68 @@ class Runtime:
             e.initialized = facts.comm_initialized or g._ebt_used
             out.append((e, choice, reason))
         return out
+
+    def _release_all(self, todo: list[Entry], detached: dict) -> list[GroupReport]:
+        """Suspend or tear down ``todo`` (reverse journal order). Suspends are collective: one at a time, in that
+        order. Teardowns run concurrently in waves (see Note [Concurrent teardown]) unless
+        ``install(concurrent_teardown=False)``: deepest split level first, WORLD last."""
+        reports: dict[Entry, GroupReport] = {}
+        destroy = []
+        for e in todo:
+            if e.plan == S.SUSPEND:
+                reports[e] = self._release_one(e, detached[e])  # falls back to destroy itself on failure
+            else:
+                destroy.append(e)
+        if self.concurrent_teardown and len(destroy) > 1:
+            self._destroy_in_waves(destroy, detached, reports)
+        else:
+            for e in destroy:
+                reports[e] = self._release_one(e, detached[e])
+        return [reports[e] for e in todo]
+
+    def _depth(self, e: Entry, by_group: dict) -> int:
+        """Split level: WORLD 0; new_group groups 1 (ncclCommSplit children of a bound WORLD, or independent);
+        a split_group child one below its parent."""
+        if e.kind == "world":
+            return 0
+        if e.kind == "split" and e.parent is not None and e.parent in by_group:
+            return 1 + self._depth(by_group[e.parent], by_group)
+        return 1
+
+    def _destroy_in_waves(self, destroy: list[Entry], detached: dict, reports: dict) -> None:
+        by_group = {x.group: x for x in self.journal if x.group is not None}
+        waves: dict[int, list[Entry]] = {}
+        for e in destroy:
+            waves.setdefault(self._depth(e, by_group), []).append(e)
+        for level in sorted(waves, reverse=True):
+            wave = waves[level]
+            before = device_free_bytes()
+            t0 = time.perf_counter()
+            log.debug("ebbtide.comm: release: %s %d group(s) concurrently (split level %d): %s", self.teardown,
+                      len(wave), level, [e.group._ebt_name for e in wave])
+            for e in wave:
+                self.inner_to_wrapper.pop(detached[e], None)
+            if len(wave) == 1:
+                secs = {wave[0]: _timed_teardown(detached[wave[0]], self.teardown)}
+            else:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(max_workers=min(len(wave), 64), thread_name_prefix="ebt-teardown") as pool:
+                    futs = {e: pool.submit(_timed_teardown, detached[e], self.teardown) for e in wave}
+                secs = {e: f.result() for e, f in futs.items()}
+            after = device_free_bytes()
+            freed = None if before is None or after is None else after - before
+            log.debug("ebbtide.comm: release: wave at split level %d done in %.3f s (slowest group %.3f s), device "
+                      "free %+.0f MiB", level, time.perf_counter() - t0, max(secs.values()),
+                      (freed or 0) / 2**20)
+            for e in wave:
+                g = e.group
+                g._ebt_released_by = e.plan
+                e.freed = freed if len(wave) == 1 else None  # per-group bytes are not separable in a wave
+                if e.freed is not None and e.freed > (1 << 20):
+                    e.initialized = True
+                reports[e] = GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason, secs[e],
+                                         e.freed)
 
     def _release_one(self, e: Entry, inner: ProcessGroup) -> GroupReport:
         g = e.group
@@ -473,6 +561,7 @@ class Runtime:
                 connect.update(p["connect"])
             self.generation += 1
             reports = []
+            self._rebuilt_now, self._connected_now = set(), set()
             self.replaying = True
             try:
                 # WORLD first: subgroups may split from it.
@@ -525,6 +614,7 @@ class Runtime:
             inner = self._rebuild(e)
             if g is None:
                 return []
+            self._rebuilt_now.add(g)
             inner._set_group_name(g._ebt_name)
             with contextlib.suppress(Exception):
                 inner._set_group_desc(g._ebt_desc)
@@ -537,6 +627,8 @@ class Runtime:
             else:
                 log.debug("ebbtide.comm: reload: eager connect of %s", g._ebt_name)
                 connect = connect and _connect(inner, g)
+            if connect:
+                self._connected_now.add(g)
         g._ebt_inner, g._ebt_released_by, g._ebt_used = inner, None, False
         self.inner_to_wrapper[inner] = g
         _register_native(g._ebt_name, inner)
@@ -550,11 +642,12 @@ class Runtime:
         c10d's registries. Returns the new inner group, or None on non-members."""
         temp_name = f"{e.name}.ebt{self.generation}"
         if e.kind == "split":
-            parent_inner = e.parent._ebt_inner if e.parent is not None else None
-            if parent_inner is None:
-                raise StateError(f"ebbtide.comm.reload(): split parent of '{e.name}' is not live")
+            parent_inner = self._split_parent_ready(e)
             kwargs = dict(e.call["kwargs"])
             kwargs["group_name"] = temp_name
+            kwargs["opts"] = _replay_split_options(parent_inner, kwargs.get("opts"), e)
+            log.debug("ebbtide.comm: reload: split '%s' from live parent %s (bound %s)", e.name,
+                      e.parent._ebt_name, parent_inner.bound_device_id)
             child = parent_inner.split_group(list(e.ranks), *e.call["args"], **kwargs)
             if child is not None and e.group is not None:
                 with contextlib.suppress(Exception):
@@ -577,7 +670,45 @@ class Runtime:
         if pg is None or pg == c10d.GroupMember.NON_GROUP_MEMBER:
             return None
         _forget_registration(pg, temp_name)
+        if e.kind == "world" and _has_accelerator(e.group):
+            # Note [A rebuilt WORLD has no rank map]: give its NCCL backend the identity map now.
+            with contextlib.suppress(Exception):
+                dev = pg.bound_device_id or torch.device("cuda", torch.cuda.current_device())
+                backend = pg._get_backend(dev)
+                if not list(backend.options.global_ranks_in_group):
+                    backend.options.global_ranks_in_group = list(range(pg.size()))
         return pg
+
+    def _split_parent_ready(self, e: Entry) -> ProcessGroup:
+        """The live inner of a split entry's parent, checked against ProcessGroupNCCL::split's preconditions, so an
+        unmet one is a StateError here and never a crash or a hang inside native code: the parent is live, has a
+        splitting backend on the device and a bound device (ncclCommSplit needs the parent's communicator on it),
+        and - when the parent was itself rebuilt by this reload - its communicator exists on every parent rank
+        (otherwise members would fall back to ncclCommInitRank while non-members' no-color split initialises the
+        parent: the two never meet)."""
+        parent = e.parent
+        where = f"ebbtide.comm.reload(): cannot rebuild split group '{e.name}'"
+        if parent is None:
+            raise StateError(f"{where}: its parent group is unknown on this rank")
+        inner = parent._ebt_inner
+        if inner is None:
+            raise StateError(f"{where}: its parent '{parent._ebt_name}' is not live (released or destroyed)")
+        dev = inner.bound_device_id or parent.bound_device_id
+        if dev is None:
+            raise StateError(f"{where}: its parent '{parent._ebt_name}' has no bound device; ncclCommSplit needs "
+                             "one (init_process_group(device_id=...))")
+        try:
+            backend = inner._get_backend(dev)
+        except Exception as err:
+            raise StateError(f"{where}: parent '{parent._ebt_name}' has no backend on {dev}: {err}") from err
+        if not getattr(backend, "supports_splitting", False):
+            raise StateError(f"{where}: the backend of parent '{parent._ebt_name}' on {dev} cannot split")
+        _ensure_rank_map(backend, parent, where)
+        if parent in self._rebuilt_now and parent not in self._connected_now:
+            log.debug("ebbtide.comm: reload: connecting rebuilt parent %s before splitting it", parent._ebt_name)
+            backend.eager_connect_single_device(dev)
+            self._connected_now.add(parent)
+        return inner
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _require_installed(self, what: str) -> None:
@@ -695,12 +826,170 @@ def _teardown(inner: ProcessGroup, how: str) -> None:
     """Free the inner group's communicators now (not at garbage collection). After the drain and the barrier
     nothing is in flight, so abort (local, immediate) is safe; shutdown also flushes (ncclCommFinalize)."""
     other = "shutdown" if how == "abort" else "abort"
-    for method in (how, other):
+    try:
+        for method in (how, other):
+            try:
+                getattr(inner, method)()
+                return
+            except Exception as e:  # Gloo has no abort on some versions: try the other, then let GC free it
+                log.debug("ebbtide.comm: %s failed on %s: %s", method, inner, e)
+    finally:
+        _sever_split_from(inner)
+
+
+def _timed_teardown(inner: ProcessGroup, how: str) -> float:
+    t = time.perf_counter()
+    _teardown(inner, how)
+    return time.perf_counter() - t
+
+
+# Note [Concurrent teardown]
+#     Measured on 2 H200 (torch 2.11, NCCL 2.28.9; comm_run11 logs): one group's abort takes 0.05-0.9 s, mostly
+#     ~0.51 s, with the phase of a 0.5 s period - consistent with NCCL's proxy service thread noticing the abort
+#     flag only when its idle poll() times out (500 ms) - and finalize+destroy ~0.3 s. Done one after another that
+#     is ~0.5 s per group (4 s for WORLD + 7 groups). Aborts of different communicators are independent, local
+#     operations (NCCL is thread-safe across communicators; torch's abort/shutdown bindings drop the GIL), so one
+#     release runs them concurrently, one thread per group, in waves by split level: every child is gone before
+#     the parent it was split from (split-share children may use their parent's resources), WORLD last. All ranks
+#     derive the same waves from the agreed journal; no wave waits on a peer (abort is local), so overlapping
+#     groups cannot deadlock. ``install(concurrent_teardown=False)`` restores one-at-a-time, reverse journal order.
+
+
+# Note [Split options are not replayed]
+#     dist.split_group passes an Options object to ProcessGroupNCCL::split (the caller's, or the parent's own /
+#     a copy of it), and split() writes into it: ``split_from`` = the parent backend (an owning pointer),
+#     ``global_ranks_in_group``, ``split_color``, ``group_name``; the child keeps that same object as its options.
+#     Replaying the journaled object after the parent was rebuilt (release(include_world=True)) hands NCCL a
+#     structure that belongs to torn-down backends: split() overwrites ``split_from``, which can drop the last
+#     reference to the old, aborted parent backend and destroy it in the middle of the new split; the config it
+#     carries was filled in for the old communicator. (Found while tracing the 2-GPU segfault of 2026-11-22,
+#     whose direct cause is Note [A rebuilt WORLD has no rank map]; this one is the same kind of hazard: a
+#     native structure outliving what it points at.) So the journal keeps only the scalar settings a user can
+#     choose (a snapshot), and
+#     replay builds fresh options from the *live* parent's (what dist.split_group does for a new split) with the
+#     snapshot applied. At teardown, ``split_from`` of the dying backend's options is cleared, so an old parent is
+#     freed there (a controlled point, after its abort) rather than by a later split.
+_OPT_SKIP = frozenset({"split_from", "split_color", "global_ranks_in_group", "group_name", "config", "backend"})
+
+
+def _scalar_attrs(obj, skip=frozenset()) -> dict:
+    """Public settable scalar attributes (bool/int/float/timedelta) of a pybind options/config object."""
+    out = {}
+    if obj is None:
+        return out
+    for name in dir(obj):
+        if name in skip or (name.startswith("_") and name != "_timeout"):
+            continue
         try:
-            getattr(inner, method)()
+            v = getattr(obj, name)
+        except Exception:
+            continue
+        if isinstance(v, (bool, int, float, datetime.timedelta)):
+            out[name] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _OptionsSnapshot:
+    """The user-choosable scalar settings of a split's backend options (see Note [Split options are not
+    replayed])."""
+
+    type_name: str
+    fields: dict
+    config: dict
+
+    @classmethod
+    def take(cls, opts) -> "_OptionsSnapshot":
+        return cls(type(opts).__name__, _scalar_attrs(opts, _OPT_SKIP),
+                   _scalar_attrs(getattr(opts, "config", None)))
+
+    def apply(self, opts) -> None:
+        for k, v in self.fields.items():
+            with contextlib.suppress(Exception):
+                setattr(opts, k, v)
+        cfg = getattr(opts, "config", None)
+        if cfg is None or not self.config:
             return
-        except Exception as e:  # Gloo has no abort on some versions: try the other, then let GC free it
-            log.debug("ebbtide.comm: %s failed on %s: %s", method, inner, e)
+        for k, v in self.config.items():
+            with contextlib.suppress(Exception):
+                setattr(cfg, k, v)
+        with contextlib.suppress(Exception):
+            opts.config = cfg  # where the property hands out a copy
+
+
+def _replay_split_options(parent_inner: ProcessGroup, snap, e: Entry):
+    """Fresh options for replaying split entry ``e`` on the live parent (Note [Split options are not replayed])."""
+    dev = parent_inner.bound_device_id or (e.parent.bound_device_id if e.parent is not None else None)
+    live = parent_inner._get_backend(dev).options
+    import copy
+
+    try:
+        fresh = copy.deepcopy(live)
+    except Exception as err:  # older torch without Options.__deepcopy__: a default-constructed object
+        log.debug("ebbtide.comm: cannot copy the parent's options (%s); using defaults", err)
+        fresh = type(live)()
+        _OptionsSnapshot.take(live).apply(fresh)
+    with contextlib.suppress(Exception):
+        fresh.split_from = None  # split() sets it to the live parent; never carry an older one in
+    if isinstance(snap, _OptionsSnapshot):
+        snap.apply(fresh)
+    return fresh
+
+
+# Note [A rebuilt WORLD has no rank map]
+#     ProcessGroupNCCL::split maps the requested group ranks to global ranks with ``groupRanks()[rank]``.
+#     ``groupRanks()`` returns ``options.global_ranks_in_group``, except for the *first* ProcessGroupNCCL of the
+#     process (``local_id_ == 0``) when that list is empty: then a static 0..size-1 list. c10d creates WORLD with an
+#     empty list, which works only because WORLD is normally the first NCCL group of the process. A WORLD rebuilt by
+#     reload() is not (local ids count up for the life of the process), so its groupRanks() is empty and split()
+#     reads past the end of an empty vector: the segfault of the 2-GPU run of 2026-11-22 (dist.split_group
+#     children rebuilt after release(include_world=True); cycles with WORLD kept split the original WORLD and
+#     passed; new_group children of a rebuilt WORLD never call split(), so they were fine). The rebuilt WORLD gets
+#     the identity map (what the static list holds), and every split parent is checked before split() runs.
+def _ensure_rank_map(backend, parent: ReloadableGroup, where: str) -> None:
+    """Make sure ProcessGroupNCCL::split will find the parent's rank map (Note [A rebuilt WORLD has no rank
+    map]); raise StateError where it cannot be given one."""
+    opts = getattr(backend, "options", None)
+    if opts is None or not hasattr(opts, "global_ranks_in_group"):
+        return  # not a ProcessGroupNCCL-like backend: nothing to check
+    size = parent.size()
+    current = list(opts.global_ranks_in_group)
+    if len(current) == size:
+        return
+    if current:
+        # Not the crash this guards against (an empty map); torches whose dist.split_group hands split() the
+        # parent's own options (no deepcopy) leave the last child's ranks here. Say so and let torch decide.
+        log.warning("ebbtide.comm: %s: parent '%s' maps %d ranks (%s) but has %d; ProcessGroupNCCL::split reads "
+                    "this map", where, parent._ebt_name, len(current), current, size)
+        return
+    wanted = _global_ranks(parent) or list(range(size))
+    try:
+        opts.global_ranks_in_group = wanted
+        ok = list(opts.global_ranks_in_group) == wanted
+    except Exception:
+        ok = False
+    if not ok:
+        raise StateError(f"{where}: parent '{parent._ebt_name}' has no global rank map and none can be set; "
+                         "ProcessGroupNCCL::split would read past an empty vector")
+    log.debug("ebbtide.comm: gave split parent %s the rank map %s", parent._ebt_name, wanted)
+
+
+def _sever_split_from(inner: ProcessGroup) -> None:
+    """Clear ``split_from`` in the options of a torn-down group's device backends (an owning pointer to the parent
+    backend; with dist.split_group's default options it points at the group itself, a cycle that would keep the
+    aborted backend alive forever)."""
+    for dev in ("cuda",):
+        with contextlib.suppress(Exception):
+            inner._get_backend(torch.device(dev)).options.split_from = None
+
+
+def _reserved_mib() -> str:
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return f"{torch.cuda.memory_reserved() / 2**20:.0f}"
+    except Exception:
+        pass
+    return "n/a"
 
 
 def _creation_connects(e: Entry) -> bool:

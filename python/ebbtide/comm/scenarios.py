@@ -43,7 +43,8 @@ def topology(kind: str, world: int) -> list[tuple[str, list[int]]]:
 
 def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", kind: str = "flat",
                    cycles: int = 2, soak: int = 0, anchor: bool = True, bound: bool = True,
-                   teardown: str = "abort", strategy: str = "auto", payload: int = 1 << 18,
+                   teardown: str = "abort", concurrent_teardown: bool = True, strategy: str = "auto",
+                   payload: int = 1 << 18,
                    pg_timeout: float = 60.0, control_timeout: float = 60.0) -> dict:
     """``pg_timeout`` bounds every NCCL collective (torch's watchdog), ``control_timeout`` every ebbtide.comm
     control-plane barrier, so a rank whose peer failed or hangs fails too instead of waiting for minutes."""
@@ -78,6 +79,9 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
             "r": torch.empty(4096, device=dev)}
     (bufs["x"] == 0).all()  # warm the caching allocator for the checks below (keeps the baseline honest)
     free_ctx = free()
+    # Baseline with NCCL's process-wide state loaded (see _nccl_process_state): what no communicator API returns.
+    progress(f"rank {rank}: CUDA context up; free {_mib(free_ctx)}; CUDA stack limit {_stack_limit()}")
+    free_nccl = _nccl_process_state(rank, world, init, dev, bufs["x"], progress) if gpu else None
     progress(f"rank {rank}: init_process_group({backend}, bound={bound}) kind={kind} cycles={cycles} soak={soak}")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             device_id=dev if (gpu and bound) else None,
@@ -127,11 +131,11 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         sync()
         return (time.perf_counter() - t) / n
 
-    out: dict = {"world": world, "kind": kind, "backend": backend, "free_ctx": free_ctx}
+    out: dict = {"world": world, "kind": kind, "backend": backend, "free_ctx": free_ctx, "free_nccl": free_nccl}
     world_g = dist.group.WORLD
     first_use([], world_g)
     out["free_world"] = free()
-    progress(f"rank {rank}: WORLD used; free {_mib(out['free_world'])}")
+    progress(f"rank {rank}: WORLD used; free {_mib(out['free_world'])}; CUDA stack limit {_stack_limit()}")
 
     # ---- anchor: plain torch destroy + re-create of the subgroups (WORLD stays) --------------------------------
     if anchor:
@@ -158,7 +162,8 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         progress(f"rank {rank}: anchor done; free {_mib(out['free_after_anchor'])}")
 
     # ---- ours -------------------------------------------------------------------------------------------------
-    comm.install(strategy=strategy, teardown=teardown, check_env=(rank == 0), timeout=control_timeout)
+    comm.install(strategy=strategy, teardown=teardown, concurrent_teardown=concurrent_teardown,
+                 check_env=(rank == 0), timeout=control_timeout)
     world_g = dist.group.WORLD  # adopted: now a ReloadableGroup
     groups = create()
     first_use(groups, world_g)
@@ -166,9 +171,13 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     progress(f"rank {rank}: ebbtide groups used; free {_mib(out['free_loaded'])}")
     if gpu:
         # Communicator memory ebbtide manages: WORLD's (measured before the anchor ran) plus our groups' (measured
-        # from after the anchor's cleanup, so anything the anchor left behind is not counted against us).
-        out["comm_bytes"] = (free_ctx - out["free_world"]) + \
-            (out.get("free_after_anchor", out["free_world"]) - out["free_loaded"])
+        # from after the anchor's cleanup, so anything the anchor left behind is not counted against us). WORLD's
+        # share is counted from the NCCL-loaded baseline where it was measured (``comm_bytes``), and from the bare
+        # CUDA context for the record (``comm_bytes_ctx``: it includes NCCL's process-wide state).
+        subgroups = out.get("free_after_anchor", out["free_world"]) - out["free_loaded"]
+        out["comm_bytes_ctx"] = (free_ctx - out["free_world"]) + subgroups
+        base = free_nccl if free_nccl is not None else free_ctx
+        out["comm_bytes"] = (base - out["free_world"]) + subgroups
     out["op_s"] = op_latency(groups[0][1])
     count0 = len(c10d._world.pg_map)
 
@@ -180,7 +189,11 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         sync()
         rel_s = time.perf_counter() - t
         free_rel = free()
-        progress(f"rank {rank}: cycle {n}: released in {rel_s:.3f} s; free {_mib(free_rel)}; {rep.by_strategy()}")
+        reserved = int(torch.cuda.memory_reserved()) if gpu else None
+        progress(f"rank {rank}: cycle {n}: released in {rel_s:.3f} s; free {_mib(free_rel)} (vs loaded "
+                 f"{_mib(None if free_rel is None else free_rel - out['free_loaded'])}, vs NCCL-loaded baseline "
+                 f"{_mib(None if free_nccl is None or free_rel is None else free_nccl - free_rel)} still used; "
+                 f"torch allocator reserved {_mib(reserved)}); {rep.by_strategy()}")
         try:
             dist.all_reduce(bufs["s"], group=groups[0][1])
         except StateError:
@@ -197,6 +210,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         progress(f"rank {rank}: cycle {n}: first collectives exact; free {_mib(free_rl)}")
         return {"release_s": rel_s, "reload_s": reload_s, "reload_first_s": reload_first_s,
                 "free_released": free_rel, "free_reloaded": free_rl, "strategies": rep.by_strategy(),
+                "reserved_released": reserved,
                 "release_barrier_s": rep.barrier_seconds, "reload_barrier_s": rl.barrier_seconds,
                 "groups": [(g.name, g.strategy, g.reason, g.bytes) for g in rep.groups]}
 
@@ -212,10 +226,15 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         soak_rows.append([c["free_reloaded"], len(c10d._world.pg_map), c["release_s"], c["reload_first_s"]])
     out["soak"] = soak_rows
     out["registered_before"], out["registered_after"] = count0, len(c10d._world.pg_map)
-    if teardown == "abort" and gpu:  # one cycle with the other teardown, for the record
-        comm.install(teardown="shutdown", check_env=False)
-        out["cycle_shutdown"] = cycle(False)
-        comm.install(teardown="abort", check_env=False)
+    if gpu:  # one cycle with each other teardown strategy, for the record (the bench reports them beside ours)
+        for label, how, conc in (("cycle_shutdown", "shutdown", True), ("cycle_sequential", teardown, False),
+                                 ("cycle_shutdown_sequential", "shutdown", False)):
+            if (how, conc) == (teardown, concurrent_teardown):
+                continue
+            comm.install(teardown=how, concurrent_teardown=conc, check_env=False)
+            out[label] = cycle(False)
+        comm.install(teardown=teardown, concurrent_teardown=concurrent_teardown, check_env=False)
+    out["teardown"] = {"how": teardown, "concurrent": concurrent_teardown}
     out["env"] = {k: os.environ.get(k) for k in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")}
     if gpu:
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()[:3]))
@@ -223,6 +242,130 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     progress(f"rank {rank}: destroy_process_group")
     dist.destroy_process_group()
     return out
+
+
+def _nccl_process_state(rank: int, world: int, init: str, dev, buf, progress) -> int | None:
+    """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway NCCL communicator over
+    the same ranks (created, used for one all_reduce, destroyed on every rank) before WORLD exists.
+
+    The first communicators of a process load NCCL's device code into the CUDA context and grow the context's
+    local-memory (per-thread stack) reservation to what NCCL's kernels need - by default at their first launch,
+    hence a real multi-rank collective here, not a one-rank one (NCCL short-cuts those). Neither belongs to a
+    communicator and no NCCL or torch API gives it back while the process lives, so release() cannot free it;
+    counting it as communicator memory would make the goal unreachable by construction. Both figures are reported:
+    ``comm_bytes`` from this baseline and ``comm_bytes_ctx`` from the bare context.
+
+    The communicator is made through ctypes on the libnccl instance torch already loaded, *not* as a torch
+    ProcessGroupNCCL: the first ProcessGroupNCCL of a process takes ``local_id_`` 0 and initialises torch's
+    process-wide ``static globalRank`` (see Note [A rebuilt WORLD has no rank map] in ``_runtime.py``), so a
+    throwaway one would change how the real WORLD behaves. The unique id travels through a FileStore (one host).
+    Every rank first says whether it is ready, so either all ranks make the communicator or none does (a lone rank
+    would wait in ncclCommInitRank forever). Returns None where it cannot be done (the figures then fall back to
+    the bare context)."""
+    import ctypes
+    import hashlib
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    tmo = datetime.timedelta(seconds=60)
+    store = None
+    if world > 1:
+        name = "ebt-nccl-baseline-" + hashlib.sha1(init.encode()).hexdigest()[:16]
+        store = dist.FileStore(os.path.join(tempfile.gettempdir(), name), world)
+    try:
+        try:
+            lib = _loaded_nccl()
+
+            class UniqueId(ctypes.Structure):
+                _fields_ = [("internal", ctypes.c_byte * 128)]  # NCCL_UNIQUE_ID_BYTES
+
+            lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(UniqueId)]
+            lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int]
+            lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+            for fn in (lib.ncclGetUniqueId, lib.ncclCommInitRank, lib.ncclAllReduce, lib.ncclCommDestroy):
+                fn.restype = ctypes.c_int
+            ready, why = True, ""
+        except Exception as e:
+            ready, why = False, f"{type(e).__name__}: {e}"
+        if store is not None:
+            store.set(f"ready/{rank}", b"1" if ready else b"0")
+            store.wait([f"ready/{r}" for r in range(world)], tmo)
+            if not all(store.get(f"ready/{r}") == b"1" for r in range(world)):
+                why = why or "a peer could not load NCCL"
+                ready = False
+        if not ready:
+            raise RuntimeError(why)
+
+        def check(what, res):
+            if res != 0:
+                raise RuntimeError(f"{what} returned ncclResult {res}")
+
+        uid = UniqueId()
+        if rank == 0:
+            check("ncclGetUniqueId", lib.ncclGetUniqueId(ctypes.byref(uid)))
+            if store is not None:
+                store.set("uid", bytes(uid))
+        else:
+            store.wait(["uid"], tmo)
+            ctypes.memmove(ctypes.byref(uid), store.get("uid"), ctypes.sizeof(uid))
+        comm = ctypes.c_void_p()
+        with torch.cuda.device(dev):
+            check("ncclCommInitRank", lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
+            stream = torch.cuda.current_stream(dev)
+            ptr = ctypes.c_void_p(buf.data_ptr())
+            check("ncclAllReduce", lib.ncclAllReduce(ptr, ptr, buf.numel(), 7, 0, comm,  # ncclFloat32, ncclSum
+                                                     ctypes.c_void_p(stream.cuda_stream)))
+            stream.synchronize()
+            check("ncclCommDestroy", lib.ncclCommDestroy(comm))
+        torch.cuda.synchronize(dev)
+        if store is not None:  # peers map our buffers: measure once every rank has destroyed its side
+            store.set(f"done/{rank}", b"1")
+            store.wait([f"done/{r}" for r in range(world)], tmo)
+        free = int(torch.cuda.mem_get_info()[0])
+    except Exception as e:  # the baseline is a measurement aid; never fail the scenario for it
+        progress(f"rank {rank}: NCCL-loaded baseline not measured ({type(e).__name__}: {e}); using the bare context")
+        return None
+    finally:
+        del store
+    progress(f"rank {rank}: NCCL process state loaded by a throwaway {world}-rank communicator (ctypes); "
+             f"free {_mib(free)}; CUDA stack limit {_stack_limit()}")
+    return free
+
+
+def _stack_limit() -> str:
+    """cudaLimitStackSize of the current context (bytes per thread): NCCL's kernels raise the context's local-memory
+    reservation, which is stack size x resident threads; logged to explain the process-state figure."""
+    import ctypes
+
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+        path = next(line.split()[-1] for line in maps if "libcudart.so" in line.rsplit("/", 1)[-1])
+        rt = ctypes.CDLL(path)
+        v = ctypes.c_size_t()
+        if rt.cudaDeviceGetLimit(ctypes.byref(v), 0) != 0:  # cudaLimitStackSize
+            return "n/a"
+        return f"{v.value} B/thread"
+    except Exception:
+        return "n/a"
+
+
+def _loaded_nccl():
+    """The libnccl instance this process already mapped (torch's), never a second copy: a different copy would
+    load different device code. Falls back to torch's own library where NCCL is linked statically into it."""
+    import ctypes
+
+    maps = open("/proc/self/maps").read().splitlines()
+    paths = [line.split()[-1] for line in maps if len(line.split()) >= 6]
+    for name in ("libnccl.so", "libtorch_cuda.so"):
+        for path in dict.fromkeys(p for p in paths if name in p.rsplit("/", 1)[-1]):
+            lib = ctypes.CDLL(path)
+            if hasattr(lib, "ncclCommInitRank"):
+                return lib
+    raise RuntimeError("no NCCL library is mapped into this process")
 
 
 def _mib(b) -> str:

@@ -32,9 +32,12 @@ def _rows(res: list[dict], label: str, soak: int):
               "strategies": r0["cycles_world"][-1]["strategies"], "env": r0.get("env")}
     row = lambda name, unit, ours, **kw: Row("comm", f"{label}: {name}", unit, ours, params=params, **kw)  # noqa: E731
     comm_bytes = min(r["comm_bytes"] for r in res)
-    anchor_bytes = min(r["free_ctx"] - r["anchor_free_loaded"] for r in res)
+    nccl_base = all(r.get("free_nccl") is not None for r in res)
+    base = (lambda r: r["free_nccl"]) if nccl_base else (lambda r: r["free_ctx"])  # noqa: E731
+    anchor_bytes = min(base(r) - r["anchor_free_loaded"] for r in res)
     yield row("communicator memory per GPU, all groups used", "GB", comm_bytes / GB, higher_is_better=False,
-              anchor=anchor_bytes / GB, anchor_name="plain torch groups", note="cudaMemGetInfo above the CUDA context")
+              anchor=anchor_bytes / GB, anchor_name="plain torch groups",
+              note="cudaMemGetInfo above the CUDA context" + (" with NCCL's process state loaded" if nccl_base else ""))
     yield row("small all_reduce issued back to back, per op", "us", 1e6 * _slowest(res, lambda r: r["op_s"]),
               higher_is_better=False, anchor=1e6 * _slowest(res, lambda r: r["anchor_op_s"]),
               anchor_name="plain torch group", note="the wrapper's Python forwarding cost shows here")
@@ -42,21 +45,36 @@ def _rows(res: list[dict], label: str, soak: int):
                       for r in res)
     yield row("freed by release(include_world=True)", "% of comm memory", 100.0 * freed_world / comm_bytes,
               anchor_note="n/a (torch cannot re-create WORLD in place)", limit=100.0,
-              limit_name="all communicator memory", note="goal >= 95%")
+              limit_name="all communicator memory",
+              note="goal >= 95%; comm memory counted above " + (
+                  "the CUDA context with NCCL's process state loaded (throwaway communicator over the same ranks)"
+                  if nccl_base else "the bare CUDA context (NCCL-loaded baseline not measured)"))
+    if nccl_base:
+        state = max(r["free_ctx"] - r["free_nccl"] for r in res)
+        yield row("NCCL process state (device code etc.; not communicator memory)", "MiB", state / MiB,
+                  higher_is_better=False, anchor_note="n/a",
+                  note="loaded by the first communicator of a process; no API returns it while the process lives")
+        freed_ctx = min(statistics.median(c["free_released"] for c in r["cycles_world"]) - r["free_loaded"]
+                        for r in res)
+        yield row("freed by release(include_world=True), from the bare CUDA context", "% of comm memory",
+                  100.0 * freed_ctx / min(r["comm_bytes_ctx"] for r in res), anchor_note="n/a",
+                  note="NCCL process state counted as communicator memory")
     freed_sub = min(statistics.median(c["free_released"] for c in r["cycles_subgroups"]) - r["free_loaded"]
                     for r in res)
     anchor_freed = min(r["anchor_free_destroyed"] - r["anchor_free_loaded"] for r in res)
     yield row("freed by release(), WORLD kept", "GB", freed_sub / GB, anchor=anchor_freed / GB,
               anchor_name="destroy_process_group on each subgroup")
+    td = r0.get("teardown", {"how": "abort", "concurrent": False})
+    ours = f"{td['how']}, {'concurrent' if td['concurrent'] else 'one at a time'}"
     rel = _median_slowest(res, "cycles_subgroups", "release_s")
     anchor_rel = _slowest(res, lambda r: r["anchor_destroy_s"])
-    yield row("release, WORLD kept", "s", rel, higher_is_better=False, anchor=anchor_rel,
+    yield row(f"release, WORLD kept (teardown: {ours})", "s", rel, higher_is_better=False, anchor=anchor_rel,
               anchor_name="destroy_process_group on each subgroup")
     rl = _median_slowest(res, "cycles_subgroups", "reload_first_s")
     anchor_rl = _slowest(res, lambda r: r["anchor_recreate_first_s"])
     yield row("reload + first collective on every group, WORLD kept", "s", rl, higher_is_better=False,
               anchor=anchor_rl, anchor_name="new_group + first collective")
-    yield row("release + reload + first collective, WORLD kept", "s", rel + rl, higher_is_better=False,
+    yield row(f"release + reload + first collective, WORLD kept ({ours})", "s", rel + rl, higher_is_better=False,
               anchor=anchor_rel + anchor_rl, anchor_name="destroy + re-create + first collective",
               note="goal < 0.5 s")
     relw = _median_slowest(res, "cycles_world", "release_s")
@@ -64,10 +82,19 @@ def _rows(res: list[dict], label: str, soak: int):
     yield row("release, WORLD included", "s", relw, higher_is_better=False, anchor_note="n/a")
     yield row("release + reload + first collective, WORLD included", "s", relw + rlw, higher_is_better=False,
               anchor_note="n/a (torch cannot re-create WORLD in place)", note="goal < 0.5 s")
-    if "cycle_shutdown" in r0:
-        yield row("release with teardown='shutdown' (ncclCommFinalize), WORLD kept", "s",
-                  _slowest(res, lambda r: r["cycle_shutdown"]["release_s"]), higher_is_better=False,
-                  anchor=anchor_rel, anchor_name="destroy_process_group on each subgroup")
+    others = (("cycle_shutdown", "shutdown (ncclCommFinalize + destroy), concurrent"),
+              ("cycle_sequential", f"{td['how']}, one at a time"),
+              ("cycle_shutdown_sequential", "shutdown, one at a time"))
+    for key, what in others:
+        if key not in r0:
+            continue
+        yield row(f"release, WORLD kept (teardown: {what})", "s", _slowest(res, lambda r: r[key]["release_s"]),
+                  higher_is_better=False, anchor=anchor_rel, anchor_name="destroy_process_group on each subgroup",
+                  note=f"one cycle; ours: {ours}")
+        yield row(f"release + reload + first collective, WORLD kept ({what})", "s",
+                  _slowest(res, lambda r: r[key]["release_s"] + r[key]["reload_first_s"]), higher_is_better=False,
+                  anchor=anchor_rel + anchor_rl, anchor_name="destroy + re-create + first collective",
+                  note=f"one cycle; ours: {ours}")
     if soak:
         drift = max(max(row_[0] for row_ in r["soak"]) - min(row_[0] for row_ in r["soak"]) for r in res)
         yield row(f"free-memory drift after reload over {soak} cycles (WORLD included)", "MiB", drift / MiB,
