@@ -115,3 +115,22 @@ def test_graph_decoder_replays_the_eager_decode():
         assert dec.graph is not None and dec.graph_bytes > 0
         assert torch.equal(seq, ref_seq)
         torch.testing.assert_close(last, ref_last, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison", [False, True])
+def test_graph_decode_pauses_and_replays_under_the_shim(poison):
+    # the ebbtide rollout's setup in isolation (graph_decode_scenario.py): capture into the kv_cache tag, pause
+    # releases it, replay after resume equals the eager decode, no growth over cycles
+    from ebbtide.memory import preload_env
+
+    base = {k: v for k, v in os.environ.items()
+            if k != "LD_PRELOAD" and not k.startswith(("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLOC_CONF"))}
+    env = preload_env(base, default_tag="scratch", default_backup="cpu")
+    if poison:
+        env["EBBTIDE_MEM_POISON"] = "1"
+    script = pathlib.Path(__file__).resolve().parent / "graph_decode_scenario.py"
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    print(p.stdout)
+    out = p.stdout.strip()
+    assert p.returncode == 0 and out.endswith("OK"), f"exit {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-8000:]}"
