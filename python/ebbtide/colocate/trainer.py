@@ -15,7 +15,8 @@ Policies:
   AdamW on CPU fp32 masters with plain copies, the torch quant formula.
 - Verification runs between phases (untimed) on the steps in ``verify_steps``: the trainer computes
   ``dequant(quant(w))`` with its codec and the logits of its model holding those weights; the rollout returns
-  its logits and per-weight digests after the load.
+  its logits and per-weight digests after the load. With ``decode="cuda-graph"`` the rollout's verified
+  generation is also compared with the eager decode (``check_decode``, reported, not gating).
 - Results (phases, memory samples, checks, setup) go to the output JSON; any failure writes the traceback there
   too and exits non-zero, after asking the rollout to exit.
 - ``device="cpu"`` (variant "ebbtide" only) runs the same processes, sync, decode and checks on the CPU with Gloo
