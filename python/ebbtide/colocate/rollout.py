@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from ..errors import InvalidArgumentError, StateError
 from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 from .sync import SharedHostBuffer, SyncLayout, unpack
 
@@ -86,7 +87,7 @@ class _Rollout:
         self.em = self.tms = None
         self.decode = spec.get("decode", "eager")
         if self.decode not in DECODE_MODES:
-            raise ValueError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
+            raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
         self.decoder = None  # the GraphDecoder, built on the first generate
         self.last = None  # (tokens, last logits) of the latest generate, for check_decode
         if not self.cuda:  # the orchestration check without a GPU: nothing to pause
@@ -205,7 +206,7 @@ class _Rollout:
         (untimed; meaningful when decode is not "eager"). Token equality is reported, not required: on a GPU the
         two attention kernels round differently and a near-tie may flip one greedy choice."""
         if self.last is None:
-            raise RuntimeError("check_decode needs a generate(verify=True) first")
+            raise StateError("check_decode needs a generate(verify=True) with decode != 'eager' first")
         seq, last = self.last
         self.last = None
         ref_seq, ref_last = greedy_decode(self.model, self.prompts.to(self.dev), self.spec["new_tokens"], self.cache)
