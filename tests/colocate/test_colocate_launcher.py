@@ -23,6 +23,21 @@ def test_defaults_and_quick():
     q = parse_args(["--quick", "--steps", "7"])
     assert q.model == QUICK_MODEL and q.steps == 7 and q.new_tokens == 32  # explicit flags win over --quick
     assert parse_args(["--quick", "--d-model", "256"]).model.d_model == 256
+    assert cfg.decode == "eager" and cfg.worker_spec("ebbtide")["decode"] == "eager"  # graphs are opt-in
+    g = parse_args(["--quick", "--decode", "cuda-graph"])
+    assert g.decode == "cuda-graph" and g.worker_spec("anchor")["decode"] == "cuda-graph"
+
+
+@pytest.mark.parametrize("bad", ["graph", "", None, "CUDA-GRAPH"])
+def test_decode_mode_is_validated(bad):
+    with pytest.raises(InvalidArgumentError, match="decode must be one of"):
+        RunConfig(decode=bad).validate()
+
+
+def test_bad_decode_flag_exits_with_usage():
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--decode", "graphs"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "--decode" in p.stderr and "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -77,6 +92,23 @@ def test_the_loop_runs_on_cpu(tmp_path, ranks):
     assert rows[0].name.startswith("RL step") and rows[0].ours == pytest.approx(v["summary"]["step_s"])
     assert rows[0].anchor is None and rows[0].anchor_note == "n/a"
     assert len(rows) == (5 if ranks == 2 else 4) and rows[-1].unit == "GB" and rows[-1].ours is None
+
+
+def test_the_loop_runs_on_cpu_with_the_static_decode(tmp_path):
+    # --decode cuda-graph on the CPU: the same GraphDecoder path without capture; the rollout reports what it ran
+    # and the untimed check against the eager decode runs on the verified steps
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", *TINY_ARGS, "--decode", "cuda-graph", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}\n" + "".join(f.read_text() for f in tmp_path.glob("*.log"))
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["config"]["decode"] == "cuda-graph"
+    v = res["variants"]["ebbtide"]
+    assert v["checks"]["correct"] is True and len(v["checks"]["verify"]) == 2
+    for e in v["checks"]["verify"]:
+        assert e["decode"] == "static-eager" and e["decode_vs_eager_tokens_equal"] is True, e
+        assert e["decode_vs_full_argmax_equal"] is True and e["decode_vs_full_rel"] <= 2.0 ** -6, e
+    assert v["ranks"][0]["setup"]["rollout"]["decode_used"] == "static-eager"
+    assert "rollout decode: cuda-graph" in p.stdout and "ebbtide rollout decode: static-eager" in p.stdout
 
 
 def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():

@@ -87,6 +87,25 @@ def test_report_and_timeline(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_report_says_which_decode_ran_and_what_the_anchor_holds():
+    ours = dict(_rank({p: 0.01 for p in PHASES}, 2), setup={"rollout": {
+        "decode_used": "cuda-graph", "graph_bytes": 48 << 20, "graph_pausable": True}})
+    anchor = dict(_rank({p: 0.03 for p in PHASES}, 2), setup={"rollout": {
+        "decode_used": "cuda-graph", "graph_bytes": 50 << 20, "graph_pausable": False}})
+    res = {"config": {"warmup": 1, "decode": "cuda-graph"}, "variants": {
+        "ebbtide": {"ranks": [ours], "summary": summarize([ours], 1)},
+        "anchor": {"ranks": [anchor], "summary": summarize([anchor], 1)}}}
+    text = format_report(res)
+    assert "slowest rank; rollout decode: cuda-graph)" in text
+    assert "ebbtide rollout decode: cuda-graph, graph memory 0.050 GB, released by its pause" in text
+    assert "anchor rollout decode: cuda-graph, graph memory 0.052 GB, HELD while paused" in text
+    for v in res["variants"].values():
+        v["ranks"][0]["setup"]["rollout"] = {"decode_used": "eager"}
+    res["config"]["decode"] = "eager"
+    text = format_report(res)
+    assert "rollout decode: eager)" in text and "graph memory" not in text
+
+
 def test_unavailable_nvml_probe_reports_why():
     p = NvmlProbe.unavailable("device is cpu")
     assert not p.ok and p.why == "device is cpu"

@@ -1,9 +1,10 @@
-"""The example's model on the CPU: KV-cache decode against the full forward, config and argument errors."""
+"""The example's model on the CPU: KV-cache decode against the full forward, the static-shape (CUDA-graph) decode
+step run eagerly against the eager cached decode, config and argument errors."""
 import pytest
 import torch
 
-from ebbtide.colocate import KVCache, ModelConfig, TinyLM, greedy_decode
-from ebbtide.errors import InvalidArgumentError
+from ebbtide.colocate import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
+from ebbtide.errors import InvalidArgumentError, UnsupportedError
 
 TINY = ModelConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=256, max_seq=128)
 ATOL = 1e-4  # fp32: cached and full attention differ only in summation order
@@ -83,3 +84,78 @@ def test_decode_argument_errors():
         KVCache(TINY, 1, TINY.max_seq + 1, device="cpu", dtype=torch.float32)
     with pytest.raises(InvalidArgumentError, match="max_seq"):
         m(torch.zeros(1, TINY.max_seq + 1, dtype=torch.long))
+
+
+# ---- the static-shape decode step (what GraphDecoder captures), run eagerly: the numerics path the graph replays
+
+
+def _prompt(batch, length, seed=1):
+    return torch.randint(TINY.vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("cache_batch, fill", [(3, 0.0), (3, float("nan")), (5, float("inf"))])
+def test_static_step_decode_matches_eager_cached_decode(cache_batch, fill):
+    # fill: what a cache discarded by a pause may hold past the prompt; the static step attends over the whole
+    # cache length (masked), so those entries must not leak into the result
+    m = _model()
+    prompt = _prompt(3, 7)
+    seq_e, last_e = greedy_decode(m, prompt, 9, KVCache(TINY, 3, 7 + 9, device="cpu", dtype=torch.float32))
+    cache = KVCache(TINY, cache_batch, 7 + 9 + 4, device="cpu", dtype=torch.float32)
+    cache.k.fill_(fill)
+    cache.v.fill_(fill)
+    dec = GraphDecoder(m, cache, 3, capture=False)
+    assert dec.mode == "static-eager" and not dec.capture
+    seq_s, last_s = dec.generate(prompt, 9)
+    assert torch.equal(seq_s, seq_e)
+    torch.testing.assert_close(last_s, last_e, atol=ATOL, rtol=0)
+    # the decoder is reused across generations (as the captured graph is): a new prompt over the stale cache
+    prompt2 = _prompt(3, 5, seed=3)
+    seq_e2, last_e2 = greedy_decode(m, prompt2, 6, KVCache(TINY, 3, 11, device="cpu", dtype=torch.float32))
+    seq_s2, last_s2 = dec.generate(prompt2, 6)
+    assert torch.equal(seq_s2, seq_e2)
+    torch.testing.assert_close(last_s2, last_e2, atol=ATOL, rtol=0)
+
+
+def test_static_step_bf16_matches_eager_decode():
+    # the rollout's dtype: argmax equal, logits within two bf16 ulps of the largest
+    m = TinyLM.random(TINY, seed=0, dtype=torch.bfloat16)
+    prompt = _prompt(2, 6)
+    seq_e, last_e = greedy_decode(m, prompt, 8, KVCache(TINY, 2, 14, device="cpu", dtype=torch.bfloat16))
+    seq_s, last_s = GraphDecoder(m, KVCache(TINY, 2, 14, device="cpu", dtype=torch.bfloat16), 2,
+                                 capture=False).generate(prompt, 8)
+    assert torch.equal(seq_s, seq_e)
+    assert (last_s - last_e).abs().max().item() <= 2.0 ** -7 * last_e.abs().max().item()
+
+
+def test_static_step_writes_only_its_position_and_keeps_shapes():
+    m = _model()
+    cache = KVCache(TINY, 2, 16, device="cpu", dtype=torch.float32)
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    shapes = set()
+    with torch.no_grad():
+        for p in (3, 9):
+            out = m.decode_step(torch.tensor([[5], [7]]), torch.tensor([p]), cache)
+            shapes.add(tuple(out.shape))
+            changed = (cache.k != before_k).any(-1).any(2).any(1).any(0)  # per position
+            assert changed.nonzero().flatten().tolist() == ([3] if p == 3 else [3, 9])
+            assert (cache.v != before_v).any(-1).any(2).any(1).any(0).nonzero().flatten().tolist() == \
+                changed.nonzero().flatten().tolist()
+    assert shapes == {(2, TINY.vocab)}
+
+
+def test_graph_decoder_argument_errors():
+    m = _model()
+    cache = KVCache(TINY, 2, 12, device="cpu", dtype=torch.float32)
+    with pytest.raises(UnsupportedError, match="CUDA device"):
+        GraphDecoder(m, cache, 2, capture=True)
+    for bad in (0, 3, True, 1.0):
+        with pytest.raises(InvalidArgumentError, match="batch"):
+            GraphDecoder(m, cache, bad)
+    dec = GraphDecoder(m, cache, 2)  # capture defaults to "on a CUDA device": off here
+    assert dec.mode == "static-eager"
+    with pytest.raises(InvalidArgumentError, match="static batch"):
+        dec.generate(torch.zeros(1, 4, dtype=torch.long), 2)
+    with pytest.raises(InvalidArgumentError, match="too small"):
+        dec.generate(torch.zeros(2, 4, dtype=torch.long), 9)
+    with pytest.raises(InvalidArgumentError, match="new_tokens"):
+        dec.generate(torch.zeros(2, 4, dtype=torch.long), 0)

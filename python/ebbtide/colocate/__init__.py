@@ -10,9 +10,9 @@ subpackage imports torch.
 """
 from .launcher import QUICK_MODEL, RunConfig, main, parse_args, run
 from .measure import PHASES, format_report, growth_check, summarize
-from .model import KVCache, ModelConfig, TinyLM, greedy_decode
+from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 from .sync import SharedHostBuffer, SyncLayout, pack, reference_weights, unpack
 
 __all__ = ["RunConfig", "parse_args", "run", "main", "QUICK_MODEL", "PHASES", "format_report", "growth_check",
-           "summarize", "ModelConfig", "TinyLM", "KVCache", "greedy_decode", "SyncLayout", "SharedHostBuffer", "pack",
-           "unpack", "reference_weights"]
+           "summarize", "ModelConfig", "TinyLM", "KVCache", "greedy_decode", "GraphDecoder", "SyncLayout",
+           "SharedHostBuffer", "pack", "unpack", "reference_weights"]

@@ -37,6 +37,7 @@ __all__ = ["RunConfig", "parse_args", "run", "main", "QUICK_MODEL"]
 GiB = 1 << 30
 QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
 VARIANTS = ("ebbtide", "anchor")
+DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
 
 @dataclasses.dataclass
@@ -55,6 +56,7 @@ class RunConfig:
     seed: int = 0
     variants: tuple = VARIANTS
     scratch_backup: str = "cpu"
+    decode: str = "eager"  # "cuda-graph": the per-token decode step replayed from a CUDA graph (both variants)
     verify_batch: int = 4
     verify_len: int = 64
     timeout_s: int = 900
@@ -93,13 +95,16 @@ class RunConfig:
                                        "pass --variants ebbtide")
         if self.scratch_backup not in ("cpu", "none"):
             raise InvalidArgumentError(f"scratch_backup must be 'cpu' or 'none', got {self.scratch_backup!r}")
+        if self.decode not in DECODE_MODES:
+            raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
         return self
 
     def worker_spec(self, variant: str) -> dict:
         return {"model": dataclasses.asdict(self.model), "variant": variant, "steps": self.steps,
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
-                "seed": self.seed, "scratch_backup": self.scratch_backup, "verify_batch": self.verify_batch,
+                "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode,
+                "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
 
@@ -129,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=",".join(d.variants), help="comma list of: ebbtide, anchor")
     p.add_argument("--scratch-backup", default=d.scratch_backup, choices=("cpu", "none"),
                    help="what the rollout's default tag (untagged allocations) keeps across a pause")
+    p.add_argument("--decode", default=d.decode, choices=DECODE_MODES,
+                   help="rollout decode: eager forwards, or the per-token step captured once in a CUDA graph and "
+                        "replayed (same code in both variants; the anchor rollout keeps the graph's memory while "
+                        "paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
     p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
     p.add_argument("--out", default=d.out, help="directory for results.json, timeline.png and logs")
     p.add_argument("--device", default=d.device, choices=("cuda", "cpu"),
@@ -144,7 +153,8 @@ def parse_args(argv=None) -> RunConfig:
     model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
     kw = {k: getattr(a, k) for k in ("gpus", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
-                                     "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "timeout_s",
+                                     "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode",
+                                     "timeout_s",
                                      "verify_batch", "verify_len",
                                      "out", "device")}
     if a.quick:

@@ -255,7 +255,8 @@ def format_report(results: dict) -> str:
     hdr = f"{'phase':<16}" + "".join(f"{n + ' ms':>14}" for n in names)
     if len(names) == 2:
         hdr += f"{'speed-up':>10}"
-    lines += ["== per-phase time (median over measured steps; slowest rank)", hdr]
+    decode = (results.get("config") or {}).get("decode", "eager")
+    lines += [f"== per-phase time (median over measured steps; slowest rank; rollout decode: {decode})", hdr]
     for ph in PHASES + ("step",):
         vals = [(v[n]["summary"]["step_s"] if ph == "step" else v[n]["summary"]["phase_s"].get(ph)) for n in names]
         if all(x is None for x in vals):
@@ -284,6 +285,7 @@ def format_report(results: dict) -> str:
             lines.append("setup: " + ", ".join(f"{k}={setup[k]}" for k in keys if k in setup))
             if setup.get("rollout"):
                 lines.append(f"rollout: {setup['rollout']}")
+    lines += _decode_lines(v)
     goals = results.get("goals")
     if goals:
         lines += ["", "== goals"] + [f"{k}: {g}" for k, g in goals.items()]
@@ -291,6 +293,22 @@ def format_report(results: dict) -> str:
         if not info.get("summary"):
             lines.append(f"{n}: not measured ({info.get('why', 'unknown reason')})")
     return "\n".join(lines)
+
+
+def _decode_lines(v: dict) -> list:
+    """How each variant's rollout decoded, and the CUDA graph memory it captured (the anchor keeps it paused)."""
+    out = []
+    for n in ("ebbtide", "anchor"):
+        ro = ((v.get(n, {}).get("ranks") or [{}])[0].get("setup") or {}).get("rollout") or {}
+        if not ro.get("decode_used"):
+            continue
+        line = f"{n} rollout decode: {ro['decode_used']}"
+        if ro.get("graph_bytes") is not None:
+            held = ("released by its pause (ebbtide.memory.graph, tag kv_cache)" if ro.get("graph_pausable") else
+                    "HELD while paused (torch_memory_saver's torch hook mode cannot pause a graph pool)")
+            line += f", graph memory {ro['graph_bytes'] / 1e9:.3f} GB, {held}"
+        out.append(line)
+    return [""] + out if out else []
 
 
 def _check_lines(ck: dict) -> list:
@@ -304,7 +322,10 @@ def _check_lines(ck: dict) -> list:
                    f"{' (mismatch: ' + ', '.join(e['mismatching_weights']) + ')' if e['mismatching_weights'] else ''}"
                    f", logits bitwise equal {e['logits_bitwise_equal']}, max |diff| {e['logits_max_abs_diff']:.3g} "
                    f"(atol {e['logits_atol']}); cached decode vs full forward max |diff| "
-                   f"{e['decode_vs_full_max_abs']}, argmax equal {e['decode_vs_full_argmax_equal']}")
+                   f"{e['decode_vs_full_max_abs']}, argmax equal {e['decode_vs_full_argmax_equal']}"
+                   + (f"; vs eager decode: tokens equal {e['decode_vs_eager_tokens_equal']}"
+                      f" (first differing token {e.get('decode_vs_eager_first_diff')}, last logits max |diff| "
+                      f"{e.get('decode_vs_eager_max_abs')})" if "decode_vs_eager_tokens_equal" in e else ""))
     out.append(f"check no memory growth: {ck.get('no_growth')} "
                + "; ".join(f"growth {g.get('growth_bytes')} B (tolerance {g.get('tolerance')}) after {g.get('phase')}"
                            if g.get("ok") is not None else str(g.get("why")) for g in ck.get("growth", [])))

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 
-__all__ = ["ModelConfig", "TinyLM", "KVCache", "greedy_decode", "QUANT_BLOCK"]
+__all__ = ["ModelConfig", "TinyLM", "KVCache", "greedy_decode", "GraphDecoder", "QUANT_BLOCK"]
 
 QUANT_BLOCK = 128
 
@@ -98,9 +98,18 @@ class Block(nn.Module):
         self.up = nn.Linear(d, cfg.d_ff, bias=False)
         self.down = nn.Linear(cfg.d_ff, d, bias=False)
 
-    def forward(self, x, layer: int, cache: KVCache | None, start: int):
+    def _qkv(self, x):
+        B, T, _ = x.shape
+        return self.qkv(self.norm1(x)).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+
+    def _out(self, x, a):
         B, T, D = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+
+    def forward(self, x, layer: int, cache: KVCache | None, start: int):
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x)
         if cache is None:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -113,8 +122,17 @@ class Block(nn.Module):
                 qpos = torch.arange(start, start + T, device=x.device)[:, None]
                 mask = torch.arange(start + T, device=x.device)[None, :] <= qpos
                 a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+        return self._out(x, a)
+
+    def step(self, x, layer: int, cache: KVCache, pos, mask):
+        """Static-shape decode (x [B, 1, D]): k/v written at device position ``pos`` ([1] long), attention over
+        the whole cache under ``mask`` ([1, 1, 1, max_len] bool)."""
+        B = x.shape[0]
+        q, k, v = self._qkv(x)
+        keys, vals = cache.k[layer, :B], cache.v[layer, :B]  # views of fixed shape [B, H, max_len, hd]
+        keys.index_copy_(2, pos, k)
+        vals.index_copy_(2, pos, v)
+        return self._out(x, F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask))
 
 
 class TinyLM(nn.Module):
@@ -154,6 +172,17 @@ class TinyLM(nn.Module):
             x = blk(x, i, cache, start)
         return self.head(self.norm(x))
 
+    def decode_step(self, token, pos, cache: KVCache):
+        """One static-shape decode step: ``token`` [B, 1] long, ``pos`` [1] long on the device (where this token
+        goes; the caller keeps it < cache.max_len), ``cache.batch >= B``. Returns logits [B, vocab] (model dtype).
+        No shape, and no Python value, depends on the position: capturable in a CUDA graph."""
+        x = self.embed(token) + self.pos(pos)
+        keep = torch.arange(cache.max_len, device=pos.device) <= pos
+        mask = keep.view(1, 1, 1, cache.max_len)
+        for i, blk in enumerate(self.blocks):
+            x = blk.step(x, i, cache, pos, mask)
+        return self.head(self.norm(x))[:, -1]
+
     def loss(self, tokens):
         """Next-token cross entropy over a batch [B, T] (fp32 loss)."""
         logits = self(tokens[:, :-1])
@@ -180,3 +209,97 @@ def greedy_decode(model: TinyLM, prompt: torch.Tensor, new_tokens: int, cache: K
             break
         logits = model(nxt, cache, P + i) if cache is not None else model(seq)
     return seq, logits[:, -1].float()
+
+
+class GraphDecoder:
+    """Greedy decode whose per-token step is a replayed CUDA graph (what rollout engines do; the eager loop is
+    bound by kernel launches for small models).
+
+    ``GraphDecoder(model, cache, batch)`` allocates its static inputs (token [batch, 1], position [1]) where it is
+    constructed: build it inside the region that should own them. The first ``generate`` captures one
+    ``model.decode_step`` into a graph inside ``graph_context(graph, stream)`` (default ``torch.cuda.graph(graph,
+    stream=stream)``; pass e.g. ``lambda g, s: ebbtide.memory.graph(g, tag=..., backup="none", stream=s)`` to
+    make the graph's private memory pausable);
+    every later decode step is ``replay()``. The graph bakes in the addresses of the weights, the cache and the
+    static buffers: they must stay where they are (pause/resume that maps memory back at the same addresses is
+    fine; reallocating them is not). ``capture=False`` runs the same step eagerly (the CPU path and the tests).
+    """
+
+    def __init__(self, model: TinyLM, cache: KVCache, batch: int, *, capture: bool | None = None,
+                 graph_context=None):
+        dev = cache.k.device
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= cache.batch:
+            raise InvalidArgumentError(f"batch must be an int in [1, {cache.batch}] (the cache's batch), got {batch!r}")
+        if capture is None:
+            capture = dev.type == "cuda"
+        if capture and dev.type != "cuda":
+            raise UnsupportedError(f"CUDA-graph capture needs the cache on a CUDA device, not {dev}")
+        self.model, self.cache, self.batch, self.capture = model, cache, batch, bool(capture)
+        self.graph_context = graph_context
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graph = self.stream = None
+        self.logits = None  # the graph's static output
+        self.graph_bytes = None  # memory the capture added to torch's reserved pools (device; None before)
+
+    @property
+    def mode(self) -> str:
+        return "cuda-graph" if self.capture else "static-eager"
+
+    def _capture(self):
+        dev = self.cache.k.device
+        # warm-up on the stream the capture will use, outside the capture: lazy inits (the cuBLAS handle and
+        # workspace of that stream, kernel selection) allocate here, in ordinary memory, not in the graph's pool
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # idempotent: rewrites the same k/v at the same position
+                self.model.decode_step(self.token, self.pos, self.cache)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # torch.cuda.graph empties it too: measure the capture alone
+        before = torch.cuda.memory_reserved(dev)
+        g = torch.cuda.CUDAGraph()
+        ctx = (self.graph_context(g, side) if self.graph_context is not None
+               else torch.cuda.graph(g, stream=side))
+        with ctx:
+            self.logits = self.model.decode_step(self.token, self.pos, self.cache)
+        torch.cuda.synchronize(dev)
+        self.graph_bytes = torch.cuda.memory_reserved(dev) - before
+        self.graph, self.stream = g, side  # the stream stays: torch keys the cuBLAS workspace the graph uses by it
+
+    def _step(self):
+        if not self.capture:
+            return self.model.decode_step(self.token, self.pos, self.cache)
+        if self.graph is None:
+            self._capture()  # not run by the capture: the replay below computes this step
+        self.graph.replay()
+        return self.logits
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, new_tokens: int):
+        """As ``greedy_decode(model, prompt, new_tokens, cache)``: returns (tokens [B, P + n], logits of the last
+        position [B, vocab], fp32). ``prompt`` must have exactly ``batch`` rows."""
+        B, P = prompt.shape
+        if B != self.batch:
+            raise InvalidArgumentError(f"prompt batch {B} != the decoder's static batch {self.batch}")
+        if not isinstance(new_tokens, int) or new_tokens < 1:
+            raise InvalidArgumentError(f"new_tokens must be >= 1, got {new_tokens!r}")
+        if P + new_tokens > self.cache.max_len:
+            raise InvalidArgumentError(f"KV cache ({self.cache.max_len} positions) is too small for {P} + "
+                                       f"{new_tokens} tokens")
+        logits = self.model(prompt, self.cache, 0)[:, -1].float()  # eager prefill
+        # masked positions still enter the attention products: make them finite (a resumed cache is undefined)
+        self.cache.k[:, :B, :, P:].zero_()
+        self.cache.v[:, :B, :, P:].zero_()
+        seq = torch.empty(B, P + new_tokens, dtype=torch.long, device=prompt.device)
+        seq[:, :P] = prompt
+        for i in range(new_tokens):
+            nxt = logits.argmax(-1)
+            seq[:, P + i] = nxt
+            if i == new_tokens - 1:
+                break
+            self.token.copy_(nxt.view(B, 1))
+            self.pos.fill_(P + i)
+            logits = self._step().float()
+        return seq, logits

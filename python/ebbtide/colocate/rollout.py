@@ -8,6 +8,15 @@ Policies:
   generation). The process refuses to start if the shim is not active.
 - Variant "anchor": torch_memory_saver in its torch hook mode with the same tags; what lies outside its regions is
   released with ``torch.cuda.empty_cache()`` at pause.
+- Decode ``"eager"`` (default): ``greedy_decode``, one eager forward per token. ``"cuda-graph"``: a
+  ``GraphDecoder`` (eager prefill, the per-token step captured once on the first generate and replayed after).
+  Same code in both variants; only where the graph's memory lives differs. ebbtide: captured with
+  ``ebbtide.memory.graph(tag="kv_cache", backup="none")``, so the rollout pause releases it with the cache and the
+  resume maps it back at the same addresses (the replay recomputes its content). Anchor: torch_memory_saver's
+  torch hook mode cannot pause a graph's private pool, so the graph is captured with plain ``torch.cuda.graph``
+  outside its regions and the anchor rollout keeps holding that memory while paused (reported as
+  ``graph_bytes``). The graph's static token/position buffers are allocated in the ``kv_cache`` region in both
+  (rewritten before every replay). On the CPU (orchestration check) the same static step runs eagerly.
 - One command at a time; each reply carries ``ok``, the time spent inside (device work complete) and, on failure,
   the traceback. The process never exits on a command error: the trainer decides.
 """
@@ -26,10 +35,14 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from .model import KVCache, ModelConfig, TinyLM, greedy_decode
+from ..errors import InvalidArgumentError, StateError
+from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 from .sync import SharedHostBuffer, SyncLayout, unpack
 
-__all__ = ["main", "weight_digests", "prompts", "die_with_parent"]
+__all__ = ["main", "weight_digests", "prompts", "die_with_parent", "DECODE_MODES", "GRAPH_TAG"]
+
+DECODE_MODES = ("eager", "cuda-graph")
+GRAPH_TAG = "kv_cache"  # the ebbtide rollout's decode graph lives with the cache: discarded on pause, replay refills
 
 
 def die_with_parent(parent_pid) -> None:
@@ -72,6 +85,11 @@ class _Rollout:
         self.cfg = ModelConfig(**spec["model"])
         self.codec = "ebbtide" if self.variant == "ebbtide" else "torch"
         self.em = self.tms = None
+        self.decode = spec.get("decode", "eager")
+        if self.decode not in DECODE_MODES:
+            raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
+        self.decoder = None  # the GraphDecoder, built on the first generate
+        self.last = None  # (tokens, last logits) of the latest generate, for check_decode
         if not self.cuda:  # the orchestration check without a GPU: nothing to pause
             region = lambda tag: contextlib.nullcontext()  # noqa: E731
         elif self.variant == "ebbtide":
@@ -98,6 +116,7 @@ class _Rollout:
             self.cache = KVCache(self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)
             extra = int(spec.get("kv_reserve_bytes", 0))
             self.reserve = torch.empty(extra, dtype=torch.uint8, device=self.dev) if extra else None
+        self.region = region
         with region("sync_staging"):
             self.staging = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.dev)
         self.buffer = SharedHostBuffer(spec["buf_fd"], spec["buf_bytes"], pin=self.cuda)
@@ -107,7 +126,8 @@ class _Rollout:
         self._sync()
         self.info = {"pid": os.getpid(), "weights_bytes": 2 * self.cfg.n_params(),
                      "kv_cache_bytes": self.cache.nbytes + extra, "staging_bytes": self.layout.nbytes,
-                     "hook_mode": self.em.hook_mode() if self.em else "tms-torch" if self.tms else "none (cpu)"}
+                     "hook_mode": self.em.hook_mode() if self.em else "tms-torch" if self.tms else "none (cpu)",
+                     "decode": self.decode}
 
     def _sync(self):
         if self.cuda:
@@ -144,13 +164,57 @@ class _Rollout:
             out["digests"] = weight_digests(dict(self.model.named_parameters()))
         return out
 
+    def _graph_context(self):
+        if self.em:  # pausable: released by the rollout pause, mapped back at the same addresses by the resume
+            return lambda g, stream: self.em.graph(g, tag=GRAPH_TAG, backup="none", stream=stream)
+        return None  # plain torch.cuda.graph: the anchor (torch_memory_saver cannot pause it) and nothing else
+
+    def _decode(self, prompt):
+        n = self.spec["new_tokens"]
+        if self.decode == "eager":
+            return greedy_decode(self.model, prompt, n, self.cache)
+        if self.decoder is None:
+            with self.region("kv_cache"):  # the static token/position buffers
+                self.decoder = GraphDecoder(self.model, self.cache, prompt.shape[0], capture=self.cuda,
+                                            graph_context=self._graph_context())
+        return self.decoder.generate(prompt, n)
+
+    def _tag_active(self, tag: str) -> int:
+        return sum(r["bytes_active"] for r in self.em.stats()["tags"] if r["tag"] == tag)
+
     def generate(self, verify: bool = False):
-        seq, last = greedy_decode(self.model, self.prompts.to(self.dev), self.spec["new_tokens"], self.cache)
-        out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item())}
+        capturing = self.decode != "eager" and self.cuda and (self.decoder is None or self.decoder.graph is None)
+        before = self._tag_active(GRAPH_TAG) if capturing and self.em else None
+        seq, last = self._decode(self.prompts.to(self.dev))
+        out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item()),
+               "decode": self.decoder.mode if self.decoder else "eager"}
+        if self.decoder is not None and self.decoder.graph_bytes is not None:
+            out["graph_bytes"] = self.decoder.graph_bytes
+        if before is not None:  # the capture (and the static buffers) landed in the engine: paused with the tag
+            out["graph_engine_bytes"] = self._tag_active(GRAPH_TAG) - before
         if verify:  # the cached decode's last logits against one full forward over the same sequence
             full = self.model(seq[:, :-1])[:, -1].float()
             out["decode_vs_full_max_abs"] = float((full - last).abs().max().item())
+            out["decode_vs_full_rel"] = out["decode_vs_full_max_abs"] / max(float(full.abs().max().item()), 1e-30)
             out["decode_vs_full_argmax_equal"] = bool(torch.equal(full.argmax(-1), last.argmax(-1)))
+            if self.decode != "eager":
+                self.last = (seq, last)
+        return out
+
+    def check_decode(self):
+        """The latest verified generate against the eager ``greedy_decode`` on the same weights and prompts
+        (untimed; meaningful when decode is not "eager"). Token equality is reported, not required: on a GPU the
+        two attention kernels round differently and a near-tie may flip one greedy choice."""
+        if self.last is None:
+            raise StateError("check_decode needs a generate(verify=True) with decode != 'eager' first")
+        seq, last = self.last
+        self.last = None
+        ref_seq, ref_last = greedy_decode(self.model, self.prompts.to(self.dev), self.spec["new_tokens"], self.cache)
+        same = (ref_seq == seq).all(0)
+        first_diff = int((~same).nonzero()[0].item()) - self.prompts.shape[1] if not bool(same.all()) else None
+        out = {"decode_vs_eager_tokens_equal": bool(same.all().item()), "decode_vs_eager_first_diff": first_diff}
+        if first_diff is None:  # same sequence: the last logits are comparable
+            out["decode_vs_eager_max_abs"] = float((ref_last - last).abs().max().item())
         return out
 
     def self_memory(self) -> dict:
@@ -179,7 +243,7 @@ def serve(conn, spec: dict) -> int:
             conn.send({"ok": True})
             return 0
         try:
-            if cmd not in ("pause", "resume", "load", "generate"):
+            if cmd not in ("pause", "resume", "load", "generate", "check_decode"):
                 raise ValueError(f"unknown command {cmd!r}")
             t0 = time.perf_counter()
             out = getattr(r, cmd)(**msg.get("args", {}))

@@ -15,7 +15,8 @@ Policies:
   AdamW on CPU fp32 masters with plain copies, the torch quant formula.
 - Verification runs between phases (untimed) on the steps in ``verify_steps``: the trainer computes
   ``dequant(quant(w))`` with its codec and the logits of its model holding those weights; the rollout returns
-  its logits and per-weight digests after the load.
+  its logits and per-weight digests after the load. With ``decode="cuda-graph"`` the rollout's verified
+  generation is also compared with the eager decode (``check_decode``, reported, not gating).
 - Results (phases, memory samples, checks, setup) go to the output JSON; any failure writes the traceback there
   too and exits non-zero, after asking the rollout to exit.
 - ``device="cpu"`` (variant "ebbtide" only) runs the same processes, sync, decode and checks on the CPU with Gloo
@@ -268,6 +269,7 @@ class _Trainer:
         s = self.spec
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
                                   "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s")}
+        spec["decode"] = s.get("decode", "eager")
         spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes,
                     trainer_pid=os.getpid())
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -357,8 +359,10 @@ class _Trainer:
             "weights_bitwise_equal": not digests_equal, "mismatching_weights": digests_equal[:8],
             "logits_bitwise_equal": bool(torch.equal(logits, ref["logits"])),
             "logits_max_abs_diff": diff, "logits_atol": tol,
-            "decode_vs_full_max_abs": gen.get("decode_vs_full_max_abs"),
-            "decode_vs_full_argmax_equal": gen.get("decode_vs_full_argmax_equal")})
+            "decode": gen.get("decode"),
+            **{k: gen.get(k) for k in ("decode_vs_full_max_abs", "decode_vs_full_rel", "decode_vs_full_argmax_equal",
+                                       "decode_vs_eager_tokens_equal", "decode_vs_eager_first_diff",
+                                       "decode_vs_eager_max_abs") if k in gen}})
 
     def step(self, step: int, verify: bool):
         R, rec = self.rollout, self.rec
@@ -397,6 +401,9 @@ class _Trainer:
                 loaded = out
             if cmd == "generate":
                 gen = out
+                self._note_decode(out)
+                if verify and out.get("decode") != "eager":  # untimed: the graph decode against the eager one
+                    gen.update(R.call("check_decode", timeout=self.spec["timeout_s"]))
         if verify:
             self._verify(step, ref, loaded, gen)
         with rec.phase(step, "trainer_resume") as info:
@@ -413,6 +420,18 @@ class _Trainer:
             with rec.phase(step, "comm_reload") as info:
                 info.update(self.comm.reload())
             self._sample(step, "comm_reload")
+
+    def _note_decode(self, gen: dict):
+        """What the rollout's decode really was, and the memory its graph took (the anchor holds it while
+        paused), into setup["rollout"] once."""
+        ro = self.setup.setdefault("rollout", {})
+        if "decode_used" not in ro:
+            ro["decode_used"] = gen.get("decode")
+        if "graph_bytes" in gen and "graph_bytes" not in ro:
+            ro["graph_bytes"] = gen["graph_bytes"]
+            ro["graph_pausable"] = self.variant == "ebbtide"
+            if "graph_engine_bytes" in gen:
+                ro["graph_engine_bytes"] = gen["graph_engine_bytes"]
 
     def run(self) -> None:
         steps = self.spec["steps"]
