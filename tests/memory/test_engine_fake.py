@@ -74,3 +74,28 @@ def test_multi_device():
 
 def test_soak_100_cycles_no_leaks():
     run("soak", "100")
+
+
+COALESCE_ON = {"EBBTIDE_MEM_COALESCE": "1"}
+
+
+@pytest.mark.parametrize("scenario", spec.COALESCED_SIMPLE)
+def test_scenario_coalesced(scenario):
+    run(scenario, env=COALESCE_ON)
+
+
+@pytest.mark.parametrize("scenario", spec.COALESCE)
+def test_coalesce(scenario):
+    run(scenario, env=COALESCE_ON if scenario == "coalesce_runs_and_zombies" else None)
+
+
+@pytest.mark.parametrize("op,fault", [(op, f) for op, fs in spec.COALESCE_FAULTS.items() for f in fs])
+def test_coalesce_fault_injection_rolls_back(op, fault):
+    run("coalesce_fault_injection", op, fault,
+        env={**COALESCE_ON, "EBBTIDE_MEM_COALESCE_MAX_BYTES": str(8 << 20), "EBBTIDE_MEM_PREPIN": "0"})
+
+
+def test_coalesce_poison_and_soak():
+    run("va_stability_and_roundtrip", env={**COALESCE_ON, "EBBTIDE_MEM_POISON": "1"})
+    run("soak", "100", env=COALESCE_ON)
+    run("multi_device", env={**COALESCE_ON, "EBT_FAKE_DEVICES": "2"})
