@@ -916,6 +916,8 @@ def coalesce_runs_and_zombies():
     assert _mappings_row("t") == (1, n - 2, (n - 2) * 2 * MiB, 4 * MiB), tag_row("t")
     g = em.stats()["global"]
     assert g["bytes_pending_free"] == 4 * MiB and g["live_allocations"] == n - 2, g
+    rr = em.release_report()
+    assert rr.pending_free == 4 * MiB and any("coalesced" in note for note in rr.notes), rr
     assert counters()["phys"] == n * 2 * MiB
     other = alloc(2 * MiB, "other", "none")
     assert not ps[0] <= other < ps[0] + n * 2 * MiB, "a zombie's VA was handed out while still mapped"

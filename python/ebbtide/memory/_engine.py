@@ -91,8 +91,9 @@ def _record_baseline() -> None:
 def _holders(device: int) -> dict:
     held: dict = {}
     for row in _mem().stats():
-        if row["device"] == device and row["bytes_active"]:
-            held[row["tag"]] = held.get(row["tag"], 0) + row["bytes_active"]
+        b = row["bytes_active"] + row.get("bytes_pending_free", 0)  # freed but still mapped (coalesced)
+        if row["device"] == device and b:
+            held[row["tag"]] = held.get(row["tag"], 0) + b
     return held
 
 
