@@ -2,10 +2,12 @@
  * engine.cc — the VMM pause/resume engine.
  *
  * Policies and invariants (state machine drawn in memory/NOTES.md):
- *  - Every allocation is one physical allocation mapped at a VA taken from the device's VaSpace; the VA never
- *    changes until free. ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. The engine holds
- *    no handle: each is released right after its cuMemMap (and on every failure path), so the mapping
- *    alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
+ *  - Every allocation is mapped at a VA taken from the device's VaSpace; the VA never changes until free.
+ *    ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. An allocation is its own physical
+ *    allocation, except with coalescing on (opt-in): a resume then maps each VA-contiguous run of one tag's
+ *    non-shareable allocations on one device as ONE physical allocation (a Segment, engine_segments.cc).
+ *    The engine holds no handle: each is released right after its cuMemMap (and on every failure path), so the
+ *    mapping alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
  *    handle reference is left). Whoever needs a handle later (export) retains one from the VA and releases it.
  *  - A tag is ACTIVE or PAUSED (plus busy while an op owns it). pause(ACTIVE tag) pauses its active
  *    allocations; pause(PAUSED tag) and resume(ACTIVE tag) are no-ops with a warning. Allocations made into a
@@ -16,13 +18,19 @@
  *  - Drain before unmap (spec item 11): pause synchronizes each involved device (cuCtxSynchronize in that
  *    device's primary context) before its first copy/unmap; free() synchronizes the allocation's device before
  *    unmapping it.
+ *  - Driver mappings are never unmapped in part: a pause unmaps a Segment whole (all its live members are ACTIVE
+ *    allocations of one tag, so in the same plan), after all its members' copies finished, and dissolves it
+ *    (a PAUSED allocation has no Segment). free() of an ACTIVE Segment member makes it a zombie: unlisted at once,
+ *    VA reserved and memory mapped until the Segment is unmapped (the tag's next pause, or its last live member's
+ *    free, which drains and unmaps the whole range). a->seg and Segment fields change only under mu_.
  *  - Pause: copies of all CPU-backed allocations are issued first (chunked, on the device's runtime-owned D2H
  *    stream, never crossing a host registration piece), then VA-contiguous runs of same-device allocations are
  *    unmapped, one cuMemUnmap per run (per allocation if the driver refuses the span), each run right after its
  *    own copies finished; a run closes at 256 MiB of copies, so unmaps overlap later copies (spec item 7).
- *  - Resume: pre-flight free-memory check per device; create+map+release every allocation first, grant access
- *    once per VA-contiguous run, then stream H2D. Any failure unmaps what this op mapped: the tag stays PAUSED, host
- *    copies intact, retryable (spec item 12). OOM fills report->oom_*.
+ *  - Resume: pre-flight free-memory check per device; create+map+release every mapping unit (an allocation, or a
+ *    coalesced run) first, grant access once per VA-contiguous run, then stream H2D. Any failure unmaps what
+ *    this op mapped (whole mappings): the tag stays PAUSED, host copies intact, retryable (spec item 12). OOM
+ *    fills report->oom_*.
  *  - Pause failure before the first release: nothing changed. After it: released allocations are mapped again
  *    and restored from their host copies (discard-mode content is gone, as a pause would have made it); if even
  *    that fails, they stay paused and the tag is PAUSED (resume retries).

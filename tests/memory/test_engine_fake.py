@@ -99,3 +99,13 @@ def test_coalesce_poison_and_soak():
     run("va_stability_and_roundtrip", env={**COALESCE_ON, "EBBTIDE_MEM_POISON": "1"})
     run("soak", "100", env=COALESCE_ON)
     run("multi_device", env={**COALESCE_ON, "EBT_FAKE_DEVICES": "2"})
+
+
+@pytest.mark.parametrize("args", [("coalesce_runs_and_zombies",), ("coalesce_fault_injection", "resume", "cuMemCreate:2"),
+                                  ("coalesce_fault_injection", "resume", "cuMemMap:2")])
+def test_coalesce_create_ahead(args):
+    # Creates of the coalesced runs on the helper thread: same mappings, same rollback.
+    env = {**COALESCE_ON, "EBBTIDE_MEM_CREATE_AHEAD": "1", "EBBTIDE_MEM_PREPIN": "0"}
+    if args[0] == "coalesce_fault_injection":
+        env["EBBTIDE_MEM_COALESCE_MAX_BYTES"] = str(8 << 20)
+    run(*args, env=env)
