@@ -77,8 +77,14 @@ def tag_row(tag: str) -> dict:
     return rows[0]
 
 
+DELIBERATE_SUBRANGE_UNMAPS = 0  # sub-range unmaps a scenario made itself (to check that the fake refuses them)
+
+
 def assert_clean() -> None:
-    """After freeing everything: no handle, mapping or host block left; arena releasable to zero."""
+    """After freeing everything: no handle, mapping or host block left; arena releasable to zero; the engine never
+    tried to unmap or grant access to part of a mapping."""
+    assert FAKE.ebt_fake_calls(b"cuMemUnmap:subrange") == DELIBERATE_SUBRANGE_UNMAPS
+    assert FAKE.ebt_fake_calls(b"cuMemSetAccess:subrange") == 0
     em.wait_background_pinning()
     c = counters()
     assert c["handles"] == 0 and c["mappings"] == 0 and c["phys"] == 0, c
@@ -873,6 +879,7 @@ def coalesce_runs_and_zombies():
     gone from lookups and stats at once, its memory and VA held (no driver call) until the mapping is unmapped at
     the next pause or the last live member's free. A paused member's free returns its VA at once. reset() with a
     zombie outstanding leaks nothing. The fake refuses to unmap a sub-range of a mapping, as the real driver does."""
+    global DELIBERATE_SUBRANGE_UNMAPS
     assert em.coalescing() == (os.environ.get("EBBTIDE_MEM_COALESCE") == "1")
     em.set_coalescing(True)
     assert em.coalescing()
@@ -899,6 +906,8 @@ def coalesce_runs_and_zombies():
     assert FAKE.cuMemUnmap(ps[0], 2 * MiB) == CUDA_ERROR_INVALID_VALUE
     assert FAKE.cuMemUnmap(ps[1], 2 * MiB) == CUDA_ERROR_INVALID_VALUE
     assert FAKE.cuMemUnmap(ps[1], (n - 1) * 2 * MiB) == CUDA_ERROR_INVALID_VALUE
+    DELIBERATE_SUBRANGE_UNMAPS = 3
+    assert FAKE.ebt_fake_calls(b"cuMemUnmap:subrange") == 3
     assert counters()["mappings"] == 1 and read(ps[1], 2 * MiB) == data[1]
     # Free of active members: zombies (no drain, no unmap), unlisted at once, memory held.
     host_before = em.stats()["global"]["host_used"]

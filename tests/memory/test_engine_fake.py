@@ -101,7 +101,8 @@ def test_coalesce_poison_and_soak():
     run("multi_device", env={**COALESCE_ON, "EBT_FAKE_DEVICES": "2"})
 
 
-@pytest.mark.parametrize("args", [("coalesce_runs_and_zombies",), ("coalesce_fault_injection", "resume", "cuMemCreate:2"),
+@pytest.mark.parametrize("args", [("coalesce_runs_and_zombies",),
+                                  ("coalesce_fault_injection", "resume", "cuMemCreate:2"),
                                   ("coalesce_fault_injection", "resume", "cuMemMap:2")])
 def test_coalesce_create_ahead(args):
     # Creates of the coalesced runs on the helper thread: same mappings, same rollback.
