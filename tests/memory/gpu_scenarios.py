@@ -272,7 +272,8 @@ def coalesced_discard(mode: str):
     dev = torch.cuda.current_device()
     k, size = 64, 16 * MiB
     ps = [mem.malloc(size, dev, "members", 1) for _ in range(k)]
-    views = [torch.as_tensor(_Raw(p, size), device="cuda") for p in ps]
+    views = [torch.as_tensor(_Raw(p, size), device=f"cuda:{dev}") for p in ps]
+    assert [v.data_ptr() for v in views] == ps, "torch.as_tensor copied instead of viewing the allocation"
     for i, v in enumerate(views):
         v.fill_(i % 251)
     torch.cuda.synchronize()

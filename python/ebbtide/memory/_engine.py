@@ -210,9 +210,11 @@ def mark_clean(tag: str) -> None:
 
 
 def stats() -> dict:
-    """``{"tags": [row per (tag, device)], "global": {...}}``. A row has state, allocations, handles,
-    bytes_requested/active/paused/backed_up and the last pause/resume reports; "global" has the host arena
-    (reserved/used/segments/register seconds), the shim's forwarded (untracked) allocations and engine counters."""
+    """``{"tags": [row per (tag, device)], "global": {...}}``. A row has state, allocations, handles (driver
+    mappings: a coalesced run counts once), bytes_requested/active/paused/backed_up, bytes_pending_free (freed but
+    still mapped inside a coalesced run, see set_coalescing) and the last pause/resume reports; "global" has the
+    host arena (reserved/used/segments/register seconds), the shim's forwarded (untracked) allocations and engine
+    counters (coalesced_mappings, bytes_pending_free among them)."""
     m = _mem()
     return {"tags": list(m.stats()), "global": dict(m.global_stats())}
 
