@@ -239,10 +239,10 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
     size_t free_b = 0, total = 0;
     EBT_CU_CHECK(drv->cuMemGetInfo(&free_b, &total));
     if (free_b < a->aligned || free_b - a->aligned < margin)
-      return ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
-                           "allocating %zu bytes on device %d would leave %zu of %zu free, under the memory margin "
-                           "of %zu bytes", a->aligned, device_ordinal, free_b > a->aligned ? free_b - a->aligned : 0,
-                           free_b, margin);
+      return oom_hint(ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
+                                    "allocating %zu bytes on device %d would leave %zu of %zu free, under the memory "
+                                    "margin of %zu bytes", a->aligned, device_ordinal,
+                                    free_b > a->aligned ? free_b - a->aligned : 0, free_b, margin));
   }
   EBT_CHECK(d->va->allocate(drv, a->aligned, &a->va));
   CUmemAllocationProp prop = device_prop(device_ordinal, shareable);
@@ -274,7 +274,7 @@ fail_handle:
   drv->cuMemRelease(h);  // the last reference: with the mapping gone, this frees the memory
 fail_va:
   d->va->free(a->va, a->aligned);
-  return st;
+  return oom_hint(st);
 }
 
 bool Engine::owns(const void* ptr) {

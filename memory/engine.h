@@ -193,6 +193,9 @@ class Engine {
   unsigned long long allocs_total_ = 0, frees_total_ = 0;
   std::atomic<size_t> margin_{0};  // bytes an allocation or resume must leave free (0: no check)
   std::atomic<bool> coalesce_{false};  // resume coalesces VA-contiguous runs into one mapping each
+  size_t pending_free_ = 0;  // aligned bytes of zombies (freed, still mapped in coalesced mappings); mu_
+  // An OOM status gets a hint when zombies hold memory (nothing else can give it back before their tag's pause).
+  ebt_status_t oom_hint(ebt_status_t st);
 
   struct Import {
     CUmemGenericAllocationHandle handle = 0;

@@ -209,6 +209,7 @@ ebt_status_t Engine::reset() {
   for (auto& kv : by_va_) all.push_back(kv.second);
   by_va_.clear();
   tags_.clear();
+  pending_free_ = 0;
   allocs_total_ = frees_total_ = 0;
   lock.unlock();
   std::lock_guard<std::mutex> dlock(dev_mu_);

@@ -10,6 +10,7 @@
 // Shareable allocations never join a run: an export must expose exactly one allocation's memory.
 #include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "csrc/status.h"
 #include "memory/engine.h"
@@ -115,6 +116,7 @@ void Engine::retire_segments(const std::vector<Allocation*>& allocs, const std::
       for (size_t k = u->begin; k < u->end; ++k) allocs[k]->seg.reset();
       Segment& s = *u->seg;
       r->bytes_pending_freed += s.zombie_bytes;
+      pending_free_ -= s.zombie_bytes;
       dead.insert(dead.end(), s.zombies.begin(), s.zombies.end());
       s.zombies.clear();
       s.zombie_bytes = 0;
@@ -136,6 +138,7 @@ ebt_status_t Engine::free_member(Allocation* a, std::unique_lock<std::mutex>& lo
   if (--s->live > 0) {  // a zombie: nothing to unmap yet (a sub-range of a mapping cannot be unmapped)
     s->zombies.push_back(a);
     s->zombie_bytes += a->aligned;
+    pending_free_ += a->aligned;
     lock.unlock();
     arena_.free(host);
     EBT_TRACE(EBT_SUBSYS_MEM, "free 0x%llx: inside a coalesced mapping (0x%llx, %zu bytes); memory held until it is "
@@ -145,6 +148,7 @@ ebt_status_t Engine::free_member(Allocation* a, std::unique_lock<std::mutex>& lo
   // The last live member: unmap the whole mapping, then every member's VA goes back.
   std::vector<Allocation*> members = std::move(s->zombies);
   s->zombies.clear();
+  pending_free_ -= s->zombie_bytes;
   s->zombie_bytes = 0;
   members.push_back(a);
   lock.unlock();
@@ -167,6 +171,19 @@ ebt_status_t Engine::free_member(Allocation* a, std::unique_lock<std::mutex>& lo
   }
   for (Allocation* m : members) delete m;
   return st;
+}
+
+ebt_status_t Engine::oom_hint(ebt_status_t st) {
+  if (st != EBT_ERROR_OUT_OF_MEMORY) return st;
+  size_t held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held = pending_free_;
+  }
+  if (!held) return st;
+  std::string msg = ebt_last_error();
+  return ebt_set_error(st, "%s (%zu bytes of freed allocations are still held inside coalesced mappings: they go "
+                       "back at their tag's next pause)", msg.c_str(), held);
 }
 
 }  // namespace ebbtide::memory

@@ -931,6 +931,11 @@ def coalesce_runs_and_zombies():
     assert counters()["phys"] == n * 2 * MiB
     other = alloc(2 * MiB, "other", "none")
     assert not ps[0] <= other < ps[0] + n * 2 * MiB, "a zombie's VA was handed out while still mapped"
+    try:  # out of memory while zombies hold some: the error says so
+        NATIVE.malloc(60 * MiB, 0, "other", 0)
+        raise AssertionError("allocation beyond the fake device succeeded")
+    except OutOfMemoryError as e:
+        assert "coalesced" in str(e) and str(4 * MiB) in str(e), e
     for i in (5, 7):
         assert read(ps[i], 2 * MiB) == data[i]
     # The tag's pause unmaps the whole mapping with one call; the zombies go with it.
