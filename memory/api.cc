@@ -62,10 +62,12 @@ void on_fork_child() { g_forked.store(true); }
 // the process default region, so a process started under the shim captures every allocation from its start.
 void apply_default_from_env();
 void apply_margin_from_env();
+void apply_coalesce_from_env();
 struct LoadTimeSetup {
   LoadTimeSetup() {
     pthread_atfork(nullptr, nullptr, on_fork_child);
     apply_margin_from_env();
+    apply_coalesce_from_env();
     apply_default_from_env();
   }
 };
@@ -77,6 +79,13 @@ void apply_margin_from_env() {
   unsigned long long v = strtoull(m, &end, 10);
   if (end && *end == '\0') Engine::get().set_margin(static_cast<size_t>(v));
   else EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_MARGIN_BYTES=%s ignored: not a byte count", m);
+}
+
+void apply_coalesce_from_env() {
+  const char* v = getenv("EBBTIDE_MEM_COALESCE");
+  if (!v || !*v) return;
+  if (strcmp(v, "1") == 0 || strcmp(v, "0") == 0) Engine::get().set_coalescing(v[0] == '1');
+  else EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_COALESCE=%s ignored: use 1 or 0", v);
 }
 
 // torch_memory_saver's equivalent (TMS_INIT_ENABLE=1, TMS_INIT_ENABLE_CPU_BACKUP=1: tag "default") is honoured when
@@ -340,6 +349,19 @@ ebt_status_t ebt_mem_set_memory_margin(size_t bytes) {
 ebt_status_t ebt_mem_get_memory_margin(size_t* bytes) {
   EBT_REQUIRE_ARG(bytes, "bytes is NULL");
   *bytes = Engine::get().margin();
+  return EBT_SUCCESS;
+}
+
+ebt_status_t ebt_mem_set_coalescing(int enabled) {
+  EBT_NOT_IN_FORK();
+  EBT_REQUIRE_ARG(enabled == 0 || enabled == 1, "enabled must be 0 or 1, not %d", enabled);
+  Engine::get().set_coalescing(enabled != 0);
+  return EBT_SUCCESS;
+}
+
+ebt_status_t ebt_mem_get_coalescing(int* enabled) {
+  EBT_REQUIRE_ARG(enabled, "enabled is NULL");
+  *enabled = Engine::get().coalescing() ? 1 : 0;
   return EBT_SUCCESS;
 }
 

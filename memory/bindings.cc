@@ -39,6 +39,8 @@ py::dict report_dict(const ebt_mem_report_t& r) {
   d["create_s"] = r.create_s;
   d["access_s"] = r.access_s;
   d["unmap_calls"] = r.unmap_calls;
+  d["mappings"] = r.mappings;
+  d["bytes_pending_freed"] = r.bytes_pending_freed;
   d["total_s"] = r.total_s;
   d["driver_free_before"] = r.driver_free_before;
   d["driver_free_after"] = r.driver_free_after;
@@ -208,6 +210,13 @@ void register_bindings(py::module_& m) {
     EBT_PY_CHECK(ebt_mem_get_memory_margin(&b));
     return b;
   });
+  m.def("set_coalescing", [](bool enabled) { EBT_PY_CHECK(ebt_mem_set_coalescing(enabled ? 1 : 0)); },
+        py::arg("enabled"), "Resume maps each VA-contiguous run of a tag's allocations as one mapping (see NOTES).");
+  m.def("coalescing", [] {
+    int on = 0;
+    EBT_PY_CHECK(ebt_mem_get_coalescing(&on));
+    return bool(on);
+  });
   m.def("stats", [] {
     size_t n = 0;
     EBT_PY_CHECK(ebt_mem_stats(nullptr, 0, &n));
@@ -226,6 +235,7 @@ void register_bindings(py::module_& m) {
       d["bytes_active"] = s.bytes_active;
       d["bytes_paused"] = s.bytes_paused;
       d["bytes_backed_up"] = s.bytes_backed_up;
+      d["bytes_pending_free"] = s.bytes_pending_free;
       d["last_pause"] = report_dict(s.last_pause);
       d["last_resume"] = report_dict(s.last_resume);
       out.append(d);
@@ -246,6 +256,8 @@ void register_bindings(py::module_& m) {
     d["engine_frees"] = g.engine_frees;
     d["va_reserved"] = g.va_reserved;
     d["live_allocations"] = g.live_allocations;
+    d["coalesced_mappings"] = g.coalesced_mappings;
+    d["bytes_pending_free"] = g.bytes_pending_free;
     return d;
   });
   m.def("get_cpu_backup", [](uintptr_t ptr) {

@@ -55,6 +55,11 @@ typedef struct {
    * a pause made (one per VA-contiguous run when the driver accepts it, else one per allocation). */
   double create_s, access_s;
   size_t unmap_calls;
+  /* Appended (coalescing): driver mappings the op unmapped or created (= allocations, unless resume coalesced
+   * runs of them: see ebt_mem_set_coalescing), and bytes of freed members of coalesced mappings that this pause
+   * gave back to the driver (not counted in `bytes`). */
+  size_t mappings;
+  size_t bytes_pending_freed;
 } ebt_mem_report_t;
 
 /* Per (tag, device) statistics; see ebt_mem_stats. */
@@ -63,13 +68,15 @@ typedef struct {
   int device;
   int state;                /* ebt_mem_tag_state_t of the tag */
   size_t allocations;       /* live allocations (active + paused) */
-  size_t handles;           /* physical allocations mapped (= active allocations; the engine releases each handle
-                               right after mapping it, so the mapping alone keeps the memory) */
+  size_t handles;           /* physical allocations mapped: one per active allocation, one per coalesced run (the
+                               engine releases each handle right after mapping it: the mapping alone keeps it) */
   size_t bytes_requested;   /* sum of requested sizes of live allocations */
   size_t bytes_active;      /* physical bytes mapped now (aligned) */
   size_t bytes_paused;      /* physical bytes released by pause (aligned) */
   size_t bytes_backed_up;   /* host arena bytes holding this tag's backups (kept across cycles) */
   ebt_mem_report_t last_pause, last_resume;
+  size_t bytes_pending_free;  /* freed allocations of this tag still mapped inside a coalesced mapping (aligned
+                                 bytes; given back at the tag's next pause or when the mapping empties) */
 } ebt_mem_tag_stats_t;
 
 /* Host arena and interposer counters. */
@@ -84,6 +91,8 @@ typedef struct {
   unsigned long long engine_frees;
   size_t va_reserved;        /* virtual address space reserved from the driver */
   size_t live_allocations;
+  size_t coalesced_mappings; /* mappings now holding several allocations (coalesced resume) */
+  size_t bytes_pending_free; /* freed allocations still mapped inside them (see ebt_mem_set_coalescing) */
 } ebt_mem_global_stats_t;
 
 typedef struct ebt_mem_op* ebt_mem_op_t; /* an asynchronous pause or resume */
@@ -172,6 +181,17 @@ EBT_API ebt_status_t ebt_mem_close_import(void* ptr);
  * the check off; it then costs nothing. EBBTIDE_MEM_MARGIN_BYTES sets it at library load. */
 EBT_API ebt_status_t ebt_mem_set_memory_margin(size_t bytes);
 EBT_API ebt_status_t ebt_mem_get_memory_margin(size_t* bytes);
+
+/* ---- coalesced resume ------------------------------------------------------------------------------------------
+ * Off by default (EBBTIDE_MEM_COALESCE=1 turns it on at library load). On: a resume maps each VA-contiguous run of
+ * a tag's paused, non-shareable allocations on one device (at most EBBTIDE_MEM_COALESCE_MAX_BYTES, default 4 GiB)
+ * as ONE physical allocation and mapping, and the next pause unmaps it with one call: the driver's cost is per
+ * mapping, so 1024 allocations then cost a few mappings. Trade-off: freeing one allocation of such a run while it
+ * is active cannot unmap part of the mapping: the allocation disappears at once (lookup, stats), but its memory
+ * and VA are held until the run is unmapped — at the tag's next pause, or when the run's last allocation is freed
+ * (stats: bytes_pending_free). Takes effect at the next resume; mappings made earlier keep their shape. */
+EBT_API ebt_status_t ebt_mem_set_coalescing(int enabled);
+EBT_API ebt_status_t ebt_mem_get_coalescing(int* enabled);
 
 /* ---- host arena ---------------------------------------------------------------------------------------------
  * Pin `bytes` more host memory now (pre-touched, registered by several threads), so the first pause does not

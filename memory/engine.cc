@@ -2,10 +2,12 @@
  * engine.cc — the VMM pause/resume engine.
  *
  * Policies and invariants (state machine drawn in memory/NOTES.md):
- *  - Every allocation is one physical allocation mapped at a VA taken from the device's VaSpace; the VA never
- *    changes until free. ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. The engine holds
- *    no handle: each is released right after its cuMemMap (and on every failure path), so the mapping
- *    alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
+ *  - Every allocation is mapped at a VA taken from the device's VaSpace; the VA never changes until free.
+ *    ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. An allocation is its own physical
+ *    allocation, except with coalescing on (opt-in): a resume then maps each VA-contiguous run of one tag's
+ *    non-shareable allocations on one device as ONE physical allocation (a Segment, engine_segments.cc).
+ *    The engine holds no handle: each is released right after its cuMemMap (and on every failure path), so the
+ *    mapping alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
  *    handle reference is left). Whoever needs a handle later (export) retains one from the VA and releases it.
  *  - A tag is ACTIVE or PAUSED (plus busy while an op owns it). pause(ACTIVE tag) pauses its active
  *    allocations; pause(PAUSED tag) and resume(ACTIVE tag) are no-ops with a warning. Allocations made into a
@@ -16,13 +18,19 @@
  *  - Drain before unmap (spec item 11): pause synchronizes each involved device (cuCtxSynchronize in that
  *    device's primary context) before its first copy/unmap; free() synchronizes the allocation's device before
  *    unmapping it.
+ *  - Driver mappings are never unmapped in part: a pause unmaps a Segment whole (all its live members are ACTIVE
+ *    allocations of one tag, so in the same plan), after all its members' copies finished, and dissolves it
+ *    (a PAUSED allocation has no Segment). free() of an ACTIVE Segment member makes it a zombie: unlisted at once,
+ *    VA reserved and memory mapped until the Segment is unmapped (the tag's next pause, or its last live member's
+ *    free, which drains and unmaps the whole range). a->seg and Segment fields change only under mu_.
  *  - Pause: copies of all CPU-backed allocations are issued first (chunked, on the device's runtime-owned D2H
  *    stream, never crossing a host registration piece), then VA-contiguous runs of same-device allocations are
  *    unmapped, one cuMemUnmap per run (per allocation if the driver refuses the span), each run right after its
  *    own copies finished; a run closes at 256 MiB of copies, so unmaps overlap later copies (spec item 7).
- *  - Resume: pre-flight free-memory check per device; create+map+release every allocation first, grant access
- *    once per VA-contiguous run, then stream H2D. Any failure unmaps what this op mapped: the tag stays PAUSED, host
- *    copies intact, retryable (spec item 12). OOM fills report->oom_*.
+ *  - Resume: pre-flight free-memory check per device; create+map+release every mapping unit (an allocation, or a
+ *    coalesced run) first, grant access once per VA-contiguous run, then stream H2D. Any failure unmaps what
+ *    this op mapped (whole mappings): the tag stays PAUSED, host copies intact, retryable (spec item 12). OOM
+ *    fills report->oom_*.
  *  - Pause failure before the first release: nothing changed. After it: released allocations are mapped again
  *    and restored from their host copies (discard-mode content is gone, as a pause would have made it); if even
  *    that fails, they stay paused and the tag is PAUSED (resume retries).
@@ -231,10 +239,10 @@ ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const c
     size_t free_b = 0, total = 0;
     EBT_CU_CHECK(drv->cuMemGetInfo(&free_b, &total));
     if (free_b < a->aligned || free_b - a->aligned < margin)
-      return ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
-                           "allocating %zu bytes on device %d would leave %zu of %zu free, under the memory margin "
-                           "of %zu bytes", a->aligned, device_ordinal, free_b > a->aligned ? free_b - a->aligned : 0,
-                           free_b, margin);
+      return oom_hint(ebt_set_error(EBT_ERROR_OUT_OF_MEMORY,
+                                    "allocating %zu bytes on device %d would leave %zu of %zu free, under the memory "
+                                    "margin of %zu bytes", a->aligned, device_ordinal,
+                                    free_b > a->aligned ? free_b - a->aligned : 0, free_b, margin));
   }
   EBT_CHECK(d->va->allocate(drv, a->aligned, &a->va));
   CUmemAllocationProp prop = device_prop(device_ordinal, shareable);
@@ -266,7 +274,7 @@ fail_handle:
   drv->cuMemRelease(h);  // the last reference: with the mapping gone, this frees the memory
 fail_va:
   d->va->free(a->va, a->aligned);
-  return st;
+  return oom_hint(st);
 }
 
 bool Engine::owns(const void* ptr) {
@@ -287,8 +295,10 @@ ebt_status_t Engine::free(void* ptr, int* found) {
     by_va_.erase(a->va);
     a->tag->allocations.erase(a);
     ++frees_total_;
+    *found = 1;
+    // Inside a coalesced mapping: a zombie until the mapping goes (engine_segments.cc).
+    if (a->state == AllocState::kActive && a->seg) return free_member(a, lock);
   }
-  *found = 1;
   std::unique_ptr<Allocation> owned(a);
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
@@ -430,6 +440,8 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
   std::vector<Device*> devs(allocs.size());
   for (size_t i = 0; i < allocs.size(); ++i) EBT_CHECK(device(allocs[i]->device, &devs[i]));
   r->device = allocs[0]->device;
+  std::vector<MapUnit> units;  // the driver mappings to unmap (a coalesced mapping is one unit, unmapped whole)
+  EBT_CHECK(pause_units(allocs, &units));
   // 1. Drain every involved device (not just the current one).
   auto t_sync = Clock::now();
   for (size_t i = 0; i < allocs.size(); ++i) {
@@ -492,21 +504,30 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     CUresult res = drv->cuEventRecord(events[i], devs[i]->d2h);
     if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuEventRecord (pause)", __FILE__, __LINE__);
   }
-  // 4. Unmap VA-contiguous runs of same-device allocations, one driver call per run, each as soon as its copies
+  // 4. Unmap VA-contiguous runs of same-device mappings, one driver call per run, each as soon as its copies
   //    finished. A run holding copies closes at unmap_run_copy_bytes() of them, so unmaps still overlap the
-  //    copies that stream behind them; a discard-only run spans the whole contiguous range.
+  //    copies that stream behind them; a discard-only run spans the whole contiguous range. A run never splits a
+  //    unit: a coalesced mapping is unmapped whole, after all its members' copies finished.
+  auto copied_in = [&](const MapUnit& u) {
+    size_t c = 0;
+    for (size_t m = u.begin; m < u.end; ++m)
+      if (copy[m]) c += allocs[m]->size;
+    return c;
+  };
   std::vector<Allocation*> released;
-  for (size_t k = 0; k < allocs.size() && st == EBT_SUCCESS;) {
+  std::vector<const MapUnit*> retired;  // coalesced mappings unmapped (their segments are dissolved below)
+  for (size_t k = 0; k < units.size() && st == EBT_SUCCESS;) {
     size_t j = k + 1;
-    size_t copied = copy[k] ? allocs[k]->size : 0;
-    CUdeviceptr end = allocs[k]->va + allocs[k]->aligned;
-    while (j < allocs.size() && devs[j] == devs[k] && allocs[j]->va == end && copied < unmap_run_copy_bytes()) {
-      end += allocs[j]->aligned;
-      if (copy[j]) copied += allocs[j]->size;
+    size_t copied = copied_in(units[k]);
+    CUdeviceptr end = units[k].va + units[k].size;
+    while (j < units.size() && units[j].device == units[k].device && units[j].va == end &&
+           copied < unmap_run_copy_bytes()) {
+      end += units[j].size;
+      copied += copied_in(units[j]);
       ++j;
     }
-    CtxGuard ctx(drv, devs[k]->ctx);
-    for (size_t m = k; m < j; ++m) {
+    CtxGuard ctx(drv, devs[units[k].begin]->ctx);
+    for (size_t m = units[k].begin; m < units[j - 1].end; ++m) {
       if (!copy[m]) continue;
       CUresult res = drv->cuEventSynchronize(events[m]);
       if (res != CUDA_SUCCESS) {
@@ -519,7 +540,7 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     }
     if (st != EBT_SUCCESS) break;
     auto t_unmap = Clock::now();
-    st = unmap_run(allocs, k, j, &released, r);
+    st = unmap_run(allocs, units, k, j, &released, &retired, r);
     r->unmap_s += since(t_unmap);
     k = j;
   }
@@ -528,6 +549,11 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     if (!events[k]) continue;
     if (st != EBT_SUCCESS) drv->cuEventSynchronize(events[k]);
     give_event(devs[k], events[k]);
+  }
+  if (!retired.empty()) {  // dissolve the unmapped segments first (a rollback makes new ones)
+    std::string msg = st != EBT_SUCCESS ? ebt_last_error() : "";
+    retire_segments(allocs, retired, r);
+    if (st != EBT_SUCCESS) ebt_set_error(st, "%s", msg.c_str());
   }
   if (st != EBT_SUCCESS) {
     std::string msg = ebt_last_error();
@@ -548,70 +574,78 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
 }
 
 // One cuMemUnmap over the run first: the documentation asks for "the entire contiguous address range that was
-// mapped" without saying whether that range may consist of several mappings (reported to work; unverified
-// here). Any error (a driver that wants one mapping per call) falls back to one call per allocation; an error
-// there is the pause's failure (what was unmapped before it is in *released, for the rollback).
-ebt_status_t Engine::unmap_run(const std::vector<Allocation*>& allocs, size_t begin, size_t end,
-                               std::vector<Allocation*>* released, ebt_mem_report_t* r) {
+// mapped" without saying whether that range may consist of several mappings (accepted on H200, driver 580; see
+// NOTES.md). Any error (a driver that wants one mapping per call) falls back to one call per unit (a coalesced
+// mapping is still unmapped whole: never a sub-range); an error there is the pause's failure (what was unmapped
+// before it is in *released, for the rollback).
+ebt_status_t Engine::unmap_run(const std::vector<Allocation*>& allocs, const std::vector<MapUnit>& units,
+                               size_t begin, size_t end, std::vector<Allocation*>* released,
+                               std::vector<const MapUnit*>* retired, ebt_mem_report_t* r) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
-  auto mark = [&](Allocation* a) {
-    a->state = AllocState::kPaused;
-    r->allocations += 1;
-    r->bytes += a->aligned;
-    released->push_back(a);
+  auto mark = [&](const MapUnit& u) {
+    for (size_t k = u.begin; k < u.end; ++k) {
+      Allocation* a = allocs[k];
+      a->state = AllocState::kPaused;
+      r->allocations += 1;
+      r->bytes += a->aligned;
+      released->push_back(a);
+    }
+    r->mappings += 1;
+    if (u.seg) retired->push_back(&u);
   };
   if (end - begin > 1) {
-    const CUdeviceptr va = allocs[begin]->va;
-    const size_t len = allocs[end - 1]->va + allocs[end - 1]->aligned - va;
+    const CUdeviceptr va = units[begin].va;
+    const size_t len = units[end - 1].va + units[end - 1].size - va;
     r->unmap_calls += 1;
     CUresult res = drv->cuMemUnmap(va, len);
     if (res == CUDA_SUCCESS) {
-      for (size_t k = begin; k < end; ++k) mark(allocs[k]);
+      for (size_t k = begin; k < end; ++k) mark(units[k]);
       return EBT_SUCCESS;
     }
-    EBT_INFO(EBT_SUBSYS_MEM, "cuMemUnmap over %zu mappings failed (%d); per allocation instead", end - begin, res);
+    EBT_INFO(EBT_SUBSYS_MEM, "cuMemUnmap over %zu mappings failed (%d); one per mapping instead", end - begin, res);
   }
   for (size_t k = begin; k < end; ++k) {
     r->unmap_calls += 1;
-    CUresult res = drv->cuMemUnmap(allocs[k]->va, allocs[k]->aligned);
+    CUresult res = drv->cuMemUnmap(units[k].va, units[k].size);
     if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuMemUnmap (pause)", __FILE__, __LINE__);
-    mark(allocs[k]);
+    mark(units[k]);
   }
   return EBT_SUCCESS;
 }
 
-// Map h at a's VA and drop the handle: from here the mapping alone keeps the physical memory (unmap frees it).
-// Takes h over (released on every path). The allocation's device context must be current.
-ebt_status_t Engine::map_release(Allocation* a, CUmemGenericAllocationHandle h) {
+// Map h over [va, va + size) and drop the handle: from here the mapping alone keeps the physical memory (unmap
+// frees it). Takes h over (released on every path). The unit's device context must be current.
+ebt_status_t Engine::map_release(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
-  CUresult res = drv->cuMemMap(a->va, a->aligned, 0, h, 0);
+  CUresult res = drv->cuMemMap(va, size, 0, h, 0);
   if (res != CUDA_SUCCESS) {
     drv->cuMemRelease(h);
     return ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
   }
   res = drv->cuMemRelease(h);
   if (res != CUDA_SUCCESS) {  // still referenced: unmap, then retry the release so nothing is left behind
-    drv->cuMemUnmap(a->va, a->aligned);
+    drv->cuMemUnmap(va, size);
     drv->cuMemRelease(h);
     return ebt_cu_error(res, "cuMemRelease (resume)", __FILE__, __LINE__);
   }
   return EBT_SUCCESS;
 }
 
-// Create + map + release every allocation, then grant access per VA-contiguous run. With create-ahead on, a
-// helper thread makes the physical memory (cuMemCreate, the bulk of a discard resume's driver time) while this
-// thread maps what is ready; it stops at its first failure, which this thread then reports in order.
-ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r) {
+// Create + map + release every unit (one allocation, or a coalesced run), then grant access per VA-contiguous run
+// of units. With create-ahead on, a helper thread makes the physical memory (cuMemCreate, the bulk of a discard
+// resume's driver time) while this thread maps what is ready; it stops at its first failure, which this thread
+// then reports in order. On failure every unit this call mapped is unmapped again.
+ebt_status_t Engine::map_all(const std::vector<MapUnit>& units, ebt_mem_report_t* r) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
-  const size_t n = allocs.size();
+  const size_t n = units.size();
   std::vector<Device*> devs(n);
-  for (size_t i = 0; i < n; ++i) EBT_CHECK(device(allocs[i]->device, &devs[i]));
-  auto create = [drv](const Allocation* a, CUmemGenericAllocationHandle* h) {
-    CUmemAllocationProp prop = device_prop(a->device, a->shareable);
-    return drv->cuMemCreate(h, a->aligned, &prop, 0);
+  for (size_t i = 0; i < n; ++i) EBT_CHECK(device(units[i].device, &devs[i]));
+  auto create = [drv](const MapUnit& u, CUmemGenericAllocationHandle* h) {
+    CUmemAllocationProp prop = device_prop(u.device, u.shareable);
+    return drv->cuMemCreate(h, u.size, &prop, 0);
   };
   bool ahead = create_ahead_min() > 0 && n >= create_ahead_min();
   std::vector<CUmemGenericAllocationHandle> handles(ahead ? n : 0, 0);
@@ -625,7 +659,7 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
       auto t0 = Clock::now();
       for (size_t i = 0; i < n && !stop.load(std::memory_order_relaxed); ++i) {
         CtxGuard ctx(drv, devs[i]->ctx);
-        results[i] = create(allocs[i], &handles[i]);
+        results[i] = create(units[i], &handles[i]);
         created.store(i + 1, std::memory_order_release);
         if (results[i] != CUDA_SUCCESS) break;
       }
@@ -637,7 +671,7 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
   size_t done = 0;
   ebt_status_t st = EBT_SUCCESS;
   for (; done < n; ++done) {
-    Allocation* a = allocs[done];
+    const MapUnit& u = units[done];
     CtxGuard ctx(drv, devs[done]->ctx);
     CUmemGenericAllocationHandle h = 0;
     CUresult res;
@@ -647,15 +681,15 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
       std::swap(h, handles[done]);
     } else {
       auto t_create = Clock::now();
-      res = create(a, &h);
+      res = create(u, &h);
       r->create_s += since(t_create);
     }
     if (res != CUDA_SUCCESS) {
       st = ebt_cu_error(res, "cuMemCreate (resume)", __FILE__, __LINE__);
-      if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(a->device, a->aligned, r);
+      if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(u.device, u.size, r);
       break;
     }
-    st = map_release(a, h);
+    st = map_release(u.va, u.size, h);
     if (st != EBT_SUCCESS) break;
   }
   if (ahead) {
@@ -670,52 +704,51 @@ ebt_status_t Engine::map_all(const std::vector<Allocation*>& allocs, ebt_mem_rep
   }
   if (st == EBT_SUCCESS) {
     auto t_access = Clock::now();
-    st = set_access_runs(allocs);
+    st = set_access_units(units);
     r->access_s = since(t_access);
     if (st == EBT_SUCCESS) return EBT_SUCCESS;
   }
   {
     std::string msg = ebt_last_error();
-    std::vector<Allocation*> mapped(allocs.begin(), allocs.begin() + done);
-    unmap_all(mapped);
+    unmap_units(units, done);
     return ebt_set_error(st, "%s", msg.c_str());
   }
 }
 
-void Engine::unmap_all(const std::vector<Allocation*>& allocs) {
+void Engine::unmap_units(const std::vector<MapUnit>& units, size_t count) {
   const ebt_driver_table_t* drv;
   if (driver(&drv) != EBT_SUCCESS) return;
-  for (Allocation* a : allocs) {  // every one of them is mapped (no handle held: the unmap frees the memory)
+  for (size_t i = 0; i < count && i < units.size(); ++i) {  // each mapped whole (no handle held: unmap frees it)
     Device* d;
-    if (device(a->device, &d) != EBT_SUCCESS) continue;
+    if (device(units[i].device, &d) != EBT_SUCCESS) continue;
     CtxGuard ctx(drv, d->ctx);
-    drv->cuMemUnmap(a->va, a->aligned);
+    drv->cuMemUnmap(units[i].va, units[i].size);
   }
 }
 
-// One cuMemSetAccess per VA-contiguous run of same-device allocations (allocs sorted by device, va).
-ebt_status_t Engine::set_access_runs(const std::vector<Allocation*>& allocs) {
+// One cuMemSetAccess per VA-contiguous run of same-device units (sorted by device, va); per unit if refused.
+ebt_status_t Engine::set_access_units(const std::vector<MapUnit>& units) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
   size_t i = 0;
-  while (i < allocs.size()) {
+  while (i < units.size()) {
     size_t j = i + 1;
-    CUdeviceptr end = allocs[i]->va + allocs[i]->aligned;
-    while (j < allocs.size() && allocs[j]->device == allocs[i]->device && allocs[j]->va == end) {
-      end += allocs[j]->aligned;
+    CUdeviceptr end = units[i].va + units[i].size;
+    while (j < units.size() && units[j].device == units[i].device && units[j].va == end) {
+      end += units[j].size;
       ++j;
     }
     Device* d;
-    EBT_CHECK(device(allocs[i]->device, &d));
+    EBT_CHECK(device(units[i].device, &d));
     CtxGuard ctx(drv, d->ctx);
-    CUmemAccessDesc acc{{CU_MEM_LOCATION_TYPE_DEVICE, allocs[i]->device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    CUresult res = drv->cuMemSetAccess(allocs[i]->va, end - allocs[i]->va, &acc, 1);
+    CUmemAccessDesc acc{{CU_MEM_LOCATION_TYPE_DEVICE, units[i].device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUresult res = drv->cuMemSetAccess(units[i].va, end - units[i].va, &acc, 1);
     if (res != CUDA_SUCCESS && j - i > 1) {
-      // A driver that refuses a range spanning several mappings: grant access one allocation at a time.
-      EBT_INFO(EBT_SUBSYS_MEM, "cuMemSetAccess over %zu mappings failed (%d); per allocation instead", j - i, res);
+      // A driver that refuses a range spanning several mappings: grant access one mapping at a time.
+      EBT_INFO(EBT_SUBSYS_MEM, "cuMemSetAccess over %zu mappings failed (%d); per mapping instead", j - i, res);
       res = CUDA_SUCCESS;
       for (size_t k = i; k < j && res == CUDA_SUCCESS; ++k)
-        res = drv->cuMemSetAccess(allocs[k]->va, allocs[k]->aligned, &acc, 1);
+        res = drv->cuMemSetAccess(units[k].va, units[k].size, &acc, 1);
     }
     if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuMemSetAccess (resume)", __FILE__, __LINE__);
     i = j;
@@ -748,9 +781,11 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
     }
     EBT_CHECK(streams(d));
   }
-  // 1. Map everything first.
+  // 1. Map everything first (one mapping per unit: an allocation, or a coalesced run).
+  std::vector<MapUnit> units;
+  EBT_CHECK(resume_units(allocs, &units));
   auto t_map = Clock::now();
-  ebt_status_t st = map_all(allocs, r);
+  ebt_status_t st = map_all(units, r);
   r->map_s = since(t_map);
   if (st != EBT_SUCCESS) {
     if (st == EBT_ERROR_OUT_OF_MEMORY) {
@@ -801,6 +836,8 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
   }
   r->copy_s = since(t_copy);
   for (auto& kv : done_events) give_event(kv.first, kv.second);
+  publish_segments(allocs, units);
+  r->mappings += units.size();
   for (Allocation* a : allocs) {
     a->state = AllocState::kActive;
     a->host_clean = false;
@@ -825,7 +862,7 @@ undo:
   }
   {
     std::string msg = ebt_last_error();
-    unmap_all(allocs);
+    unmap_units(units, units.size());
     return ebt_set_error(st, "%s (resume rolled back: the tag stays paused and can be retried)", msg.c_str());
   }
 }

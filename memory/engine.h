@@ -22,6 +22,24 @@
 namespace ebbtide::memory {
 
 struct Tag;
+struct Allocation;
+
+// A coalesced mapping (opt-in, EBBTIDE_MEM_COALESCE=1 / ebt_mem_set_coalescing): resume made ONE physical
+// allocation for a VA-contiguous run of same-device, same-tag, non-shareable allocations and mapped it once, so
+// the driver sees one mapping instead of one per allocation (Note "Coalesced mappings" in memory/NOTES.md).
+// Exists only while mapped: the pause that unmaps it (always whole: the driver cannot unmap a sub-range of a
+// mapping) dissolves it. Every field is guarded by the engine's mu_.
+struct Segment {
+  CUdeviceptr va = 0;  // base of the mapping (= the first member's va)
+  size_t size = 0;     // bytes mapped (sum of the members' aligned sizes)
+  int device = -1;
+  size_t live = 0;     // members not freed yet (all in one tag, all ACTIVE; > 0 while the segment exists)
+  // Freed members ("zombies"): gone for the user (not in by_va_ or their tag), their VA still reserved and their
+  // memory still mapped until the whole mapping is unmapped (next pause of the tag, or the last live member's
+  // free); then their VA goes back and they are deleted. Owned here.
+  std::vector<Allocation*> zombies;
+  size_t zombie_bytes = 0;  // sum of the zombies' aligned sizes (stats: bytes_pending_free)
+};
 
 enum class AllocState : unsigned char { kActive, kPaused };
 
@@ -41,6 +59,10 @@ struct Allocation {
   HostArena::Block host;     // backup block; kept across cycles once allocated (persistent arena)
   bool host_valid = false;   // host holds the device content as of the last pause (or the restore since)
   bool host_clean = false;   // caller promised the device content equals host: next pause skips the copy
+  // The coalesced mapping this ACTIVE allocation lies in (null: its own mapping). Set by a resume's commit of
+  // its mappings and cleared when that mapping is unmapped; written only under mu_ (by the op owning the
+  // allocation, or by free()).
+  std::shared_ptr<Segment> seg;
 };
 
 struct Tag {
@@ -67,6 +89,17 @@ struct Device {
 
 enum class OpKind { kPause, kResume };
 
+// One driver mapping of an op: allocs[begin, end) of its sorted allocation list, covering [va, va + size).
+// Without coalescing every unit is one allocation.
+struct MapUnit {
+  size_t begin = 0, end = 0;
+  CUdeviceptr va = 0;
+  size_t size = 0;
+  int device = -1;
+  bool shareable = false;
+  std::shared_ptr<Segment> seg;  // pause: the coalesced mapping being unmapped (null: a single allocation)
+};
+
 // What prepare() selected: the allocations are marked busy until execute() commits or aborts.
 struct Plan {
   OpKind kind = OpKind::kPause;
@@ -92,6 +125,9 @@ class Engine {
   ebt_status_t tag_state(const char* tag, int* state, unsigned long long* pauses);
   void set_margin(size_t bytes) { margin_.store(bytes, std::memory_order_relaxed); }
   size_t margin() const { return margin_.load(std::memory_order_relaxed); }
+  // Coalesced resume (off by default): see Segment and memory/NOTES.md "Coalesced mappings".
+  void set_coalescing(bool on) { coalesce_.store(on, std::memory_order_relaxed); }
+  bool coalescing() const { return coalesce_.load(std::memory_order_relaxed); }
   ebt_status_t stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
   ebt_status_t global_stats(ebt_mem_global_stats_t* out);
   ebt_status_t get_cpu_backup(const void* ptr, void** host, size_t* bytes_after);
@@ -125,14 +161,25 @@ class Engine {
   ebt_status_t run_pause(Plan& plan, ebt_mem_report_t* r);
   // rollback: mapping back what a failed pause released (the memory margin does not apply).
   ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback = false);
-  ebt_status_t map_all(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
-  ebt_status_t map_release(Allocation* a, CUmemGenericAllocationHandle h);  // a's device context current
-  void unmap_all(const std::vector<Allocation*>& allocs);
-  // Unmap allocs[begin, end) (one VA-contiguous run on one device): one call, per allocation if refused.
-  // Appends what it unmapped to *released (state set to PAUSED).
-  ebt_status_t unmap_run(const std::vector<Allocation*>& allocs, size_t begin, size_t end,
-                         std::vector<Allocation*>* released, ebt_mem_report_t* r);
-  ebt_status_t set_access_runs(const std::vector<Allocation*>& allocs);
+  // Create + map + release every unit, then grant access; on failure nothing stays mapped.
+  ebt_status_t map_all(const std::vector<MapUnit>& units, ebt_mem_report_t* r);
+  ebt_status_t map_release(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h);  // unit's ctx current
+  void unmap_units(const std::vector<MapUnit>& units, size_t count);  // units[0, count), each one call
+  // Unmap units[begin, end) (one VA-contiguous run on one device): one call, per unit if refused. Appends the
+  // members it unmapped to *released (state set to PAUSED) and the coalesced mappings among them to *retired.
+  ebt_status_t unmap_run(const std::vector<Allocation*>& allocs, const std::vector<MapUnit>& units, size_t begin,
+                         size_t end, std::vector<Allocation*>* released, std::vector<const MapUnit*>* retired,
+                         ebt_mem_report_t* r);
+  ebt_status_t set_access_units(const std::vector<MapUnit>& units);
+  // engine_segments.cc: grouping an op's sorted allocations into driver mappings, and segment bookkeeping.
+  ebt_status_t resume_units(const std::vector<Allocation*>& allocs, std::vector<MapUnit>* units);
+  ebt_status_t pause_units(const std::vector<Allocation*>& allocs, std::vector<MapUnit>* units);
+  void publish_segments(const std::vector<Allocation*>& allocs, const std::vector<MapUnit>& units);  // takes mu_
+  // The coalesced mappings a pause unmapped: detach their members, return the zombies' VA (takes mu_).
+  void retire_segments(const std::vector<Allocation*>& allocs, const std::vector<const MapUnit*>& retired,
+                       ebt_mem_report_t* r);
+  // free() of an ACTIVE member of a coalesced mapping (mu_ held via `lock`, a already unlisted).
+  ebt_status_t free_member(Allocation* a, std::unique_lock<std::mutex>& lock);
   void commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r);
   void fill_oom(int device, size_t needed, ebt_mem_report_t* r);
   void enqueue_pinning(const Allocation* a);  // mu_ held
@@ -145,6 +192,10 @@ class Engine {
   std::map<std::string, std::unique_ptr<Tag>> tags_;  // every tag ever named; never erased until reset
   unsigned long long allocs_total_ = 0, frees_total_ = 0;
   std::atomic<size_t> margin_{0};  // bytes an allocation or resume must leave free (0: no check)
+  std::atomic<bool> coalesce_{false};  // resume coalesces VA-contiguous runs into one mapping each
+  size_t pending_free_ = 0;  // aligned bytes of zombies (freed, still mapped in coalesced mappings); mu_
+  // An OOM status gets a hint when zombies hold memory (nothing else can give it back before their tag's pause).
+  ebt_status_t oom_hint(ebt_status_t st);
 
   struct Import {
     CUmemGenericAllocationHandle handle = 0;

@@ -1,6 +1,7 @@
 // engine_query.cc — the engine's introspection, host-arena control and reset (invariants: engine.cc header).
 #include <algorithm>
 #include <cstring>
+#include <unordered_set>
 
 #include "csrc/status.h"
 #include "memory/engine.h"
@@ -40,13 +41,19 @@ ebt_status_t Engine::stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* c
   for (auto& kv : tags_) {
     Tag* t = kv.second.get();
     std::map<int, ebt_mem_tag_stats_t> per_dev;
+    std::unordered_set<const Segment*> seen;  // a coalesced mapping is one handle, counted once
     for (Allocation* a : t->allocations) {
       auto ins = per_dev.emplace(a->device, ebt_mem_tag_stats_t{});
       ebt_mem_tag_stats_t& s = ins.first->second;
       s.allocations += 1;
       s.bytes_requested += a->size;
       if (a->state == AllocState::kActive) {
-        s.handles += 1;
+        if (!a->seg) {
+          s.handles += 1;
+        } else if (seen.insert(a->seg.get()).second) {
+          s.handles += 1;
+          s.bytes_pending_free += a->seg->zombie_bytes;
+        }
         s.bytes_active += a->aligned;
       } else {
         s.bytes_paused += a->aligned;
@@ -82,6 +89,13 @@ ebt_status_t Engine::global_stats(ebt_mem_global_stats_t* out) {
     out->engine_allocs = allocs_total_;
     out->engine_frees = frees_total_;
     out->live_allocations = by_va_.size();
+    std::unordered_set<const Segment*> seen;
+    for (auto& kv : by_va_) {
+      const Segment* seg = kv.second->seg.get();
+      if (!seg || !seen.insert(seg).second) continue;
+      out->coalesced_mappings += 1;
+      out->bytes_pending_free += seg->zombie_bytes;
+    }
   }
   std::lock_guard<std::mutex> lock(dev_mu_);
   for (auto& kv : devices_) out->va_reserved += kv.second->va->reserved_bytes();
@@ -195,18 +209,28 @@ ebt_status_t Engine::reset() {
   for (auto& kv : by_va_) all.push_back(kv.second);
   by_va_.clear();
   tags_.clear();
+  pending_free_ = 0;
   allocs_total_ = frees_total_ = 0;
   lock.unlock();
   std::lock_guard<std::mutex> dlock(dev_mu_);
+  std::unordered_set<const Segment*> unmapped;  // coalesced mappings: one unmap each, of the whole range
+  std::vector<Allocation*> zombies;
   for (Allocation* a : all) {
     auto it = devices_.find(a->device);
-    if (it != devices_.end() && a->state == AllocState::kActive) {
+    if (it != devices_.end() && a->state == AllocState::kActive && (!a->seg || unmapped.insert(a->seg.get()).second)) {
       CtxGuard ctx(drv, it->second->ctx);
       drv->cuCtxSynchronize();
-      drv->cuMemUnmap(a->va, a->aligned);  // frees the memory: the engine holds no handle reference
+      // frees the memory: the engine holds no handle reference
+      if (a->seg) drv->cuMemUnmap(a->seg->va, a->seg->size);
+      else drv->cuMemUnmap(a->va, a->aligned);
     }
-    delete a;
+    if (a->seg) {
+      zombies.insert(zombies.end(), a->seg->zombies.begin(), a->seg->zombies.end());
+      a->seg->zombies.clear();
+    }
   }
+  for (Allocation* a : all) delete a;  // after the loop: unmapped holds segment addresses until then
+  for (Allocation* z : zombies) delete z;
   for (auto& kv : devices_) {
     Device* d = kv.second.get();
     {

@@ -37,6 +37,13 @@ void VaSpace::free(CUdeviceptr va, size_t bytes) {
   EBT_WARN(EBT_SUBSYS_MEM, "VaSpace::free: 0x%llx (+%zu) is in no reservation (ignored)", va, bytes);
 }
 
+CUdeviceptr VaSpace::reservation_end(CUdeviceptr va) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& r : reservations_)
+    if (va >= r.base && va < r.base + r.size) return r.base + r.size;
+  return 0;
+}
+
 void VaSpace::release_all(const ebt_driver_table_t* drv) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& r : reservations_) {

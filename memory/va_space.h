@@ -31,6 +31,8 @@ class VaSpace {
   ebt_status_t allocate(const ebt_driver_table_t* drv, size_t bytes, CUdeviceptr* va);
   // Return a range from allocate(). Never calls the driver.
   void free(CUdeviceptr va, size_t bytes);
+  // End address of the reservation holding va (0 if none): one driver mapping never crosses it.
+  CUdeviceptr reservation_end(CUdeviceptr va) const;
   // Give every reservation back to the driver (all ranges must have been freed, or are abandoned).
   void release_all(const ebt_driver_table_t* drv);
   size_t reserved_bytes() const;

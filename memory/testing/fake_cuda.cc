@@ -12,7 +12,10 @@
  * while it is mapped with access, content survives only in the memfd, and a use of released memory faults.
  * Copies, memsets, streams and events run synchronously. Strict checks return CUDA_ERROR_INVALID_VALUE for
  * misuse the real driver also rejects (map over a mapping, free of a reservation that still has mappings,
- * set-access over an unmapped hole, double host registration). cuMemUnmap and cuMemSetAccess accept a range of
+ * set-access over an unmapped hole, double host registration). As in the real driver, cuMemUnmap and
+ * cuMemSetAccess never act on part of a mapping: a range that cuts through one fails with CUDA_ERROR_INVALID_VALUE
+ * (counted as the pseudo-call "cuMemUnmap:subrange" / "cuMemSetAccess:subrange", so a test can assert the engine
+ * never tried; coalesced mappings hold several allocations). They accept a range of
  * several whole back-to-back mappings (reported of the real driver for unmap, used by ebbtide for set-access; the
  * docs do not say) unless
  * exact-unmap mode is on, where cuMemUnmap must name exactly one mapping (a stricter driver: tests the fallback).
@@ -23,7 +26,8 @@
  *                                       also EBT_FAKE_FAULT="name:nth:err" at load.
  *   ebt_fake_counters(out[8])           live handles, physical bytes, live mappings, reservations,
  *                                       reserved bytes, registered host bytes, registrations, unpinned copies
- *   ebt_fake_calls(name)                calls of `name` so far
+ *   ebt_fake_calls(name)                calls of `name` so far (also "cuMemUnmap:subrange", "cuMemSetAccess:subrange":
+ *                                       refused ranges that cut through a mapping)
  *   ebt_fake_call_threads(name)         distinct threads that called `name` so far
  *   ebt_fake_trace(buf, len, clear)     comma-separated call names since the last clear
  *   ebt_fake_set_device_bytes(bytes)    physical memory per device from now on
@@ -462,7 +466,10 @@ FAKE_API CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGener
 FAKE_API CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
   ENTER("cuMemUnmap");
   std::vector<CUdeviceptr> which;
-  if (!covered_by_mappings(p, size, &which)) return CUDA_ERROR_INVALID_VALUE;
+  if (!covered_by_mappings(p, size, &which)) {
+    if (overlaps_mapping(p, size)) ++g_calls["cuMemUnmap:subrange"];  // cuts through a mapping: refused
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   if (g_exact_unmap && which.size() != 1) return CUDA_ERROR_INVALID_VALUE;
   mmap(reinterpret_cast<void*>(p), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   for (CUdeviceptr va : which) {
@@ -475,7 +482,11 @@ FAKE_API CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
 }
 FAKE_API CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc* desc, size_t count) {
   ENTER("cuMemSetAccess");
-  if (!desc || count == 0 || !covered_by_mappings(p, size, nullptr)) return CUDA_ERROR_INVALID_VALUE;
+  if (!desc || count == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (!covered_by_mappings(p, size, nullptr)) {
+    if (overlaps_mapping(p, size)) ++g_calls["cuMemSetAccess:subrange"];  // cuts through a mapping: refused
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   int prot = desc[0].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? PROT_READ | PROT_WRITE
              : desc[0].flags == CU_MEM_ACCESS_FLAGS_PROT_READ     ? PROT_READ
                                                                   : PROT_NONE;

@@ -1,11 +1,14 @@
 """Discard-mode pause/resume cost on a GPU, with the engine's breakdown (not a test: a probe for the H100/H200).
 
     python tests/memory/discard_probe.py [--n 1024] [--mib 16] [--cycles 5]      one process, current settings
-    python tests/memory/discard_probe.py --compare                                 create-ahead off vs on
+    python tests/memory/discard_probe.py --coalesce                                coalesced resume on
+    python tests/memory/discard_probe.py --compare          per size: plain, create-ahead on, coalescing on
 
 Prints one JSON line per setting: median wall ms of pause and resume, and the last cycle's report (sync, unmap,
 unmap_calls, create, map, access, total). unmap_calls == 1 for one VA-contiguous region means the driver accepted
 one cuMemUnmap over many mappings; n + 1 means it refused and the engine fell back to one call per allocation.
+With --coalesce (EBBTIDE_MEM_COALESCE=1) resume maps each VA-contiguous run as one mapping: "mappings" in the
+report says how many the driver saw (pause: unmapped, resume: created).
 """
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ import sys
 import time
 
 
-def probe(n: int, mib: int, cycles: int) -> dict:
+def probe(n: int, mib: int, cycles: int, coalesce: bool) -> dict:
     import ebbtide.memory as em
     import torch
 
+    if coalesce:
+        em.set_coalescing(True)
     with em.region("probe", backup="none"):
         ts = [torch.empty(mib << 20, dtype=torch.uint8, device="cuda") for _ in range(n)]
     for t in ts:
@@ -46,12 +51,13 @@ def probe(n: int, mib: int, cycles: int) -> dict:
     torch.cuda.synchronize()
     ms = lambda x: round(x * 1e3, 3)
     return {"n": n, "mib": mib, "create_ahead": os.environ.get("EBBTIDE_MEM_CREATE_AHEAD", "0"),
+            "coalesce": em.coalescing(),
             "pause_ms": ms(statistics.median(ps)), "resume_ms": ms(statistics.median(rs)),
             "freed_fraction": round(freed / (n * (mib << 20)), 4),
             "pause": {"sync": ms(p.sync_s), "unmap": ms(p.unmap_s), "unmap_calls": p.unmap_calls,
-                      "total": ms(p.total_s)},
+                      "mappings": p.mappings, "total": ms(p.total_s)},
             "resume": {"create": ms(r.create_s), "map": ms(r.map_s), "access": ms(r.access_s),
-                       "total": ms(r.total_s)}}
+                       "mappings": r.mappings, "total": ms(r.total_s)}}
 
 
 def main() -> None:
@@ -60,15 +66,16 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--coalesce", action="store_true", help="coalesced resume (ebbtide.memory.set_coalescing)")
     a = ap.parse_args()
     if not a.compare:
-        print(json.dumps(probe(a.n, a.mib, a.cycles)), flush=True)
+        print(json.dumps(probe(a.n, a.mib, a.cycles, a.coalesce)), flush=True)
         return
     for n, mib in ((a.n, a.mib), (8, a.n * a.mib // 8), (128, 16)):
-        for ahead in ("0", "8"):
+        for ahead, coalesce in (("0", False), ("8", False), ("0", True)):
             env = dict(os.environ, EBBTIDE_MEM_CREATE_AHEAD=ahead)
-            subprocess.run([sys.executable, __file__, "--n", str(n), "--mib", str(mib), "--cycles", str(a.cycles)],
-                           env=env, check=True)
+            cmd = [sys.executable, __file__, "--n", str(n), "--mib", str(mib), "--cycles", str(a.cycles)]
+            subprocess.run(cmd + (["--coalesce"] if coalesce else []), env=env, check=True)
 
 
 if __name__ == "__main__":

@@ -33,3 +33,19 @@ FAULTS = {
     "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:3", "cuMemMap:2", "cuMemRelease:2",
                "cuMemSetAccess:-1", "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
 }
+
+# Coalesced resume (EBBTIDE_MEM_COALESCE=1): SIMPLE scenarios run again with it on, except those that assert one
+# driver call per allocation (their coalesced counterparts are the coalesce_* scenarios).
+PER_ALLOCATION_COUNTS = {"oom_at_resume", "batched_set_access_and_drain_order", "set_access_fallback",
+                         "unmap_runs_and_handle_release", "memory_margin_and_tag_epochs"}
+COALESCED_SIMPLE = [s for s in SIMPLE if s not in PER_ALLOCATION_COUNTS]
+COALESCE = ["coalesce_runs_and_zombies", "coalesce_tags_and_shareable"]
+# With EBBTIDE_MEM_COALESCE_MAX_BYTES=8 MiB the tag resumes as two mappings of two allocations each. cuMemUnmap
+# faults run in exact-unmap mode: call 1 (the span) is refused, :2 fails the first mapping (nothing released), :3
+# the second (the first is mapped back, coalesced). cuMemCreate:2 / cuMemMap:2: the second run.
+COALESCE_FAULTS = {
+    "pause": ["cuCtxSynchronize:1", "cuMemcpyDtoHAsync:2", "cuEventSynchronize:2", "cuMemUnmap:-1", "cuMemUnmap:2",
+              "cuMemUnmap:3"],
+    "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:2", "cuMemMap:1", "cuMemMap:2", "cuMemRelease:2",
+               "cuMemSetAccess:-1", "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
+}

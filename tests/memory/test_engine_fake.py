@@ -74,3 +74,39 @@ def test_multi_device():
 
 def test_soak_100_cycles_no_leaks():
     run("soak", "100")
+
+
+COALESCE_ON = {"EBBTIDE_MEM_COALESCE": "1"}
+
+
+@pytest.mark.parametrize("scenario", spec.COALESCED_SIMPLE)
+def test_scenario_coalesced(scenario):
+    run(scenario, env=COALESCE_ON)
+
+
+@pytest.mark.parametrize("scenario", spec.COALESCE)
+def test_coalesce(scenario):
+    run(scenario, env=COALESCE_ON if scenario == "coalesce_runs_and_zombies" else None)
+
+
+@pytest.mark.parametrize("op,fault", [(op, f) for op, fs in spec.COALESCE_FAULTS.items() for f in fs])
+def test_coalesce_fault_injection_rolls_back(op, fault):
+    run("coalesce_fault_injection", op, fault,
+        env={**COALESCE_ON, "EBBTIDE_MEM_COALESCE_MAX_BYTES": str(8 << 20), "EBBTIDE_MEM_PREPIN": "0"})
+
+
+def test_coalesce_poison_and_soak():
+    run("va_stability_and_roundtrip", env={**COALESCE_ON, "EBBTIDE_MEM_POISON": "1"})
+    run("soak", "100", env=COALESCE_ON)
+    run("multi_device", env={**COALESCE_ON, "EBT_FAKE_DEVICES": "2"})
+
+
+@pytest.mark.parametrize("args", [("coalesce_runs_and_zombies",),
+                                  ("coalesce_fault_injection", "resume", "cuMemCreate:2"),
+                                  ("coalesce_fault_injection", "resume", "cuMemMap:2")])
+def test_coalesce_create_ahead(args):
+    # Creates of the coalesced runs on the helper thread: same mappings, same rollback.
+    env = {**COALESCE_ON, "EBBTIDE_MEM_CREATE_AHEAD": "1", "EBBTIDE_MEM_PREPIN": "0"}
+    if args[0] == "coalesce_fault_injection":
+        env["EBBTIDE_MEM_COALESCE_MAX_BYTES"] = str(8 << 20)
+    run(*args, env=env)

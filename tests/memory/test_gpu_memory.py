@@ -37,3 +37,17 @@ def test_gpu_scenario(scenario, mode):
 def test_gpu_create_ahead(scenario):
     # Resume's cuMemCreate calls on a helper thread (EBBTIDE_MEM_CREATE_AHEAD=1: every resume).
     run(scenario, "torch", {"EBBTIDE_MEM_CREATE_AHEAD": "1"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["torch", "preload"])
+def test_gpu_coalesced_discard(mode):
+    # Coalesced resume: 1024 x 16 MiB round trip, frees of members while active (zombies) and paused.
+    run("coalesced_discard", mode, {"EBBTIDE_MEM_COALESCE": "1"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["basic", "multi_tag", "caching_allocator", "oom_at_resume", "unmap_runs"])
+def test_gpu_scenario_coalesced(scenario):
+    # The general scenarios with coalescing on (caching_allocator frees blocks inside coalesced mappings).
+    run(scenario, "torch", {"EBBTIDE_MEM_COALESCE": "1"})

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, mark_clean, pause, pause_async, paused_ranges,
                       release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
-                      set_memory_margin, memory_margin, stats, wait_background_pinning)
+                      set_memory_margin, memory_margin, stats, wait_background_pinning, set_coalescing,
+                      coalescing)
 from ._cupy import cupy_allocator
 from ._hooks import (check, check_paused_blocks, configure_subprocess, disable, graph, hook_mode, preload_env,
                      region, set_checking, set_default_region, set_hook_mode)
@@ -27,5 +28,6 @@ __all__ = [
     "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
     "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
     "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
-    "export_tensor", "import_tensor", "SharedHandle", "ImportedTensor", "cupy_allocator",
+    "export_tensor", "import_tensor", "SharedHandle", "ImportedTensor", "cupy_allocator", "set_coalescing",
+    "coalescing",
 ]

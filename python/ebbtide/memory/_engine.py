@@ -18,6 +18,7 @@ __all__ = [
     "Report", "Pending", "pause", "resume", "pause_async", "resume_async", "mark_clean", "stats",
     "release_host_memory", "reserve_host_memory", "get_cpu_backup_address", "paused_ranges",
     "set_background_pinning", "wait_background_pinning", "get_cpu_backup", "set_memory_margin", "memory_margin",
+    "set_coalescing", "coalescing",
 ]
 
 BACKUPS = {"none": 0, "cpu": 1}
@@ -64,6 +65,8 @@ class Report:
     create_s: float = 0.0  # resume: cuMemCreate time (inside map_s)
     access_s: float = 0.0  # resume: cuMemSetAccess time (inside map_s)
     unmap_calls: int = 0   # pause: driver unmap calls (one per VA-contiguous run where the driver accepts it)
+    mappings: int = 0      # driver mappings unmapped/created (= allocations unless resume coalesced runs of them)
+    bytes_pending_freed: int = 0  # pause: freed members of coalesced mappings given back (not in ``bytes``)
 
     @classmethod
     def from_native(cls, kind: str, tag: Optional[str], d: dict) -> "Report":
@@ -88,8 +91,9 @@ def _record_baseline() -> None:
 def _holders(device: int) -> dict:
     held: dict = {}
     for row in _mem().stats():
-        if row["device"] == device and row["bytes_active"]:
-            held[row["tag"]] = held.get(row["tag"], 0) + row["bytes_active"]
+        b = row["bytes_active"] + row.get("bytes_pending_free", 0)  # freed but still mapped (coalesced)
+        if row["device"] == device and b:
+            held[row["tag"]] = held.get(row["tag"], 0) + b
     return held
 
 
@@ -206,9 +210,11 @@ def mark_clean(tag: str) -> None:
 
 
 def stats() -> dict:
-    """``{"tags": [row per (tag, device)], "global": {...}}``. A row has state, allocations, handles,
-    bytes_requested/active/paused/backed_up and the last pause/resume reports; "global" has the host arena
-    (reserved/used/segments/register seconds), the shim's forwarded (untracked) allocations and engine counters."""
+    """``{"tags": [row per (tag, device)], "global": {...}}``. A row has state, allocations, handles (driver
+    mappings: a coalesced run counts once), bytes_requested/active/paused/backed_up, bytes_pending_free (freed but
+    still mapped inside a coalesced run, see set_coalescing) and the last pause/resume reports; "global" has the
+    host arena (reserved/used/segments/register seconds), the shim's forwarded (untracked) allocations and engine
+    counters (coalesced_mappings, bytes_pending_free among them)."""
     m = _mem()
     return {"tags": list(m.stats()), "global": dict(m.global_stats())}
 
@@ -280,6 +286,23 @@ def set_memory_margin(nbytes: int) -> None:
 def memory_margin() -> int:
     """The memory margin in bytes (0: off)."""
     return int(_mem().memory_margin())
+
+
+def set_coalescing(enabled: bool) -> None:
+    """Coalesced resume (off by default; EBBTIDE_MEM_COALESCE=1 turns it on at process start): a resume maps each
+    VA-contiguous run of a tag's allocations on one device (at most EBBTIDE_MEM_COALESCE_MAX_BYTES, default 4 GiB;
+    shareable ones excepted) as ONE physical allocation, and the next pause unmaps it with one call. The driver's
+    pause/resume cost is per mapping, so many small allocations get much cheaper. Trade-off: an allocation of such
+    a run freed while active vanishes from lookups and stats at once, but its memory stays mapped until the run is
+    unmapped (the tag's next pause, or the run's last free): see ``stats()`` ``bytes_pending_free``."""
+    if not isinstance(enabled, bool):
+        raise InvalidArgumentError(f"enabled must be a bool, not {enabled!r}")
+    _mem().set_coalescing(enabled)
+
+
+def coalescing() -> bool:
+    """Whether resume coalesces VA-contiguous runs into one mapping (see set_coalescing)."""
+    return bool(_mem().coalescing())
 
 
 def paused_ranges() -> list:

@@ -42,6 +42,7 @@ class ReleaseReport:
     nccl: Optional[str]               # a NCCL process group is up (its buffers bypass PyTorch and the engine)
     other_bytes: Optional[int]        # used - (active tags + PyTorch outside paused memory): context, libraries
     notes: list
+    pending_free: int = 0             # freed allocations still mapped inside coalesced mappings (this device)
 
     @property
     def missing(self) -> Optional[int]:
@@ -145,7 +146,11 @@ def release_report(report=None, *, device: Optional[int] = None) -> ReleaseRepor
             notes.append(f"could not ask torch.distributed: {e}")
     else:
         notes.append("torch with CUDA not loaded: no driver view or PyTorch segments")
-    engine_active = sum(active.values())
+    pending = sum(r.get("bytes_pending_free", 0) for r in rows)
+    if pending:
+        notes.append(f"{pending} bytes of freed allocations are still mapped inside coalesced mappings: they go back "
+                     "at their tag's next pause, or when the mapping's last allocation is freed")
+    engine_active = sum(active.values()) + pending
     torch_reserved = sum(s["size"] for s in segs)
     # Engine allocations made through PyTorch are also PyTorch segments: count each byte once.
     engine_in_torch = 0
@@ -171,4 +176,4 @@ def release_report(report=None, *, device: Optional[int] = None) -> ReleaseRepor
         torch_allocated_unpaused=sum(s["allocated"] for s in segs),
         expandable_segments=_expandable_segments_requested(), forwarded_allocs=int(g["forwarded_allocs"]),
         forwarded_bytes=int(g["forwarded_bytes"]), shim_active=bool(mem.shim_active()), nccl=nccl,
-        other_bytes=other, notes=notes)
+        other_bytes=other, notes=notes, pending_free=pending)

@@ -43,9 +43,9 @@ def _cycles(pause, resume, n: int) -> tuple[list, list]:
     return ps, rs
 
 
-def _discard(out: dict, region_fn, pause, resume, total: int, small: int, phases=None) -> list:
+def _discard(out: dict, region_fn, pause, resume, total: int, small: int, phases=None, labels=None) -> list:
     keep = []
-    for label, n in (("d8", 8), ("dmany", small)):
+    for label, n in labels or (("d8", 8), ("dmany", small)):
         keep.append(_tensors(region_fn(label, False), n, total))
         pause(label)
         resume(label)  # warm-up (first map of fresh pools, streams)
@@ -79,10 +79,15 @@ def ours(total: int, small: int) -> dict:
 
     def phases(tag):
         row = [r for r in em.stats()["tags"] if r["tag"] == tag][0]
-        return {"pause": {k: row["last_pause"].get(k) for k in ("sync_s", "unmap_s", "unmap_calls", "total_s")},
-                "resume": {k: row["last_resume"].get(k) for k in ("create_s", "map_s", "access_s", "total_s")}}
+        return {"pause": {k: row["last_pause"].get(k) for k in ("sync_s", "unmap_s", "unmap_calls", "mappings",
+                                                                "total_s")},
+                "resume": {k: row["last_resume"].get(k) for k in ("create_s", "map_s", "access_s", "mappings",
+                                                                  "total_s")}}
 
     keep = _discard(out, region, pause, em.resume, total, small, phases)
+    em.set_coalescing(True)  # the many-allocation case again with coalesced resume (opt-in)
+    keep += _discard(out, region, pause, em.resume, total, small, phases, labels=(("dmany_coalesced", small),))
+    em.set_coalescing(False)
     # First cycle with the pause pinning its own host memory (background pinning off) ...
     em.set_background_pinning(False)
     keep.append(_tensors(em.region("w0", backup="cpu"), 8, total))

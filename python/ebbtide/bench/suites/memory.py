@@ -49,6 +49,8 @@ def _discard_note(ours: dict, label: str, op: str, n: int) -> str:
         note += "; engine ms: " + " ".join(parts)
     if ph.get("unmap_calls") is not None:
         note += f"; {ph['unmap_calls']} unmap calls"
+    if ph.get("mappings") is not None:
+        note += f"; {ph['mappings']} mappings"
     return note
 
 
@@ -96,11 +98,12 @@ def run(ctx):
               "torch_memory_saver retain_cpu_backup", retain_note, h2d, "pinned H2D",
               note=" ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in wr.items()))
 
-    for label, n in (("d8", 8), ("dmany", small)):
+    for label, n in (("d8", 8), ("dmany", small), ("dmany_coalesced", small)):
         for op in ("pause", "resume"):
             key = f"{label}_{op}"
-            a = tms.get(key)
-            yield Row("memory", f"{op}, discard, {size} in {n} allocations", "ms",
+            a = tms.get(f"{label.removesuffix('_coalesced')}_{op}")  # the anchor: TMS, same allocations
+            how = ", coalesced resume (opt-in)" if label.endswith("_coalesced") else ""
+            yield Row("memory", f"{op}, discard, {size} in {n} allocations{how}", "ms",
                       ours[key] * 1e3 if ours.get(key) else None, higher_is_better=False,
                       anchor=a * 1e3 if a else None, anchor_name="torch_memory_saver",
                       anchor_note="" if a else (tms_note or "n/a"), params={"bytes": total, "allocations": n},
