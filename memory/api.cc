@@ -14,7 +14,9 @@
  */
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <chrono>
 #include <condition_variable>
@@ -365,14 +367,33 @@ ebt_status_t ebt_mem_get_coalescing(int* enabled) {
   return EBT_SUCCESS;
 }
 
-ebt_status_t ebt_mem_stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count) {
+// The stats structs only grow by appending fields (the embedded reports included), so a caller states the size
+// of the struct it was built with and gets that prefix of each row: old callers keep working with new libraries.
+ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t* count) {
   EBT_NOT_IN_FORK();
-  return Engine::get().stats(rows, capacity, count);
+  EBT_REQUIRE_ARG(count, "count is NULL");
+  EBT_REQUIRE_ARG(capacity == 0 || rows, "rows is NULL with capacity %zu", capacity);
+  EBT_REQUIRE_ARG(capacity == 0 || row_size >= offsetof(ebt_mem_tag_stats_t, last_pause),
+                  "row_size %zu is smaller than any released ebt_mem_tag_stats_t", row_size);
+  if (capacity == 0) return Engine::get().stats(nullptr, 0, count);
+  std::unique_ptr<ebt_mem_tag_stats_t[]> full(new (std::nothrow) ebt_mem_tag_stats_t[capacity]);
+  if (!full) return ebt_set_error(EBT_ERROR_HOST_OUT_OF_MEMORY, "ebt_mem_stats: no memory for %zu rows", capacity);
+  ebt_status_t st = Engine::get().stats(full.get(), capacity, count);
+  if (st != EBT_SUCCESS) return st;
+  const size_t n = std::min(capacity, *count), copy = std::min(row_size, sizeof(ebt_mem_tag_stats_t));
+  for (size_t i = 0; i < n; ++i) memcpy(static_cast<char*>(rows) + i * row_size, &full[i], copy);
+  return EBT_SUCCESS;
 }
 
-ebt_status_t ebt_mem_global_stats(ebt_mem_global_stats_t* out) {
+ebt_status_t ebt_mem_global_stats(void* out, size_t size) {
   EBT_NOT_IN_FORK();
-  return Engine::get().global_stats(out);
+  EBT_REQUIRE_ARG(out, "out is NULL");
+  EBT_REQUIRE_ARG(size >= offsetof(ebt_mem_global_stats_t, coalesced_mappings),
+                  "size %zu is smaller than any released ebt_mem_global_stats_t", size);
+  ebt_mem_global_stats_t g;
+  ebt_status_t st = Engine::get().global_stats(&g);
+  if (st == EBT_SUCCESS) memcpy(out, &g, std::min(size, sizeof(g)));
+  return st;
 }
 
 ebt_status_t ebt_mem_get_cpu_backup(const void* ptr, void** host, size_t* bytes_after) {

@@ -219,9 +219,9 @@ void register_bindings(py::module_& m) {
   });
   m.def("stats", [] {
     size_t n = 0;
-    EBT_PY_CHECK(ebt_mem_stats(nullptr, 0, &n));
+    EBT_PY_CHECK(ebt_mem_stats(nullptr, sizeof(ebt_mem_tag_stats_t), 0, &n));
     std::vector<ebt_mem_tag_stats_t> rows(n + 8);
-    EBT_PY_CHECK(ebt_mem_stats(rows.data(), rows.size(), &n));
+    EBT_PY_CHECK(ebt_mem_stats(rows.data(), sizeof(ebt_mem_tag_stats_t), rows.size(), &n));
     py::list out;
     for (size_t i = 0; i < std::min(n, rows.size()); ++i) {
       const auto& s = rows[i];
@@ -244,7 +244,7 @@ void register_bindings(py::module_& m) {
   }, "One dict per (tag, device).");
   m.def("global_stats", [] {
     ebt_mem_global_stats_t g;
-    EBT_PY_CHECK(ebt_mem_global_stats(&g));
+    EBT_PY_CHECK(ebt_mem_global_stats(&g, sizeof(g)));
     py::dict d;
     d["host_reserved"] = g.host_reserved;
     d["host_used"] = g.host_used;

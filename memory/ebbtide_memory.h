@@ -143,9 +143,11 @@ EBT_API ebt_status_t ebt_mem_mark_clean(const char* tag);
 
 /* ---- introspection -----------------------------------------------------------------------------------------
  * Per (tag, device) rows: writes min(capacity, n) rows to `rows` and the total n to *count (rows may be NULL
- * with capacity 0 to ask for n). */
-EBT_API ebt_status_t ebt_mem_stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
-EBT_API ebt_status_t ebt_mem_global_stats(ebt_mem_global_stats_t* out);
+ * with capacity 0 to ask for n). Versioned by size: pass sizeof(ebt_mem_tag_stats_t) / sizeof(ebt_mem_global_stats_t)
+ * as your build sees it; rows are laid out with that stride and each gets that many leading bytes (fields are only
+ * ever appended, so an older caller reads exactly the fields it knows). */
+EBT_API ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t* count);
+EBT_API ebt_status_t ebt_mem_global_stats(void* out, size_t size);
 /* The host backup of the allocation containing `ptr`: *host = backup address of ptr (NULL if the allocation
  * has no host copy), *bytes_after = bytes of the backup from there to its end. NOT_FOUND if ptr is not an
  * engine allocation. O(log n). The backup is current only while the allocation is paused. */

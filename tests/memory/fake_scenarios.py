@@ -1103,6 +1103,27 @@ def coalesce_fault_injection(op: str, spec: str):
     assert_clean()
 
 
+def versioned_stats():
+    """ebt_mem_stats / ebt_mem_global_stats take the caller's struct size: rows are laid out with that stride
+    (a caller built against a newer, larger header still reads each row's start), and a size smaller than any
+    released struct is refused without writing anything."""
+    a, b = alloc(4 * MiB, "first"), alloc(2 * MiB, "second")
+    stride, n = 4096, ctypes.c_size_t()
+    buf = ctypes.create_string_buffer(stride * 4)
+    assert RUNTIME.ebt_mem_stats(buf, ctypes.c_size_t(stride), ctypes.c_size_t(4), ctypes.byref(n)) == 0
+    assert n.value == 2, n.value
+    tags = sorted(ctypes.string_at(ctypes.addressof(buf) + i * stride).decode() for i in range(2))
+    assert tags == ["first", "second"], tags
+    assert RUNTIME.ebt_mem_stats(buf, ctypes.c_size_t(8), ctypes.c_size_t(4), ctypes.byref(n)) != 0
+    g = ctypes.create_string_buffer(8)
+    assert RUNTIME.ebt_mem_global_stats(g, ctypes.c_size_t(8)) != 0
+    big = ctypes.create_string_buffer(4096)
+    assert RUNTIME.ebt_mem_global_stats(big, ctypes.c_size_t(4096)) == 0
+    free(a)
+    free(b)
+    assert_clean()
+
+
 def _ipc_child(sock_fd: str, mapped: str, off: str):
     import socket  # noqa: PLC0415
 

@@ -21,6 +21,7 @@ SIMPLE = [
     "shareable_ipc",
     "register_workers_keep_capture_mode",
     "cupy_allocator_routing",
+    "versioned_stats",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation (nth -1: every call). cuMemUnmap
