@@ -450,21 +450,28 @@ class Runtime:
         return out
 
     def _release_all(self, todo: list[Entry], detached: dict) -> list[GroupReport]:
-        """Suspend or tear down ``todo`` (reverse journal order). Suspends are collective: one at a time, in that
-        order. Teardowns run concurrently in waves (see Note [Concurrent teardown]) unless
-        ``install(concurrent_teardown=False)``: deepest split level first, WORLD last."""
+        """Suspend or tear down ``todo`` (reverse journal order). With ``install(concurrent_teardown=False)``: one
+        at a time in that order. Otherwise in waves by split level, deepest first, WORLD last (see Note
+        [Concurrent teardown]); inside a wave the suspends (collective) run one at a time in reverse journal order,
+        then the wave's teardowns run concurrently. Either way every child is handled before the group it was
+        split from, whatever the two plans are (a suspended parent must not lose resources a child being aborted
+        after it may still share), and every rank follows the same order."""
+        if not self.concurrent_teardown:
+            return [self._release_one(e, detached[e]) for e in todo]
         reports: dict[Entry, GroupReport] = {}
-        destroy = []
+        by_group = {x.group: x for x in self.journal if x.group is not None}
+        waves: dict[int, list[Entry]] = {}
         for e in todo:
-            if e.plan == S.SUSPEND:
-                reports[e] = self._release_one(e, detached[e])  # falls back to destroy itself on failure
-            else:
-                destroy.append(e)
-        if self.concurrent_teardown and len(destroy) > 1:
-            self._destroy_in_waves(destroy, detached, reports)
-        else:
-            for e in destroy:
-                reports[e] = self._release_one(e, detached[e])
+            waves.setdefault(self._depth(e, by_group), []).append(e)
+        for level in sorted(waves, reverse=True):
+            destroy = []
+            for e in waves[level]:
+                if e.plan == S.SUSPEND:
+                    reports[e] = self._release_one(e, detached[e])  # falls back to destroy itself on failure
+                else:
+                    destroy.append(e)
+            if destroy:
+                self._destroy_wave(level, destroy, detached, reports)
         return [reports[e] for e in todo]
 
     def _depth(self, e: Entry, by_group: dict) -> int:
@@ -476,40 +483,35 @@ class Runtime:
             return 1 + self._depth(by_group[e.parent], by_group)
         return 1
 
-    def _destroy_in_waves(self, destroy: list[Entry], detached: dict, reports: dict) -> None:
-        by_group = {x.group: x for x in self.journal if x.group is not None}
-        waves: dict[int, list[Entry]] = {}
-        for e in destroy:
-            waves.setdefault(self._depth(e, by_group), []).append(e)
-        for level in sorted(waves, reverse=True):
-            wave = waves[level]
-            before = device_free_bytes()
-            t0 = time.perf_counter()
-            log.debug("ebbtide.comm: release: %s %d group(s) concurrently (split level %d): %s", self.teardown,
-                      len(wave), level, [e.group._ebt_name for e in wave])
-            for e in wave:
-                self.inner_to_wrapper.pop(detached[e], None)
-            if len(wave) == 1:
-                secs = {wave[0]: _timed_teardown(detached[wave[0]], self.teardown)}
-            else:
-                from concurrent.futures import ThreadPoolExecutor
+    def _destroy_wave(self, level: int, wave: list[Entry], detached: dict, reports: dict) -> None:
+        """Tear down the groups of one split level concurrently, one thread per group."""
+        before = device_free_bytes()
+        t0 = time.perf_counter()
+        log.debug("ebbtide.comm: release: %s %d group(s) concurrently (split level %d): %s", self.teardown,
+                  len(wave), level, [e.group._ebt_name for e in wave])
+        for e in wave:
+            self.inner_to_wrapper.pop(detached[e], None)
+        if len(wave) == 1:
+            secs = {wave[0]: _timed_teardown(detached[wave[0]], self.teardown)}
+        else:
+            from concurrent.futures import ThreadPoolExecutor
 
-                with ThreadPoolExecutor(max_workers=min(len(wave), 64), thread_name_prefix="ebt-teardown") as pool:
-                    futs = {e: pool.submit(_timed_teardown, detached[e], self.teardown) for e in wave}
-                secs = {e: f.result() for e, f in futs.items()}
-            after = device_free_bytes()
-            freed = None if before is None or after is None else after - before
-            log.debug("ebbtide.comm: release: wave at split level %d done in %.3f s (slowest group %.3f s), device "
-                      "free %+.0f MiB", level, time.perf_counter() - t0, max(secs.values()),
-                      (freed or 0) / 2**20)
-            for e in wave:
-                g = e.group
-                g._ebt_released_by = e.plan
-                e.freed = freed if len(wave) == 1 else None  # per-group bytes are not separable in a wave
-                if e.freed is not None and e.freed > (1 << 20):
-                    e.initialized = True
-                reports[e] = GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason, secs[e],
-                                         e.freed)
+            with ThreadPoolExecutor(max_workers=min(len(wave), 64), thread_name_prefix="ebt-teardown") as pool:
+                futs = {e: pool.submit(_timed_teardown, detached[e], self.teardown) for e in wave}
+            secs = {e: f.result() for e, f in futs.items()}
+        after = device_free_bytes()
+        freed = None if before is None or after is None else after - before
+        log.debug("ebbtide.comm: release: wave at split level %d done in %.3f s (slowest group %.3f s), device "
+                  "free %+.0f MiB", level, time.perf_counter() - t0, max(secs.values()),
+                  (freed or 0) / 2**20)
+        for e in wave:
+            g = e.group
+            g._ebt_released_by = e.plan
+            e.freed = freed if len(wave) == 1 else None  # per-group bytes are not separable in a wave
+            if e.freed is not None and e.freed > (1 << 20):
+                e.initialized = True
+            reports[e] = GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason, secs[e],
+                                     e.freed)
 
     def _release_one(self, e: Entry, inner: ProcessGroup) -> GroupReport:
         g = e.group

@@ -1,0 +1,69 @@
+"""Release order of Runtime._release_all: every child before the group it was split from, whatever the two plans
+(suspend / destroy) are, and one-at-a-time reverse journal order with install(concurrent_teardown=False). No NCCL
+on the CPU: the per-group work is recorded instead of done (the order is what is under test; the Gloo and NCCL
+tests run the real teardowns)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("torch")
+
+from ebbtide.comm import _runtime as R  # noqa: E402
+from ebbtide.comm import _strategy as S  # noqa: E402
+
+
+class _Group:
+    def __init__(self, name):
+        self._ebt_name, self._ebt_desc = name, name
+        self._ebt_released_by = None
+
+
+def _setup(monkeypatch, concurrent, plans):
+    """WORLD -> split child 'tp' -> split grandchild 'tp.sub', plus a new_group 'pp'; plans by name."""
+    world, tp, sub, pp = (_Group(n) for n in ("world", "tp", "tp.sub", "pp"))
+    journal = [R.Entry("world", "world", (), {}, world), R.Entry("group", "pp", (0, 1), {}, pp),
+               R.Entry("split", "tp", (0, 1), {}, tp, parent=world),
+               R.Entry("split", "tp.sub", (0,), {}, sub, parent=tp)]
+    for e in journal:
+        e.plan = plans[e.name]
+    rt = R.Runtime()
+    rt.journal = journal
+    rt.concurrent_teardown = concurrent
+    order, lock = [], threading.Lock()
+
+    def release_one(e, inner):
+        with lock:
+            order.append((e.name, e.plan))
+        return e.name
+
+    def timed_teardown(inner, how):
+        with lock:
+            order.append((inner, "destroy"))
+        return 0.0
+
+    monkeypatch.setattr(rt, "_release_one", release_one)
+    monkeypatch.setattr(R, "_timed_teardown", timed_teardown)
+    monkeypatch.setattr(R, "_global_ranks", lambda g: [])
+    todo = list(reversed(journal))
+    detached = {e: e.name for e in journal}  # the "inner" handed to the teardown: its name, for the record
+    return rt, todo, detached, order
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+@pytest.mark.parametrize("plans", [
+    {"world": S.SUSPEND, "pp": S.DESTROY, "tp": S.DESTROY, "tp.sub": S.DESTROY},  # child not created yet
+    {"world": S.SUSPEND, "pp": S.SUSPEND, "tp": S.SUSPEND, "tp.sub": S.DESTROY},
+    {"world": S.DESTROY, "pp": S.DESTROY, "tp": S.SUSPEND, "tp.sub": S.DESTROY},
+    {"world": S.DESTROY, "pp": S.DESTROY, "tp": S.DESTROY, "tp.sub": S.DESTROY},
+])
+def test_children_before_parents_whatever_the_plans(monkeypatch, concurrent, plans):
+    rt, todo, detached, order = _setup(monkeypatch, concurrent, plans)
+    rt._release_all(todo, detached)
+    done = [name for name, _ in order]
+    assert sorted(done) == sorted(plans), order
+    assert done.index("tp.sub") < done.index("tp") < done.index("world"), order
+    assert done.index("pp") < done.index("world"), order
+    if not concurrent:  # exactly the reverse journal order, one at a time
+        assert done == [e.name for e in todo], order
