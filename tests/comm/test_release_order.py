@@ -4,7 +4,10 @@ on the CPU: the per-group work is recorded instead of done (the order is what is
 tests run the real teardowns)."""
 from __future__ import annotations
 
+import datetime
+import logging
 import threading
+import time
 
 import pytest
 
@@ -38,7 +41,7 @@ def _setup(monkeypatch, concurrent, plans):
             order.append((e.name, e.plan))
         return e.name
 
-    def timed_teardown(inner, how):
+    def timed_teardown(inner, how, device=None):
         with lock:
             order.append((inner, "destroy"))
         return 0.0
@@ -67,3 +70,22 @@ def test_children_before_parents_whatever_the_plans(monkeypatch, concurrent, pla
     assert done.index("pp") < done.index("world"), order
     if not concurrent:  # exactly the reverse journal order, one at a time
         assert done == [e.name for e in todo], order
+
+
+def test_a_slow_teardown_is_named_in_the_log(monkeypatch, caplog):
+    # an abort cannot be interrupted: release keeps waiting, but says which groups are stuck every timeout period
+    plans = {"world": S.DESTROY, "pp": S.DESTROY, "tp": S.DESTROY, "tp.sub": S.DESTROY}
+    rt, todo, detached, order = _setup(monkeypatch, True, plans)
+
+    def slow_for_pp(inner, how, device=None):
+        if inner == "pp":
+            time.sleep(0.5)
+        order.append((inner, "destroy"))
+        return 0.0
+
+    monkeypatch.setattr(R, "_timed_teardown", slow_for_pp)
+    with caplog.at_level(logging.ERROR, logger=R.log.name):
+        rt._release_all(todo, detached, datetime.timedelta(seconds=0.1))
+    slow = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert slow and all("'pp'" in m and "'tp'" not in m for m in slow), caplog.text
+    assert [n for n, _ in order][-1] == "world"

@@ -407,7 +407,7 @@ class Runtime:
                 if e.plan != choices[e]:
                     e.reason = f"{choices[e]} here, {e.plan} on a peer: {e.reason}"
                 todo.append(e)
-            reports = self._release_all(todo, detached)
+            reports = self._release_all(todo, detached, tmo)
             reports.reverse()  # report in journal order
             for e in detached:
                 if e.plan is not None:
@@ -449,7 +449,8 @@ class Runtime:
             out.append((e, choice, reason))
         return out
 
-    def _release_all(self, todo: list[Entry], detached: dict) -> list[GroupReport]:
+    def _release_all(self, todo: list[Entry], detached: dict, tmo: datetime.timedelta | None = None
+                     ) -> list[GroupReport]:
         """Suspend or tear down ``todo`` (reverse journal order). With ``install(concurrent_teardown=False)``: one
         at a time in that order. Otherwise in waves by split level, deepest first, WORLD last (see Note
         [Concurrent teardown]); inside a wave the suspends (collective) run one at a time in reverse journal order,
@@ -471,7 +472,7 @@ class Runtime:
                 else:
                     destroy.append(e)
             if destroy:
-                self._destroy_wave(level, destroy, detached, reports)
+                self._destroy_wave(level, destroy, detached, reports, tmo or self.timeout)
         return [reports[e] for e in todo]
 
     def _depth(self, e: Entry, by_group: dict) -> int:
@@ -483,8 +484,12 @@ class Runtime:
             return 1 + self._depth(by_group[e.parent], by_group)
         return 1
 
-    def _destroy_wave(self, level: int, wave: list[Entry], detached: dict, reports: dict) -> None:
-        """Tear down the groups of one split level concurrently, one thread per group."""
+    def _destroy_wave(self, level: int, wave: list[Entry], detached: dict, reports: dict,
+                      tmo: datetime.timedelta) -> None:
+        """Tear down the groups of one split level concurrently, one thread per group. The workers run on this
+        thread's CUDA device (a new thread starts on device 0: see _timed_teardown). A teardown still running
+        after ``tmo`` is logged as an error, naming the groups, every ``tmo`` while it lasts: an abort cannot be
+        interrupted, so release keeps waiting, but a hang is no longer silent."""
         before = device_free_bytes()
         t0 = time.perf_counter()
         log.debug("ebbtide.comm: release: %s %d group(s) concurrently (split level %d): %s", self.teardown,
@@ -496,8 +501,10 @@ class Runtime:
         else:
             from concurrent.futures import ThreadPoolExecutor
 
+            dev = _current_cuda_device()
             with ThreadPoolExecutor(max_workers=min(len(wave), 64), thread_name_prefix="ebt-teardown") as pool:
-                futs = {e: pool.submit(_timed_teardown, detached[e], self.teardown) for e in wave}
+                futs = {e: pool.submit(_timed_teardown, detached[e], self.teardown, dev) for e in wave}
+                _report_slow_teardowns(futs, tmo)
             secs = {e: f.result() for e, f in futs.items()}
         after = device_free_bytes()
         freed = None if before is None or after is None else after - before
@@ -839,7 +846,15 @@ def _teardown(inner: ProcessGroup, how: str) -> None:
         _sever_split_from(inner)
 
 
-def _timed_teardown(inner: ProcessGroup, how: str) -> float:
+def _timed_teardown(inner: ProcessGroup, how: str, device: int | None = None) -> float:
+    """``_teardown`` timed. ``device``: make it this thread's CUDA device first. A worker thread starts on device 0,
+    and teardown code that saves and restores the current device around its own cudaSetDevice (NCCL's abort and
+    destroy paths do; torch guards only the communicators it keys by device) would then restore device 0, and
+    since CUDA 12 cudaSetDevice creates that device's primary context: every rank of a node would leave a context
+    on GPU 0. The one-at-a-time path runs on the caller's thread and device; the workers do the same."""
+    if device is not None:
+        with contextlib.suppress(Exception):
+            torch.cuda.set_device(device)
     t = time.perf_counter()
     _teardown(inner, how)
     return time.perf_counter() - t
@@ -974,6 +989,32 @@ def _ensure_rank_map(backend, parent: ReloadableGroup, where: str) -> None:
         raise StateError(f"{where}: parent '{parent._ebt_name}' has no global rank map and none can be set; "
                          "ProcessGroupNCCL::split would read past an empty vector")
     log.debug("ebbtide.comm: gave split parent %s the rank map %s", parent._ebt_name, wanted)
+
+
+def _current_cuda_device() -> int | None:
+    """The calling thread's CUDA device where CUDA is initialised (never initialises it)."""
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+    except Exception:
+        pass
+    return None
+
+
+def _report_slow_teardowns(futs: dict, tmo: datetime.timedelta) -> None:
+    """Wait for the teardown futures (Entry -> Future); every ``tmo`` some are still running, log them."""
+    from concurrent.futures import wait
+
+    pending = set(futs.values())
+    waited = 0.0
+    step = max(tmo.total_seconds(), 0.001)
+    while pending:
+        _done, pending = wait(pending, timeout=step)
+        if pending:
+            waited += step
+            names = [e.group._ebt_name for e, f in futs.items() if f in pending]
+            log.error("ebbtide.comm: release: teardown of group(s) %s still running after %.0f s (a hung NCCL "
+                      "abort/shutdown?); release cannot interrupt it and keeps waiting", names, waited)
 
 
 def _sever_split_from(inner: ProcessGroup) -> None:
