@@ -302,4 +302,8 @@ class GraphDecoder:
             self.token.copy_(nxt.view(B, 1))
             self.pos.fill_(P + i)
             logits = self._step().float()
+        if self.logits is not None and logits.data_ptr() == self.logits.data_ptr():
+            # an fp32 model: .float() is the graph's static output itself, which the next replay overwrites and a
+            # pause of its tag discards; the caller gets its own copy
+            logits = logits.clone()
         return seq, logits

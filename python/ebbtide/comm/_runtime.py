@@ -847,11 +847,11 @@ def _teardown(inner: ProcessGroup, how: str) -> None:
 
 
 def _timed_teardown(inner: ProcessGroup, how: str, device: int | None = None) -> float:
-    """``_teardown`` timed. ``device``: make it this thread's CUDA device first. A worker thread starts on device 0,
-    and teardown code that saves and restores the current device around its own cudaSetDevice (NCCL's abort and
-    destroy paths do; torch guards only the communicators it keys by device) would then restore device 0, and
-    since CUDA 12 cudaSetDevice creates that device's primary context: every rank of a node would leave a context
-    on GPU 0. The one-at-a-time path runs on the caller's thread and device; the workers do the same."""
+    """``_teardown`` timed. ``device``: make it this thread's CUDA device first, as on the one-at-a-time path (the
+    caller's thread). A new thread starts on device 0; teardown code that saves and restores the current device
+    around its own cudaSetDevice, unguarded by torch (torch guards the communicators it keys by device, not every
+    path), would restore device 0, and since CUDA 12 cudaSetDevice creates that device's primary context: a
+    context of every rank of a node on GPU 0. Defensive: not observed, and not checkable without GPUs."""
     if device is not None:
         with contextlib.suppress(Exception):
             torch.cuda.set_device(device)
