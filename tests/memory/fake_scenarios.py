@@ -1059,6 +1059,41 @@ def coalesce_tags_and_shareable():
     assert_clean()
 
 
+def coalesce_first_member_freed():
+    """A coalesced mapping whose lowest-address member was freed while active (a zombie at the mapping's base):
+    the tag's next pause still unmaps the whole mapping with one call (the first LIVE member is not at the
+    mapping's base: that is no inconsistency), gives the zombie back and restores the live members at resume; the
+    last free of a mapping whose base and end members are zombies unmaps the whole range."""
+    em.set_coalescing(True)
+    n = 4
+    ps = [alloc(2 * MiB, "f", "cpu") for _ in range(n)]
+    assert all(ps[i + 1] == ps[i] + 2 * MiB for i in range(n - 1)), "allocations are VA-contiguous"
+    data = [fill(p, 2 * MiB, i + 3) for i, p in enumerate(ps)]
+    em.pause("f")
+    assert em.resume("f").mappings == 1
+    free(ps[0])  # the member at the mapping's base: a zombie
+    assert tag_row("f")["bytes_pending_free"] == 2 * MiB
+    trace()
+    rep = em.pause("f")  # was: InternalError "3 of its 3 live members in this pause"
+    assert trace().count("cuMemUnmap") == 1, rep
+    assert (rep.mappings, rep.allocations, rep.bytes_pending_freed) == (1, n - 1, 2 * MiB), rep
+    assert counters()["phys"] == 0 and tag_row("f")["state"] == "paused"
+    rep = em.resume("f")
+    assert rep.mappings == 1 and counters()["mappings"] == 1, rep
+    for p, d in zip(ps[1:], data[1:]):
+        assert read(p, 2 * MiB) == d
+    free(ps[1])  # base again, then the end: both zombies; the middle one is the last live member
+    free(ps[3])
+    trace()
+    free(ps[2])
+    assert trace().count("cuMemUnmap") == 1
+    assert counters()["phys"] == 0 and counters()["mappings"] == 0
+    z = alloc(8 * MiB, "z", "none")
+    assert z == ps[0], "the mapping's VA did not come back with its last member"
+    free(z)
+    assert_clean()
+
+
 def coalesce_fault_injection(op: str, spec: str):
     """Rollback with coalesced mappings (the test sets EBBTIDE_MEM_COALESCE=1 and EBBTIDE_MEM_COALESCE_MAX_BYTES=8
     MiB: the tag's 16 MiB resumes as two mappings). A failed resume unmaps what it mapped and leaves the tag paused
