@@ -271,12 +271,20 @@ def fault_injection(op: str, spec: str):
     state_before = tag_row("w")["state"]
     handles_before = counters()["handles"]
     fault(name, int(nth))
+    trace()
     try:
         (em.pause if op == "pause" else em.resume)("w")
         raise AssertionError(f"{op} with {spec} failing did not raise")
     except DriverError:
         pass
+    calls = trace()
     fault(name, 0)  # clear a persistent fault before the retry
+    if op == "resume" and "cuMemUnmap" in calls:  # drain before unmap: no H2D copy may still be in flight
+        first_unmap = calls.index("cuMemUnmap")
+        copies = [i for i, c in enumerate(calls[:first_unmap]) if c == "cuMemcpyHtoDAsync"]
+        if copies:
+            between = calls[copies[-1]:first_unmap]
+            assert "cuStreamSynchronize" in between or "cuCtxSynchronize" in between, (spec, calls)
     row = tag_row("w")
     assert row["state"] == state_before, (spec, row["state"], state_before)
     assert counters()["handles"] == handles_before, (spec, counters(), handles_before)
