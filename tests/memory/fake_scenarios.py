@@ -1152,16 +1152,19 @@ def versioned_stats():
     released struct is refused without writing anything."""
     a, b = alloc(4 * MiB, "first"), alloc(2 * MiB, "second")
     stride, n = 4096, ctypes.c_size_t()
-    buf = ctypes.create_string_buffer(stride * 4)
+    buf = ctypes.create_string_buffer(b"\xff" * (stride * 4), stride * 4)
     assert RUNTIME.ebt_mem_stats(buf, ctypes.c_size_t(stride), ctypes.c_size_t(4), ctypes.byref(n)) == 0
     assert n.value == 2, n.value
+    assert all(buf.raw[i * stride + stride - 64:(i + 1) * stride] == bytes(64) for i in range(2)), \
+        "fields unknown to the library must read as zero"
     tags = sorted(ctypes.string_at(ctypes.addressof(buf) + i * stride).decode() for i in range(2))
     assert tags == ["first", "second"], tags
     assert RUNTIME.ebt_mem_stats(buf, ctypes.c_size_t(8), ctypes.c_size_t(4), ctypes.byref(n)) != 0
     g = ctypes.create_string_buffer(8)
     assert RUNTIME.ebt_mem_global_stats(g, ctypes.c_size_t(8)) != 0
-    big = ctypes.create_string_buffer(4096)
+    big = ctypes.create_string_buffer(b"\xff" * 4096, 4096)
     assert RUNTIME.ebt_mem_global_stats(big, ctypes.c_size_t(4096)) == 0
+    assert big.raw[-64:] == bytes(64), "fields unknown to the library must read as zero"
     free(a)
     free(b)
     assert_clean()
