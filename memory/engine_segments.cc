@@ -140,10 +140,11 @@ ebt_status_t Engine::free_member(Allocation* a, std::unique_lock<std::mutex>& lo
     s->zombies.push_back(a);
     s->zombie_bytes += a->aligned;
     pending_free_ += a->aligned;
+    const CUdeviceptr va = a->va;  // once mu_ is dropped the segment owns `a`: a pause may delete it at once
     lock.unlock();
     arena_.free(host);
     EBT_TRACE(EBT_SUBSYS_MEM, "free 0x%llx: inside a coalesced mapping (0x%llx, %zu bytes); memory held until it is "
-              "unmapped", a->va, s->va, s->size);
+              "unmapped", va, s->va, s->size);
     return EBT_SUCCESS;
   }
   // The last live member: unmap the whole mapping, then every member's VA goes back.
