@@ -381,7 +381,11 @@ ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t*
   ebt_status_t st = Engine::get().stats(full.get(), capacity, count);
   if (st != EBT_SUCCESS) return st;
   const size_t n = std::min(capacity, *count), copy = std::min(row_size, sizeof(ebt_mem_tag_stats_t));
-  for (size_t i = 0; i < n; ++i) memcpy(static_cast<char*>(rows) + i * row_size, &full[i], copy);
+  for (size_t i = 0; i < n; ++i) {  // fields this library does not know read as zero, never as stale bytes
+    char* row = static_cast<char*>(rows) + i * row_size;
+    memcpy(row, &full[i], copy);
+    if (row_size > copy) memset(row + copy, 0, row_size - copy);
+  }
   return EBT_SUCCESS;
 }
 
@@ -392,7 +396,10 @@ ebt_status_t ebt_mem_global_stats(void* out, size_t size) {
                   "size %zu is smaller than any released ebt_mem_global_stats_t", size);
   ebt_mem_global_stats_t g;
   ebt_status_t st = Engine::get().global_stats(&g);
-  if (st == EBT_SUCCESS) memcpy(out, &g, std::min(size, sizeof(g)));
+  if (st == EBT_SUCCESS) {
+    memcpy(out, &g, std::min(size, sizeof(g)));
+    if (size > sizeof(g)) memset(static_cast<char*>(out) + sizeof(g), 0, size - sizeof(g));
+  }
   return st;
 }
 

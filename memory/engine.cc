@@ -803,6 +803,7 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
     EBT_CHECK_GOTO(device(a->device, &d), st, undo);
     {
       CtxGuard ctx(drv, d->ctx);
+      done_events.emplace(d, nullptr);  // before any copy: the undo drains every stream that got one
       if (a->backup == EBT_MEM_BACKUP_CPU && a->host_valid) {
         for (size_t off = 0; off < a->size;) {
           size_t n = std::min({chunk_bytes(), a->size - off, arena_.piece_remaining(a->host, off)});
@@ -817,7 +818,6 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
       } else if (poison_enabled()) {
         drv->cuMemsetD8Async(a->va, 0xA5, a->aligned, d->h2d);
       }
-      if (!done_events.count(d)) done_events[d] = nullptr;
     }
   }
   for (auto& kv : done_events) {
@@ -854,8 +854,7 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
   }
   return EBT_SUCCESS;
 undo:
-  for (auto& kv : done_events) {
-    if (!kv.second) continue;
+  for (auto& kv : done_events) {  // copies issued before the failure must land before their memory is unmapped
     CtxGuard ctx(drv, kv.first->ctx);
     drv->cuStreamSynchronize(kv.first->h2d);
     give_event(kv.first, kv.second);

@@ -67,7 +67,8 @@ ebt_status_t Engine::resume_units(const std::vector<Allocation*>& allocs, std::v
 
 // The op owns every allocation in `allocs` (busy): a->seg changes only under mu_ by that owner, so reading it here
 // without mu_ is safe. Every live member of a segment is ACTIVE and in the segment's tag, hence in this plan, and
-// no other allocation lies inside its range (zombies keep their VA): its members are consecutive here.
+// no other allocation lies inside its range (zombies keep their VA): its members are consecutive here. The first
+// live member need not sit at the segment's base: a member freed there is a zombie, still inside the unit.
 ebt_status_t Engine::pause_units(const std::vector<Allocation*>& allocs, std::vector<MapUnit>* units) {
   units->clear();
   for (size_t i = 0; i < allocs.size();) {
@@ -81,7 +82,7 @@ ebt_status_t Engine::pause_units(const std::vector<Allocation*>& allocs, std::ve
     u.shareable = a->shareable;
     if (a->seg) {
       while (u.end < allocs.size() && allocs[u.end]->seg == a->seg) ++u.end;
-      if (u.end - u.begin != a->seg->live || a->va != a->seg->va)
+      if (u.end - u.begin != a->seg->live || a->va < a->seg->va || a->va >= a->seg->va + a->seg->size)
         return ebt_set_error(EBT_ERROR_INTERNAL, "coalesced mapping at 0x%llx: %zu of its %zu live members in this "
                              "pause (bug: please report it)", a->seg->va, u.end - u.begin, a->seg->live);
       u.va = a->seg->va;
@@ -139,10 +140,11 @@ ebt_status_t Engine::free_member(Allocation* a, std::unique_lock<std::mutex>& lo
     s->zombies.push_back(a);
     s->zombie_bytes += a->aligned;
     pending_free_ += a->aligned;
+    const CUdeviceptr va = a->va;  // once mu_ is dropped the segment owns `a`: a pause may delete it at once
     lock.unlock();
     arena_.free(host);
     EBT_TRACE(EBT_SUBSYS_MEM, "free 0x%llx: inside a coalesced mapping (0x%llx, %zu bytes); memory held until it is "
-              "unmapped", a->va, s->va, s->size);
+              "unmapped", va, s->va, s->size);
     return EBT_SUCCESS;
   }
   // The last live member: unmap the whole mapping, then every member's VA goes back.

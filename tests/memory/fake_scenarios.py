@@ -271,12 +271,20 @@ def fault_injection(op: str, spec: str):
     state_before = tag_row("w")["state"]
     handles_before = counters()["handles"]
     fault(name, int(nth))
+    trace()
     try:
         (em.pause if op == "pause" else em.resume)("w")
         raise AssertionError(f"{op} with {spec} failing did not raise")
     except DriverError:
         pass
+    calls = trace()
     fault(name, 0)  # clear a persistent fault before the retry
+    if op == "resume" and "cuMemUnmap" in calls:  # drain before unmap: no H2D copy may still be in flight
+        first_unmap = calls.index("cuMemUnmap")
+        copies = [i for i, c in enumerate(calls[:first_unmap]) if c == "cuMemcpyHtoDAsync"]
+        if copies:
+            between = calls[copies[-1]:first_unmap]
+            assert "cuStreamSynchronize" in between or "cuCtxSynchronize" in between, (spec, calls)
     row = tag_row("w")
     assert row["state"] == state_before, (spec, row["state"], state_before)
     assert counters()["handles"] == handles_before, (spec, counters(), handles_before)
@@ -1059,6 +1067,41 @@ def coalesce_tags_and_shareable():
     assert_clean()
 
 
+def coalesce_first_member_freed():
+    """A coalesced mapping whose lowest-address member was freed while active (a zombie at the mapping's base):
+    the tag's next pause still unmaps the whole mapping with one call (the first LIVE member is not at the
+    mapping's base: that is no inconsistency), gives the zombie back and restores the live members at resume; the
+    last free of a mapping whose base and end members are zombies unmaps the whole range."""
+    em.set_coalescing(True)
+    n = 4
+    ps = [alloc(2 * MiB, "f", "cpu") for _ in range(n)]
+    assert all(ps[i + 1] == ps[i] + 2 * MiB for i in range(n - 1)), "allocations are VA-contiguous"
+    data = [fill(p, 2 * MiB, i + 3) for i, p in enumerate(ps)]
+    em.pause("f")
+    assert em.resume("f").mappings == 1
+    free(ps[0])  # the member at the mapping's base: a zombie
+    assert tag_row("f")["bytes_pending_free"] == 2 * MiB
+    trace()
+    rep = em.pause("f")  # was: InternalError "3 of its 3 live members in this pause"
+    assert trace().count("cuMemUnmap") == 1, rep
+    assert (rep.mappings, rep.allocations, rep.bytes_pending_freed) == (1, n - 1, 2 * MiB), rep
+    assert counters()["phys"] == 0 and tag_row("f")["state"] == "paused"
+    rep = em.resume("f")
+    assert rep.mappings == 1 and counters()["mappings"] == 1, rep
+    for p, d in zip(ps[1:], data[1:]):
+        assert read(p, 2 * MiB) == d
+    free(ps[1])  # base again, then the end: both zombies; the middle one is the last live member
+    free(ps[3])
+    trace()
+    free(ps[2])
+    assert trace().count("cuMemUnmap") == 1
+    assert counters()["phys"] == 0 and counters()["mappings"] == 0
+    z = alloc(8 * MiB, "z", "none")
+    assert z == ps[0], "the mapping's VA did not come back with its last member"
+    free(z)
+    assert_clean()
+
+
 def coalesce_fault_injection(op: str, spec: str):
     """Rollback with coalesced mappings (the test sets EBBTIDE_MEM_COALESCE=1 and EBBTIDE_MEM_COALESCE_MAX_BYTES=8
     MiB: the tag's 16 MiB resumes as two mappings). A failed resume unmaps what it mapped and leaves the tag paused
@@ -1109,16 +1152,19 @@ def versioned_stats():
     released struct is refused without writing anything."""
     a, b = alloc(4 * MiB, "first"), alloc(2 * MiB, "second")
     stride, n = 4096, ctypes.c_size_t()
-    buf = ctypes.create_string_buffer(stride * 4)
+    buf = ctypes.create_string_buffer(b"\xff" * (stride * 4), stride * 4)
     assert RUNTIME.ebt_mem_stats(buf, ctypes.c_size_t(stride), ctypes.c_size_t(4), ctypes.byref(n)) == 0
     assert n.value == 2, n.value
+    assert all(buf.raw[i * stride + stride - 64:(i + 1) * stride] == bytes(64) for i in range(2)), \
+        "fields unknown to the library must read as zero"
     tags = sorted(ctypes.string_at(ctypes.addressof(buf) + i * stride).decode() for i in range(2))
     assert tags == ["first", "second"], tags
     assert RUNTIME.ebt_mem_stats(buf, ctypes.c_size_t(8), ctypes.c_size_t(4), ctypes.byref(n)) != 0
     g = ctypes.create_string_buffer(8)
     assert RUNTIME.ebt_mem_global_stats(g, ctypes.c_size_t(8)) != 0
-    big = ctypes.create_string_buffer(4096)
+    big = ctypes.create_string_buffer(b"\xff" * 4096, 4096)
     assert RUNTIME.ebt_mem_global_stats(big, ctypes.c_size_t(4096)) == 0
+    assert big.raw[-64:] == bytes(64), "fields unknown to the library must read as zero"
     free(a)
     free(b)
     assert_clean()

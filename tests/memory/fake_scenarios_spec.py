@@ -40,7 +40,7 @@ FAULTS = {
 PER_ALLOCATION_COUNTS = {"oom_at_resume", "batched_set_access_and_drain_order", "set_access_fallback",
                          "unmap_runs_and_handle_release", "memory_margin_and_tag_epochs"}
 COALESCED_SIMPLE = [s for s in SIMPLE if s not in PER_ALLOCATION_COUNTS]
-COALESCE = ["coalesce_runs_and_zombies", "coalesce_tags_and_shareable"]
+COALESCE = ["coalesce_runs_and_zombies", "coalesce_tags_and_shareable", "coalesce_first_member_freed"]
 # With EBBTIDE_MEM_COALESCE_MAX_BYTES=8 MiB the tag resumes as two mappings of two allocations each. cuMemUnmap
 # faults run in exact-unmap mode: call 1 (the span) is refused, :2 fails the first mapping (nothing released), :3
 # the second (the first is mapped back, coalesced). cuMemCreate:2 / cuMemMap:2: the second run.
