@@ -272,7 +272,9 @@ def _nccl_process_state(rank: int, world: int, init: str, dev, buf, progress) ->
     tmo = datetime.timedelta(seconds=60)
     store = None
     if world > 1:
-        name = "ebt-nccl-baseline-" + hashlib.sha1(init.encode()).hexdigest()[:16]
+        # Salted with the launcher's pid (every rank of one spawn shares it): a crashed earlier run on the same port
+        # must not leave a stale unique id that a rank would read and then wait on in ncclCommInitRank forever.
+        name = "ebt-nccl-baseline-" + hashlib.sha1(f"{init}/{os.getppid()}".encode()).hexdigest()[:16]
         store = dist.FileStore(os.path.join(tempfile.gettempdir(), name), world)
     try:
         try:
