@@ -373,7 +373,7 @@ ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t*
   EBT_NOT_IN_FORK();
   EBT_REQUIRE_ARG(count, "count is NULL");
   EBT_REQUIRE_ARG(capacity == 0 || rows, "rows is NULL with capacity %zu", capacity);
-  EBT_REQUIRE_ARG(capacity == 0 || row_size >= offsetof(ebt_mem_tag_stats_t, last_pause),
+  EBT_REQUIRE_ARG(capacity == 0 || row_size >= offsetof(ebt_mem_tag_stats_t, bytes_pending_free),
                   "row_size %zu is smaller than any released ebt_mem_tag_stats_t", row_size);
   if (capacity == 0) return Engine::get().stats(nullptr, 0, count);
   std::unique_ptr<ebt_mem_tag_stats_t[]> full(new (std::nothrow) ebt_mem_tag_stats_t[capacity]);
@@ -401,6 +401,16 @@ ebt_status_t ebt_mem_global_stats(void* out, size_t size) {
     if (size > sizeof(g)) memset(static_cast<char*>(out) + sizeof(g), 0, size - sizeof(g));
   }
   return st;
+}
+
+ebt_status_t ebt_mem_tag_reports(const char* tag, ebt_mem_report_t* last_pause, ebt_mem_report_t* last_resume) {
+  EBT_NOT_IN_FORK();
+  ebt_mem_report_t p, r;
+  ebt_status_t st = Engine::get().tag_reports(tag, &p, &r);
+  if (st != EBT_SUCCESS) return st;
+  copy_report(p, last_pause);
+  copy_report(r, last_resume);
+  return EBT_SUCCESS;
 }
 
 ebt_status_t ebt_mem_get_cpu_backup(const void* ptr, void** host, size_t* bytes_after) {

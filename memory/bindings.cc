@@ -236,8 +236,13 @@ void register_bindings(py::module_& m) {
       d["bytes_paused"] = s.bytes_paused;
       d["bytes_backed_up"] = s.bytes_backed_up;
       d["bytes_pending_free"] = s.bytes_pending_free;
-      d["last_pause"] = report_dict(s.last_pause);
-      d["last_resume"] = report_dict(s.last_resume);
+      ebt_mem_report_t lp, lr;
+      memset(&lp, 0, sizeof(lp));
+      memset(&lr, 0, sizeof(lr));
+      lp.struct_size = lr.struct_size = sizeof(lp);
+      EBT_PY_CHECK(ebt_mem_tag_reports(s.tag, &lp, &lr));
+      d["last_pause"] = report_dict(lp);
+      d["last_resume"] = report_dict(lr);
       out.append(d);
     }
     return out;

@@ -74,9 +74,10 @@ typedef struct {
   size_t bytes_active;      /* physical bytes mapped now (aligned) */
   size_t bytes_paused;      /* physical bytes released by pause (aligned) */
   size_t bytes_backed_up;   /* host arena bytes holding this tag's backups (kept across cycles) */
-  ebt_mem_report_t last_pause, last_resume;
   size_t bytes_pending_free;  /* freed allocations of this tag still mapped inside a coalesced mapping (aligned
                                  bytes; given back at the tag's next pause or when the mapping empties) */
+  /* Fields are only appended. The tag's last reports are not embedded (a report that grows would shift every
+   * field after it): read them with ebt_mem_tag_reports. */
 } ebt_mem_tag_stats_t;
 
 /* Host arena and interposer counters. */
@@ -148,6 +149,9 @@ EBT_API ebt_status_t ebt_mem_mark_clean(const char* tag);
  * ever appended, so an older caller reads exactly the fields it knows). */
 EBT_API ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t* count);
 EBT_API ebt_status_t ebt_mem_global_stats(void* out, size_t size);
+/* The tag's last successful pause and resume reports (either pointer may be NULL; each versioned by its own
+ * struct_size, as for ebt_mem_pause). NOT_FOUND for a tag no region ever named. */
+EBT_API ebt_status_t ebt_mem_tag_reports(const char* tag, ebt_mem_report_t* last_pause, ebt_mem_report_t* last_resume);
 /* The host backup of the allocation containing `ptr`: *host = backup address of ptr (NULL if the allocation
  * has no host copy), *bytes_after = bytes of the backup from there to its end. NOT_FOUND if ptr is not an
  * engine allocation. O(log n). The backup is current only while the allocation is paused. */

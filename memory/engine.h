@@ -130,6 +130,7 @@ class Engine {
   bool coalescing() const { return coalesce_.load(std::memory_order_relaxed); }
   ebt_status_t stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
   ebt_status_t global_stats(ebt_mem_global_stats_t* out);
+  ebt_status_t tag_reports(const char* tag, ebt_mem_report_t* last_pause, ebt_mem_report_t* last_resume);
   ebt_status_t get_cpu_backup(const void* ptr, void** host, size_t* bytes_after);
   ebt_status_t lookup(const void* ptr, void** base, size_t* size, char* tag, int* paused);
   ebt_status_t paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count);

@@ -66,13 +66,21 @@ ebt_status_t Engine::stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* c
       snprintf(s.tag, sizeof(s.tag), "%s", t->name.c_str());
       s.device = d.first;
       s.state = t->busy ? EBT_MEM_TAG_BUSY : t->state;
-      s.last_pause = t->last_pause;
-      s.last_resume = t->last_resume;
       out.push_back(s);
     }
   }
   *count = out.size();
   for (size_t i = 0; i < std::min(capacity, out.size()); ++i) rows[i] = out[i];
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::tag_reports(const char* tag, ebt_mem_report_t* last_pause, ebt_mem_report_t* last_resume) {
+  EBT_REQUIRE_ARG(tag, "tag is NULL");
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tags_.find(tag);
+  if (it == tags_.end()) return ebt_set_error(EBT_ERROR_NOT_FOUND, "no region ever named tag '%s'", tag);
+  if (last_pause) *last_pause = it->second->last_pause;
+  if (last_resume) *last_resume = it->second->last_resume;
   return EBT_SUCCESS;
 }
 

@@ -1165,6 +1165,16 @@ def versioned_stats():
     big = ctypes.create_string_buffer(b"\xff" * 4096, 4096)
     assert RUNTIME.ebt_mem_global_stats(big, ctypes.c_size_t(4096)) == 0
     assert big.raw[-64:] == bytes(64), "fields unknown to the library must read as zero"
+    # The last reports come separately, each versioned by its own struct_size (a caller with an older, shorter
+    # report gets exactly its prefix; struct_size says how much was written).
+    em.pause("first")
+    old_report = (ctypes.c_size_t * 4)(4 * ctypes.sizeof(ctypes.c_size_t), 7, 7, 7)
+    assert RUNTIME.ebt_mem_tag_reports(b"first", old_report, None) == 0
+    assert old_report[0] == 4 * ctypes.sizeof(ctypes.c_size_t), list(old_report)
+    assert RUNTIME.ebt_mem_tag_reports(b"never-named", None, None) != 0
+    row = [r for r in em.stats()["tags"] if r["tag"] == "first"][0]
+    assert row["last_pause"]["allocations"] == 1 and row["last_pause"]["bytes"] >= 4 * MiB, row["last_pause"]
+    em.resume("first")
     free(a)
     free(b)
     assert_clean()
