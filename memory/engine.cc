@@ -544,7 +544,17 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     r->unmap_s += since(t_unmap);
     k = j;
   }
-  // Drain outstanding copies (on failure) and return events to the pool.
+  // Drain outstanding copies (on failure) and return events to the pool. A copy failure can leave chunks of its
+  // allocation issued with no event behind them: drain each involved D2H stream as a whole, so no DMA still
+  // writes into a host block that the rollback or a release_host_memory() may hand back.
+  if (st != EBT_SUCCESS) {
+    std::unordered_set<Device*> drained;
+    for (size_t k = 0; k < allocs.size(); ++k)
+      if (copy[k] && drained.insert(devs[k]).second) {
+        CtxGuard ctx(drv, devs[k]->ctx);
+        drv->cuStreamSynchronize(devs[k]->d2h);
+      }
+  }
   for (size_t k = 0; k < allocs.size(); ++k) {
     if (!events[k]) continue;
     if (st != EBT_SUCCESS) drv->cuEventSynchronize(events[k]);
