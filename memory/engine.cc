@@ -583,6 +583,15 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
   return EBT_SUCCESS;
 }
 
+// Whether VA `va` is still backed by a mapping: cuMemRetainAllocationHandle succeeds only on mapped memory.
+static bool still_mapped(const ebt_driver_table_t* drv, CUdeviceptr va) {
+  if (!drv->cuMemRetainAllocationHandle) return true;  // cannot tell: keep the driver's error
+  CUmemGenericAllocationHandle h = 0;
+  if (drv->cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(va)) != CUDA_SUCCESS) return false;
+  drv->cuMemRelease(h);
+  return true;
+}
+
 // One cuMemUnmap over the run first: the documentation asks for "the entire contiguous address range that was
 // mapped" without saying whether that range may consist of several mappings (accepted on H200, driver 580; see
 // NOTES.md). Any error (a driver that wants one mapping per call) falls back to one call per unit (a coalesced
@@ -615,9 +624,13 @@ ebt_status_t Engine::unmap_run(const std::vector<Allocation*>& allocs, const std
     }
     EBT_INFO(EBT_SUBSYS_MEM, "cuMemUnmap over %zu mappings failed (%d); one per mapping instead", end - begin, res);
   }
+  const bool after_span = end - begin > 1;
   for (size_t k = begin; k < end; ++k) {
     r->unmap_calls += 1;
     CUresult res = drv->cuMemUnmap(units[k].va, units[k].size);
+    // A driver that unmapped part of the span before refusing it: a unit that is no longer mapped was released
+    // by that call (no handle can be retained from its VA), and must be booked as paused, not as a failure.
+    if (res != CUDA_SUCCESS && after_span && !still_mapped(drv, units[k].va)) res = CUDA_SUCCESS;
     if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuMemUnmap (pause)", __FILE__, __LINE__);
     mark(units[k]);
   }

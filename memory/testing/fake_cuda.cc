@@ -33,6 +33,8 @@
  *   ebt_fake_set_device_bytes(bytes)    physical memory per device from now on
  *   ebt_fake_set_exact_unmap(on)        cuMemUnmap over more than one mapping fails (INVALID_VALUE); also
  *                                       EBT_FAKE_EXACT_UNMAP=1 at load
+ *   ebt_fake_set_partial_unmap(on)      a cuMemUnmap over several mappings unmaps the first one, then fails
+ *                                       (INVALID_VALUE): a driver that gives up half way (tests that case)
  *   ebt_fake_set_foreign_global_capture(on)  pretend another thread captures a graph in global mode:
  *                                       cuMemHostRegister then fails (906) unless the calling thread is relaxed
  * EBT_FAKE_DEVICES sets the device count (default 1). Thread-safe (one mutex).
@@ -93,6 +95,7 @@ std::map<std::string, std::pair<long, CUresult>> g_faults;  // name -> (countdow
 std::string g_trace;
 size_t g_device_bytes = size_t(1) << 30;
 bool g_exact_unmap = false;  // ebt_fake_set_exact_unmap: cuMemUnmap must name exactly one mapping
+bool g_partial_unmap = false;  // ebt_fake_set_partial_unmap: a multi-mapping cuMemUnmap unmaps the first, then fails
 std::vector<size_t> g_used;  // physical bytes in use, per device
 int g_devices = 1;
 long g_unpinned_copies = 0;
@@ -242,6 +245,11 @@ FAKE_API void ebt_fake_set_exact_unmap(int on) {
   std::lock_guard<std::mutex> lk(g_mu);
   init_once();
   g_exact_unmap = on != 0;
+}
+FAKE_API void ebt_fake_set_partial_unmap(int on) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  init_once();
+  g_partial_unmap = on != 0;
 }
 FAKE_API void ebt_fake_set_device_bytes(size_t bytes) {
   std::lock_guard<std::mutex> lk(g_mu);
@@ -471,6 +479,16 @@ FAKE_API CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (g_exact_unmap && which.size() != 1) return CUDA_ERROR_INVALID_VALUE;
+  if (g_partial_unmap && which.size() > 1) {  // a driver that gives up half way: first mapping gone, then fails
+    size = g_mappings[which[0]].size;
+    which.resize(1);
+    mmap(reinterpret_cast<void*>(p), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    Handle* h = g_mappings[p].handle;
+    g_mappings.erase(p);
+    --h->maps;
+    destroy_handle_if_done(h);
+    return CUDA_ERROR_INVALID_VALUE;
+  }
   mmap(reinterpret_cast<void*>(p), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   for (CUdeviceptr va : which) {
     Handle* h = g_mappings[va].handle;

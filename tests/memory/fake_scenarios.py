@@ -719,6 +719,27 @@ def memory_margin_and_tag_epochs():
     assert_clean()
 
 
+def partial_span_unmap():
+    """A driver that unmaps part of a multi-mapping span and then refuses it: the per-allocation fallback finds the
+    allocation it already lost no longer mapped and books it as paused (not as a failure that would leave the tag
+    unpausable); the pause succeeds, every byte is back, content of CPU-backed ones survives the round trip."""
+    ps = [alloc(2 * MiB, "t", "cpu") for _ in range(4)]
+    data = [fill(p, 2 * MiB, 30 + i) for i, p in enumerate(ps)]
+    FAKE.ebt_fake_set_partial_unmap(1)
+    try:
+        rep = em.pause("t")
+    finally:
+        FAKE.ebt_fake_set_partial_unmap(0)
+    assert rep.allocations == 4 and rep.unmap_calls == 5, rep  # the span, then one per allocation
+    assert counters()["phys"] == 0 and counters()["mappings"] == 0, counters()
+    em.resume("t")
+    for p, d in zip(ps, data):
+        assert read(p, 2 * MiB) == d
+    for p in ps:
+        free(p)
+    assert_clean()
+
+
 def unmap_runs_and_handle_release():
     """No handle is kept: malloc and resume release each handle right after mapping it, so pause is unmap only
     (one call per VA-contiguous run; per allocation when the driver refuses the span) and frees the memory."""

@@ -22,6 +22,7 @@ SIMPLE = [
     "register_workers_keep_capture_mode",
     "cupy_allocator_routing",
     "versioned_stats",
+    "partial_span_unmap",
 ]
 
 # (operation, "symbol:nth"): the nth call of symbol fails during the operation (nth -1: every call). cuMemUnmap
