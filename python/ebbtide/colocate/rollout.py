@@ -89,7 +89,8 @@ class _Rollout:
         if self.decode not in DECODE_MODES:
             raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
         self.decoder = None  # the GraphDecoder, built on the first generate
-        self.last = None  # (tokens, last logits) of the latest generate, for check_decode
+        self.last = None  # (tokens, last logits) of the latest verified generate, for check_decode
+        self.generated = None  # (tokens, last logits) of the latest generate, for verify_generate
         if not self.cuda:  # the orchestration check without a GPU: nothing to pause
             region = lambda tag: contextlib.nullcontext()  # noqa: E731
         elif self.variant == "ebbtide":
@@ -155,14 +156,14 @@ class _Rollout:
         self.tms.resume()
         return {}
 
-    def load(self, verify: bool = False):
-        n = unpack(self.model, self.layout, self.buffer.tensor, self.codec, self.staging)
-        out = {"bytes": n}
-        if verify:
-            self._sync()
-            out["logits"] = self.model(self.verify_tokens.to(self.dev))[:, -1].float().cpu().tolist()
-            out["digests"] = weight_digests(dict(self.model.named_parameters()))
-        return out
+    def load(self):
+        return {"bytes": unpack(self.model, self.layout, self.buffer.tensor, self.codec, self.staging)}
+
+    def verify_load(self):
+        """Untimed (the trainer calls it between phases): logits on the verification prompts and weight digests."""
+        self._sync()
+        return {"logits": self.model(self.verify_tokens.to(self.dev))[:, -1].float().cpu().tolist(),
+                "digests": weight_digests(dict(self.model.named_parameters()))}
 
     def _graph_context(self):
         if self.em:  # pausable: released by the rollout pause, mapped back at the same addresses by the resume
@@ -182,7 +183,7 @@ class _Rollout:
     def _tag_active(self, tag: str) -> int:
         return sum(r["bytes_active"] for r in self.em.stats()["tags"] if r["tag"] == tag)
 
-    def generate(self, verify: bool = False):
+    def generate(self):
         capturing = self.decode != "eager" and self.cuda and (self.decoder is None or self.decoder.graph is None)
         before = self._tag_active(GRAPH_TAG) if capturing and self.em else None
         seq, last = self._decode(self.prompts.to(self.dev))
@@ -192,13 +193,21 @@ class _Rollout:
             out["graph_bytes"] = self.decoder.graph_bytes
         if before is not None:  # the capture (and the static buffers) landed in the engine: paused with the tag
             out["graph_engine_bytes"] = self._tag_active(GRAPH_TAG) - before
-        if verify:  # the cached decode's last logits against one full forward over the same sequence
-            full = self.model(seq[:, :-1])[:, -1].float()
-            out["decode_vs_full_max_abs"] = float((full - last).abs().max().item())
-            out["decode_vs_full_rel"] = out["decode_vs_full_max_abs"] / max(float(full.abs().max().item()), 1e-30)
-            out["decode_vs_full_argmax_equal"] = bool(torch.equal(full.argmax(-1), last.argmax(-1)))
-            if self.decode != "eager":
-                self.last = (seq, last)
+        self.generated = (seq, last)  # for verify_generate, before the rollout pauses
+        return out
+
+    def verify_generate(self):
+        """Untimed (between generate and the rollout's pause): the cached decode's last logits against one full
+        forward over the same sequence; keeps them for check_decode when the decode was not eager."""
+        if self.generated is None:
+            raise StateError("verify_generate needs a generate first")
+        (seq, last), self.generated = self.generated, None
+        full = self.model(seq[:, :-1])[:, -1].float()
+        out = {"decode_vs_full_max_abs": float((full - last).abs().max().item())}
+        out["decode_vs_full_rel"] = out["decode_vs_full_max_abs"] / max(float(full.abs().max().item()), 1e-30)
+        out["decode_vs_full_argmax_equal"] = bool(torch.equal(full.argmax(-1), last.argmax(-1)))
+        if self.decode != "eager":
+            self.last = (seq, last)
         return out
 
     def check_decode(self):
@@ -206,7 +215,7 @@ class _Rollout:
         (untimed; meaningful when decode is not "eager"). Token equality is reported, not required: on a GPU the
         two attention kernels round differently and a near-tie may flip one greedy choice."""
         if self.last is None:
-            raise StateError("check_decode needs a generate(verify=True) with decode != 'eager' first")
+            raise StateError("check_decode needs verify_generate after a generate with decode != 'eager'")
         seq, last = self.last
         self.last = None
         ref_seq, ref_last = greedy_decode(self.model, self.prompts.to(self.dev), self.spec["new_tokens"], self.cache)
@@ -243,7 +252,7 @@ def serve(conn, spec: dict) -> int:
             conn.send({"ok": True})
             return 0
         try:
-            if cmd not in ("pause", "resume", "load", "generate", "check_decode"):
+            if cmd not in ("pause", "resume", "load", "verify_load", "generate", "verify_generate", "check_decode"):
                 raise ValueError(f"unknown command {cmd!r}")
             t0 = time.perf_counter()
             out = getattr(r, cmd)(**msg.get("args", {}))

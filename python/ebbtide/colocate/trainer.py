@@ -390,20 +390,27 @@ class _Trainer:
             with rec.phase(step, "comm_release") as info:
                 info.update(self.comm.release())
             self._sample(step, "comm_release")
-        for name, cmd, args in (("rollout_resume", "resume", {}), ("sync_load", "load", {"verify": verify}),
-                                ("generate", "generate", {"verify": verify}), ("rollout_pause", "pause", {})):
+        tmo = self.spec["timeout_s"]
+        for name, cmd in (("rollout_resume", "resume"), ("sync_load", "load"), ("generate", "generate"),
+                          ("rollout_pause", "pause")):
             with rec.phase(step, name) as info:
-                out = R.call(cmd, timeout=self.spec["timeout_s"], **args)
+                out = R.call(cmd, timeout=tmo)
                 info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released",
                                                                    "bytes_mapped")})
             self._sample(step, name, out.get("mem"))
+            # Verification is untimed: the rollout checks between phases, before it pauses.
             if cmd == "load":
                 loaded = out
+                if verify:
+                    loaded.update(_only(R.call("verify_load", timeout=tmo), "logits", "digests"))
             if cmd == "generate":
                 gen = out
                 self._note_decode(out)
-                if verify and out.get("decode") != "eager":  # untimed: the graph decode against the eager one
-                    gen.update(R.call("check_decode", timeout=self.spec["timeout_s"]))
+                if verify:
+                    gen.update(_only(R.call("verify_generate", timeout=tmo), "decode_vs_full_max_abs",
+                                     "decode_vs_full_rel", "decode_vs_full_argmax_equal"))
+                if verify and out.get("decode") != "eager":  # the graph decode against the eager one
+                    gen.update(R.call("check_decode", timeout=tmo))
         if verify:
             self._verify(step, ref, loaded, gen)
         with rec.phase(step, "trainer_resume") as info:
@@ -445,6 +452,11 @@ class _Trainer:
     def close(self):
         self.rollout.close()
         self.buffer.close()
+
+
+def _only(d: dict, *keys: str) -> dict:
+    """The entries of ``d`` named in ``keys`` (a reply's payload without its timing and memory fields)."""
+    return {k: d[k] for k in keys if k in d}
 
 
 def main(argv=None) -> int:
