@@ -207,6 +207,15 @@ ebt_status_t run_async(OpKind kind, const char* tag, ebt_mem_op_t* out) {
   return EBT_SUCCESS;
 }
 
+// The stats structs only grow by appending fields, so a caller states the size of the struct it was built with
+// and gets that prefix: old callers keep working with new libraries. Fields this library does not know (a newer
+// caller's) read as zero, never as stale bytes.
+void copy_versioned(void* dst, size_t dst_size, const void* src, size_t src_size) {
+  const size_t n = std::min(dst_size, src_size);
+  memcpy(dst, src, n);
+  if (dst_size > n) memset(static_cast<char*>(dst) + n, 0, dst_size - n);
+}
+
 void copy_report(const ebt_mem_report_t& src, ebt_mem_report_t* dst) {
   if (!dst) return;
   size_t n = dst->struct_size && dst->struct_size < sizeof(src) ? dst->struct_size : sizeof(src);
@@ -367,8 +376,6 @@ ebt_status_t ebt_mem_get_coalescing(int* enabled) {
   return EBT_SUCCESS;
 }
 
-// The stats structs only grow by appending fields (the embedded reports included), so a caller states the size
-// of the struct it was built with and gets that prefix of each row: old callers keep working with new libraries.
 ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t* count) {
   EBT_NOT_IN_FORK();
   EBT_REQUIRE_ARG(count, "count is NULL");
@@ -380,12 +387,8 @@ ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t*
   if (!full) return ebt_set_error(EBT_ERROR_HOST_OUT_OF_MEMORY, "ebt_mem_stats: no memory for %zu rows", capacity);
   ebt_status_t st = Engine::get().stats(full.get(), capacity, count);
   if (st != EBT_SUCCESS) return st;
-  const size_t n = std::min(capacity, *count), copy = std::min(row_size, sizeof(ebt_mem_tag_stats_t));
-  for (size_t i = 0; i < n; ++i) {  // fields this library does not know read as zero, never as stale bytes
-    char* row = static_cast<char*>(rows) + i * row_size;
-    memcpy(row, &full[i], copy);
-    if (row_size > copy) memset(row + copy, 0, row_size - copy);
-  }
+  for (size_t i = 0; i < std::min(capacity, *count); ++i)
+    copy_versioned(static_cast<char*>(rows) + i * row_size, row_size, &full[i], sizeof(full[i]));
   return EBT_SUCCESS;
 }
 
@@ -396,10 +399,7 @@ ebt_status_t ebt_mem_global_stats(void* out, size_t size) {
                   "size %zu is smaller than any released ebt_mem_global_stats_t", size);
   ebt_mem_global_stats_t g;
   ebt_status_t st = Engine::get().global_stats(&g);
-  if (st == EBT_SUCCESS) {
-    memcpy(out, &g, std::min(size, sizeof(g)));
-    if (size > sizeof(g)) memset(static_cast<char*>(out) + sizeof(g), 0, size - sizeof(g));
-  }
+  if (st == EBT_SUCCESS) copy_versioned(out, size, &g, sizeof(g));
   return st;
 }
 

@@ -31,6 +31,18 @@ size_t coalesce_max_bytes() {
   return n;
 }
 
+// The unit of allocs[i] mapped on its own (its own physical allocation).
+MapUnit single_unit(size_t i, const Allocation* a) {
+  MapUnit u;
+  u.begin = i;
+  u.end = i + 1;
+  u.va = a->va;
+  u.size = a->aligned;
+  u.device = a->device;
+  u.shareable = a->shareable;
+  return u;
+}
+
 }  // namespace
 
 ebt_status_t Engine::resume_units(const std::vector<Allocation*>& allocs, std::vector<MapUnit>* units) {
@@ -39,13 +51,7 @@ ebt_status_t Engine::resume_units(const std::vector<Allocation*>& allocs, std::v
   const size_t cap = coalesce_max_bytes();
   for (size_t i = 0; i < allocs.size();) {
     const Allocation* a = allocs[i];
-    MapUnit u;
-    u.begin = i;
-    u.end = i + 1;
-    u.va = a->va;
-    u.size = a->aligned;
-    u.device = a->device;
-    u.shareable = a->shareable;
+    MapUnit u = single_unit(i, a);
     if (on && !a->shareable) {
       Device* d;
       EBT_CHECK(device(a->device, &d));
@@ -73,13 +79,7 @@ ebt_status_t Engine::pause_units(const std::vector<Allocation*>& allocs, std::ve
   units->clear();
   for (size_t i = 0; i < allocs.size();) {
     Allocation* a = allocs[i];
-    MapUnit u;
-    u.begin = i;
-    u.end = i + 1;
-    u.va = a->va;
-    u.size = a->aligned;
-    u.device = a->device;
-    u.shareable = a->shareable;
+    MapUnit u = single_unit(i, a);
     if (a->seg) {
       while (u.end < allocs.size() && allocs[u.end]->seg == a->seg) ++u.end;
       if (u.end - u.begin != a->seg->live || a->va < a->seg->va || a->va >= a->seg->va + a->seg->size)

@@ -511,14 +511,8 @@ class Runtime:
         log.debug("ebbtide.comm: release: wave at split level %d done in %.3f s (slowest group %.3f s), device "
                   "free %+.0f MiB", level, time.perf_counter() - t0, max(secs.values()),
                   (freed or 0) / 2**20)
-        for e in wave:
-            g = e.group
-            g._ebt_released_by = e.plan
-            e.freed = freed if len(wave) == 1 else None  # per-group bytes are not separable in a wave
-            if e.freed is not None and e.freed > (1 << 20):
-                e.initialized = True
-            reports[e] = GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason, secs[e],
-                                     e.freed)
+        for e in wave:  # per-group bytes are not separable in a wave
+            reports[e] = _released(e, secs[e], freed if len(wave) == 1 else None)
 
     def _release_one(self, e: Entry, inner: ProcessGroup) -> GroupReport:
         g = e.group
@@ -537,12 +531,7 @@ class Runtime:
             _teardown(inner, self.teardown)
             del inner
         after = device_free_bytes()
-        g._ebt_released_by = e.plan
-        e.freed = None if before is None or after is None else after - before
-        if e.freed is not None and e.freed > (1 << 20):
-            e.initialized = True
-        return GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason,
-                           time.perf_counter() - t, e.freed)
+        return _released(e, time.perf_counter() - t, None if before is None or after is None else after - before)
 
     # ---- reload -------------------------------------------------------------------------------------------
     def reload(self, *, eager: bool, timeout: float | None) -> Report:
@@ -807,6 +796,17 @@ def _facts(g: ReloadableGroup, tv, nv, cumem, split_share_env: bool, include_cpu
                    cumem=cumem, split_share=split_share, comm_initialized=initialized, include_cpu=include_cpu)
 
 
+def _released(e: Entry, secs: float, freed: int | None) -> GroupReport:
+    """Book entry ``e`` as released (``freed``: device bytes its release gave back, None when not measurable) and
+    report it. A group whose release freed more than 1 MiB had a communicator: reload reconnects it."""
+    g = e.group
+    g._ebt_released_by = e.plan
+    e.freed = freed
+    if freed is not None and freed > (1 << 20):
+        e.initialized = True
+    return GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason, secs, freed)
+
+
 def _drain(groups: list) -> None:
     """Wait for the device work of these groups: a synchronize of every device they are bound to, and of the
     current device (where unbound groups run). A bare ``torch.cuda.synchronize()`` covers the current device
@@ -1021,9 +1021,8 @@ def _sever_split_from(inner: ProcessGroup) -> None:
     """Clear ``split_from`` in the options of a torn-down group's device backends (an owning pointer to the parent
     backend; with dist.split_group's default options it points at the group itself, a cycle that would keep the
     aborted backend alive forever)."""
-    for dev in ("cuda",):
-        with contextlib.suppress(Exception):
-            inner._get_backend(torch.device(dev)).options.split_from = None
+    with contextlib.suppress(Exception):
+        inner._get_backend(torch.device("cuda")).options.split_from = None
 
 
 def _reserved_mib() -> str:
