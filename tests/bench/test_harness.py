@@ -74,3 +74,20 @@ def test_row_ratios_respect_the_direction_of_the_unit():
     assert none.vs_anchor() is None and none.of_limit() is None
     text = report.table([fast, Row("s", "y", "GB/s", 3.0, anchor_note="not installed")])
     assert "2.00x" in text and "not installed" in text and "91%" in text
+
+
+def test_every_suite_module_registers_a_callable_taking_ctx():
+    import importlib
+    import inspect
+    from ebbtide.bench.registry import SUITE_MODULES, registered
+    for name, module in SUITE_MODULES.items():
+        importlib.import_module(module)  # the registry rejects a suite function with the wrong signature
+        fn = registered()[name].fn
+        assert list(inspect.signature(fn).parameters) == ["ctx"], (name, fn.__qualname__)
+
+
+def test_the_registry_rejects_a_suite_function_that_cannot_take_ctx():
+    import pytest
+    from ebbtide.bench.registry import suite
+    with pytest.raises(TypeError, match="exactly one argument"):
+        suite("bogus")(lambda ours, label, op, n: "")

@@ -11,6 +11,7 @@ capability whose dependencies are missing only loses its own suite.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -90,6 +91,12 @@ def suite(name: str, *, needs: str = "cpu", description: str = ""):
         raise ValueError(f"suite {name!r}: needs must be 'cpu', 'gpu' or 'multigpu', not {needs!r}")
 
     def deco(fn):
+        # A suite is called as fn(ctx); catching a decorator on the wrong function here turns a GPU-only crash
+        # (the suite would only run where a GPU is) into an import error every CPU run sees.
+        params = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
+        if len(params) != 1:
+            raise TypeError(f"suite {name!r}: {fn.__qualname__} must take exactly one argument (ctx), "
+                            f"has required parameters {[p.name for p in params]}")
         _REGISTRY[name] = Suite(name, fn, needs, description or (fn.__doc__ or "").strip().split("\n")[0])
         return fn
 

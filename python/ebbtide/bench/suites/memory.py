@@ -36,7 +36,6 @@ def _worker(which: str, total: int, small: int, log) -> tuple[dict | None, str]:
     return json.loads(lines[-1]), ""
 
 
-@suite("memory", needs="gpu", description="VMM pause/resume: CPU backup bandwidth, discard cost, overlap, hook cost")
 def _discard_note(ours: dict, label: str, op: str, n: int) -> str:
     """Per-allocation cost plus the engine's own breakdown of the last cycle (ms; the rest is Python + sync)."""
     t = ours.get(f"{label}_{op}")
@@ -54,6 +53,7 @@ def _discard_note(ours: dict, label: str, op: str, n: int) -> str:
     return note
 
 
+@suite("memory", needs="gpu", description="VMM pause/resume: CPU backup bandwidth, discard cost, overlap, hook cost")
 def run(ctx):
     ctx.require_gpu()
     total = (2 if ctx.quick else 16) * GiB
