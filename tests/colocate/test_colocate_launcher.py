@@ -23,9 +23,9 @@ def test_defaults_and_quick():
     q = parse_args(["--quick", "--steps", "7"])
     assert q.model == QUICK_MODEL and q.steps == 7 and q.new_tokens == 32  # explicit flags win over --quick
     assert parse_args(["--quick", "--d-model", "256"]).model.d_model == 256
-    assert cfg.decode == "eager" and cfg.worker_spec("ebbtide")["decode"] == "eager"  # graphs are opt-in
-    g = parse_args(["--quick", "--decode", "cuda-graph"])
-    assert g.decode == "cuda-graph" and g.worker_spec("anchor")["decode"] == "cuda-graph"
+    assert cfg.decode == "cuda-graph" and cfg.worker_spec("anchor")["decode"] == "cuda-graph"  # both loops
+    e = parse_args(["--quick", "--decode", "eager"])
+    assert e.decode == "eager" and e.worker_spec("ebbtide")["decode"] == "eager"
 
 
 @pytest.mark.parametrize("bad", ["graph", "", None, "CUDA-GRAPH"])

@@ -56,7 +56,9 @@ class RunConfig:
     seed: int = 0
     variants: tuple = VARIANTS
     scratch_backup: str = "cpu"
-    decode: str = "eager"  # "cuda-graph": the per-token decode step replayed from a CUDA graph (both variants)
+    # "cuda-graph" (default): the per-token decode step replayed from a CUDA graph in both variants, as rollout
+    # engines decode; "eager": one eager forward per token (launch bound: ~80% of the step at the default size)
+    decode: str = "cuda-graph"
     verify_batch: int = 4
     verify_len: int = 64
     timeout_s: int = 900
@@ -135,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scratch-backup", default=d.scratch_backup, choices=("cpu", "none"),
                    help="what the rollout's default tag (untagged allocations) keeps across a pause")
     p.add_argument("--decode", default=d.decode, choices=DECODE_MODES,
-                   help="rollout decode: eager forwards, or the per-token step captured once in a CUDA graph and "
-                        "replayed (same code in both variants; the anchor rollout keeps the graph's memory while "
+                   help="rollout decode: the per-token step captured once in a CUDA graph and replayed (default), "
+                        "or eager forwards (same code in both variants; the anchor rollout keeps the graph's memory while "
                         "paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
     p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
     p.add_argument("--out", default=d.out, help="directory for results.json, timeline.png and logs")
