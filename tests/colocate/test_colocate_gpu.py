@@ -1,6 +1,6 @@
 """The colocated loop on real GPUs (short --quick runs): correctness, no growth, memory handed over, the anchor.
 Run by the lead on an H100/H200: ``pytest -m gpu tests/colocate`` (1 GPU) and ``pytest -m multigpu
-tests/colocate`` (2 GPUs). The ``--decode cuda-graph`` variants check the captured decode too: the graph is used in
+tests/colocate`` (2 GPUs). The graph-decode runs (the default) check the captured decode too: the graph is used in
 both loops, ebbtide's graph memory is in the engine and released by the rollout pause, the decode after many
 pause/resume cycles still matches a full forward."""
 import importlib.util
@@ -50,8 +50,9 @@ def _check_variant(res: dict, name: str, gpus: int, diag: str):
 
 
 @pytest.mark.gpu
-def test_quick_loop_one_gpu(tmp_path):
-    res, diag = _run(tmp_path, 1)
+def test_quick_loop_one_gpu_eager_decode(tmp_path):
+    res, diag = _run(tmp_path, 1, "--decode", "eager")  # the default is the graph decode (tested below)
+    assert res["config"]["decode"] == "eager"
     _check_variant(res, "ebbtide", 1, diag)
     if importlib.util.find_spec("torch_memory_saver") is not None:
         _check_variant(res, "anchor", 1, diag)
@@ -63,6 +64,7 @@ def test_quick_loop_one_gpu(tmp_path):
 def test_quick_loop_two_gpus(tmp_path):
     res, diag = _run(tmp_path, 2)
     _check_variant(res, "ebbtide", 2, diag)
+    _check_graph_decode(res, "ebbtide", diag)
     if importlib.util.find_spec("torch_memory_saver") is not None:
         _check_variant(res, "anchor", 2, diag)
 
@@ -85,7 +87,7 @@ def _check_graph_decode(res: dict, name: str, diag: str):
 
 @pytest.mark.gpu
 def test_quick_loop_one_gpu_cuda_graph_decode(tmp_path):
-    res, diag = _run(tmp_path, 1, "--decode", "cuda-graph")
+    res, diag = _run(tmp_path, 1)  # the default
     assert res["config"]["decode"] == "cuda-graph"
     _check_variant(res, "ebbtide", 1, diag)
     _check_graph_decode(res, "ebbtide", diag)

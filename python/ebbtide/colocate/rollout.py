@@ -8,7 +8,7 @@ Policies:
   generation). The process refuses to start if the shim is not active.
 - Variant "anchor": torch_memory_saver in its torch hook mode with the same tags; what lies outside its regions is
   released with ``torch.cuda.empty_cache()`` at pause.
-- Decode ``"eager"`` (default): ``greedy_decode``, one eager forward per token. ``"cuda-graph"``: a
+- Decode ``"eager"``: ``greedy_decode``, one eager forward per token. ``"cuda-graph"`` (the launcher's default): a
   ``GraphDecoder`` (eager prefill, the per-token step captured once on the first generate and replayed after).
   Same code in both variants; only where the graph's memory lives differs. ebbtide: captured with
   ``ebbtide.memory.graph(tag="kv_cache", backup="none")``, so the rollout pause releases it with the cache and the
