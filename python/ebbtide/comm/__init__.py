@@ -33,22 +33,24 @@ import contextlib
 
 from ._group import ReloadableGroup
 from ._report import GroupReport, Report
+from ._runtime import DEFAULT_TEARDOWN, TEARDOWNS
 from ._runtime import RUNTIME as _RT
 from ._strategy import DESTROY, KEEP, SUSPEND, Facts, env_warnings, select_strategy
 
 __all__ = [
     "install", "uninstall", "release", "reload", "released", "is_installed", "is_released", "generation",
     "ReloadableGroup", "Report", "GroupReport", "Facts", "select_strategy", "env_warnings",
-    "SUSPEND", "DESTROY", "KEEP",
+    "SUSPEND", "DESTROY", "KEEP", "TEARDOWNS", "DEFAULT_TEARDOWN",
 ]
 
 
-def install(*, strategy: str = "auto", teardown: str = "abort", timeout: float | None = None,
+def install(*, strategy: str = "auto", teardown: str = DEFAULT_TEARDOWN, timeout: float | None = None,
             check_env: bool = True, concurrent_teardown: bool = True) -> list[str]:
     """Hook c10d group creation so every group becomes reloadable. Idempotent; call it before
     ``init_process_group``. ``strategy``: "auto" (suspend where supported, else destroy), "destroy" or "suspend"
     (falls back to destroy, with the reason, where unsupported). ``teardown``: how destroyed NCCL backends go,
-    "abort" (immediate; safe because release() drains and barriers first) or "shutdown" (ncclCommFinalize).
+    "shutdown" (default: ncclCommFinalize, then destroy; measured 2x faster than abort for a concurrent release on
+    NCCL 2.28) or "abort" (local; safe because release() drains and barriers first).
     ``timeout``: seconds for control-plane barriers (default ``EBBTIDE_COMM_TIMEOUT`` or 300).
     ``concurrent_teardown``: tear the released groups down concurrently, one thread per group, children before
     the group they were split from (default); False: one at a time in reverse creation order. Warns about NCCL

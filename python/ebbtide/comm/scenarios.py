@@ -43,7 +43,7 @@ def topology(kind: str, world: int) -> list[tuple[str, list[int]]]:
 
 def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", kind: str = "flat",
                    cycles: int = 2, soak: int = 0, anchor: bool = True, bound: bool = True,
-                   teardown: str = "abort", concurrent_teardown: bool = True, strategy: str = "auto",
+                   teardown: str | None = None, concurrent_teardown: bool = True, strategy: str = "auto",
                    payload: int = 1 << 18,
                    pg_timeout: float = 60.0, control_timeout: float = 60.0) -> dict:
     """``pg_timeout`` bounds every NCCL collective (torch's watchdog), ``control_timeout`` every ebbtide.comm
@@ -162,6 +162,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         progress(f"rank {rank}: anchor done; free {_mib(out['free_after_anchor'])}")
 
     # ---- ours -------------------------------------------------------------------------------------------------
+    teardown = teardown or comm.DEFAULT_TEARDOWN
     comm.install(strategy=strategy, teardown=teardown, concurrent_teardown=concurrent_teardown,
                  check_env=(rank == 0), timeout=control_timeout)
     world_g = dist.group.WORLD  # adopted: now a ReloadableGroup
@@ -226,13 +227,14 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
         soak_rows.append([c["free_reloaded"], len(c10d._world.pg_map), c["release_s"], c["reload_first_s"]])
     out["soak"] = soak_rows
     out["registered_before"], out["registered_after"] = count0, len(c10d._world.pg_map)
-    if gpu:  # one cycle with each other teardown strategy, for the record (the bench reports them beside ours)
-        for label, how, conc in (("cycle_shutdown", "shutdown", True), ("cycle_sequential", teardown, False),
-                                 ("cycle_shutdown_sequential", "shutdown", False)):
-            if (how, conc) == (teardown, concurrent_teardown):
-                continue
-            comm.install(teardown=how, concurrent_teardown=conc, check_env=False)
-            out[label] = cycle(False)
+    if gpu:  # one cycle with each other teardown setting, for the record (the bench reports them beside ours)
+        out["other_teardowns"] = []
+        for how in comm.TEARDOWNS:
+            for conc in (True, False):
+                if (how, conc) == (teardown, concurrent_teardown):
+                    continue
+                comm.install(teardown=how, concurrent_teardown=conc, check_env=False)
+                out["other_teardowns"].append({"how": how, "concurrent": conc, **cycle(False)})
         comm.install(teardown=teardown, concurrent_teardown=concurrent_teardown, check_env=False)
     out["teardown"] = {"how": teardown, "concurrent": concurrent_teardown}
     out["env"] = {k: os.environ.get(k) for k in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")}

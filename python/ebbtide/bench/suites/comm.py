@@ -64,8 +64,8 @@ def _rows(res: list[dict], label: str, soak: int):
     anchor_freed = min(r["anchor_free_destroyed"] - r["anchor_free_loaded"] for r in res)
     yield row("freed by release(), WORLD kept", "GB", freed_sub / GB, anchor=anchor_freed / GB,
               anchor_name="destroy_process_group on each subgroup")
-    td = r0.get("teardown", {"how": "abort", "concurrent": False})
-    ours = f"{td['how']}, {'concurrent' if td['concurrent'] else 'one at a time'}"
+    td = r0["teardown"]
+    ours = _teardown_label(td)
     rel = _median_slowest(res, "cycles_subgroups", "release_s")
     anchor_rel = _slowest(res, lambda r: r["anchor_destroy_s"])
     yield row(f"release, WORLD kept (teardown: {ours})", "s", rel, higher_is_better=False, anchor=anchor_rel,
@@ -82,17 +82,15 @@ def _rows(res: list[dict], label: str, soak: int):
     yield row("release, WORLD included", "s", relw, higher_is_better=False, anchor_note="n/a")
     yield row("release + reload + first collective, WORLD included", "s", relw + rlw, higher_is_better=False,
               anchor_note="n/a (torch cannot re-create WORLD in place)", note="goal < 0.5 s")
-    others = (("cycle_shutdown", "shutdown (ncclCommFinalize + destroy), concurrent"),
-              ("cycle_sequential", f"{td['how']}, one at a time"),
-              ("cycle_shutdown_sequential", "shutdown, one at a time"))
-    for key, what in others:
-        if key not in r0:
-            continue
-        yield row(f"release, WORLD kept (teardown: {what})", "s", _slowest(res, lambda r: r[key]["release_s"]),
+    for i, other in enumerate(r0.get("other_teardowns", [])):  # same order on every rank
+        what = _teardown_label(other)
+        yield row(f"release, WORLD kept (teardown: {what})", "s",
+                  _slowest(res, lambda r: r["other_teardowns"][i]["release_s"]),
                   higher_is_better=False, anchor=anchor_rel, anchor_name="destroy_process_group on each subgroup",
                   note=f"one cycle; ours: {ours}")
         yield row(f"release + reload + first collective, WORLD kept ({what})", "s",
-                  _slowest(res, lambda r: r[key]["release_s"] + r[key]["reload_first_s"]), higher_is_better=False,
+                  _slowest(res, lambda r: r["other_teardowns"][i]["release_s"]
+                           + r["other_teardowns"][i]["reload_first_s"]), higher_is_better=False,
                   anchor=anchor_rel + anchor_rl, anchor_name="destroy + re-create + first collective",
                   note=f"one cycle; ours: {ours}")
     if soak:
@@ -102,6 +100,11 @@ def _rows(res: list[dict], label: str, soak: int):
         counts = [row_[1] for r in res for row_ in r["soak"]]
         yield row(f"registered-group drift over {soak} cycles", "groups", float(max(counts) - min(counts)),
                   higher_is_better=False, anchor_note="n/a", note="len(c10d _world.pg_map); goal 0")
+
+
+def _teardown_label(td: dict) -> str:
+    how = "shutdown (ncclCommFinalize + destroy)" if td["how"] == "shutdown" else td["how"]
+    return f"{how}, {'concurrent' if td['concurrent'] else 'one at a time'}"
 
 
 @suite("comm", needs="multigpu", description="NCCL group release/reload vs destroy + re-create, with soak")
