@@ -70,8 +70,12 @@ void with_ieee_fp(F&& fn) {
 }
 
 ebt_status_t check_flavor(int flavor) {
-  EBT_REQUIRE_ARG(flavor == int(SqrtFlavor::kCorrectlyRounded) || flavor == int(SqrtFlavor::kMklAvx512),
+  EBT_REQUIRE_ARG(flavor >= int(SqrtFlavor::kCorrectlyRounded) && flavor <= int(SqrtFlavor::kMklSse),
                   "unknown sqrt flavor %d", flavor);
+#if !defined(__x86_64__)
+  if (flavor != int(SqrtFlavor::kCorrectlyRounded))
+    return ebt_set_error(EBT_ERROR_UNSUPPORTED, "MKL's sqrt flavors exist on x86-64 only");
+#endif
   constexpr unsigned kNeeds = EBT_CPU_AVX512F | EBT_CPU_AVX512VL;
   if (flavor == int(SqrtFlavor::kMklAvx512) && (cpu_features() & kNeeds) != kNeeds)
     return ebt_set_error(EBT_ERROR_UNSUPPORTED, "the MKL AVX-512 sqrt flavor needs an AVX-512 CPU");
@@ -185,6 +189,7 @@ ebt_status_t sqrt_flavor_eval(int flavor, const float* x, float* out, int64_t n)
   with_ieee_fp([&] {
 #if defined(__x86_64__)
     if (flavor == int(SqrtFlavor::kMklAvx512)) return sqrt_mkl_avx512(x, out, n);
+    if (flavor == int(SqrtFlavor::kMklSse)) return sqrt_mkl_sse(x, out, n);
 #endif
     for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(x[i]);
   });

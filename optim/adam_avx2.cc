@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include "optim/adam_kernel.h"
+#include "optim/sqrt_mkl_sse.h"
 
 namespace ebbtide::optim {
 namespace {
@@ -34,6 +35,7 @@ inline __m256 max_nan(__m256 a, __m256 b) {
 }
 
 inline __m256 sqrt_exact(__m256 x, SqrtFlavor f) {
+  if (f == SqrtFlavor::kMklSse) return sqrt_mkl_sse8(x);
   if (f != SqrtFlavor::kMklAvx512) return _mm256_sqrt_ps(x);
   alignas(32) float in[8], out[8];  // MKL's kernel needs VRSQRT14 (adam_kernel.h Note [torch's sqrt])
   _mm256_store_ps(in, x);

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "optim/adam_kernel.h"
+#include "optim/sqrt_mkl_sse.h"
 
 namespace ebbtide::optim {
 namespace {
@@ -69,6 +70,10 @@ inline __m512 sqrt_mkl(__m512 x) {
 }
 
 inline __m512 sqrt_exact(__m512 x, SqrtFlavor f) {
+  if (f == SqrtFlavor::kMklSse) {  // an AVX-512 CPU MKL does not tune for (e.g. AMD Zen 4): two AVX halves
+    const __m256 lo = sqrt_mkl_sse8(_mm512_castps512_ps256(x)), hi = sqrt_mkl_sse8(_mm512_extractf32x8_ps(x, 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+  }
   return f == SqrtFlavor::kMklAvx512 ? sqrt_mkl(x) : _mm512_sqrt_ps(x);
 }
 

@@ -44,16 +44,26 @@ namespace ebbtide::optim {
 enum class WeightDecay : int { kNone = 0, kDecoupled = 1, kL2 = 2 };
 
 // Note [torch's sqrt]: torch's CPU `Tensor.sqrt` (used by Adam for the denominator) is not IEEE sqrt on x86
-// builds with MKL: ATen's vml::vsqrt calls MKL vsSqrt(VML_HA), whose AVX-512 kernel (mkl_vml_kernel_sSqrt_Z0HAynn,
-// read from libtorch_cpu.so of torch 2.13) computes y = rsqrt14(x), s = x*y, h = 0.5*y, r = fma(h, x - s*s, s)
-// (inputs below 2^-78 scaled by 2^78 in the residual), so ~0.1-1% of results sit one ulp below the correctly
-// rounded value. Exact mode takes the flavor torch has on this machine (python/ebbtide/optim/cpu_adam.py probes
-// torch.sqrt once): correctly rounded, or MKL's AVX-512 kernel — which exists only on AVX-512 CPUs, so every
-// ISA kernel evaluates it with the same VRSQRT14PS instruction MKL uses (sqrt_mkl_avx512).
-enum class SqrtFlavor : int { kCorrectlyRounded = 0, kMklAvx512 = 1 };
+// builds with MKL: ATen's vml::vsqrt calls MKL vsSqrt(VML_HA), and which kernel MKL runs depends on the CPU
+// (all three read from libtorch_cpu.so of torch 2.13, MKL 2024.2):
+//  - AVX-512 Intel CPUs: mkl_vml_kernel_sSqrt_Z0HAynn, y = rsqrt14(x), s = x*y, h = 0.5*y,
+//    r = fma(h, x - s*s, s) (inputs below 2^-78 scaled by 2^78 in the residual): ~0.1-1% of results one ulp
+//    below the correctly rounded value. Flavor kMklAvx512; needs VRSQRT14PS, so only AVX-512 CPUs evaluate it.
+//  - AVX2-only Intel CPUs: the AVX2 kernel is correctly rounded (kCorrectlyRounded).
+//  - CPUs MKL does not tune for (AMD EPYC, any generation seen): the generic SSE2 kernel
+//    mkl_vml_kernel_sSqrt_EXHAynn, whatever MKL_ENABLE_INSTRUCTIONS says. No FMA, every step rounded:
+//    y = rsqrtps(x), s = x*y, h = 0.5*y, e = 0.5 - s*h, s1 = s + s*e, h1 = h + h*e, r = s1 + (x - s1*s1)*h1,
+//    for 2^-126 <= x <= bits 0x7F7FF000; other inputs take a scalar double-precision path that is correctly
+//    rounded. ~17% of results are an ulp off either way, and which ones depends on the CPU's RSQRTPS table
+//    (AMD's differs from Intel's), so this flavor is evaluated with the same instruction (kMklSse).
+// Exact mode takes the flavor torch has on this machine (python/ebbtide/optim/cpu_adam.py probes torch.sqrt
+// once). NaN payloads may differ from MKL's (tests compare NaN positions only).
+enum class SqrtFlavor : int { kCorrectlyRounded = 0, kMklAvx512 = 1, kMklSse = 2 };
 
 // MKL's AVX-512 HA sqrt, elementwise (defined in adam_avx512.cc; needs AVX-512F/VL at run time).
 void sqrt_mkl_avx512(const float* x, float* out, int64_t n);
+// MKL's generic SSE2 HA sqrt, elementwise (defined in adam_scalar.cc; x86 only).
+void sqrt_mkl_sse(const float* x, float* out, int64_t n);
 
 // One span with every scalar resolved for its step. Pointers are not required to be aligned.
 struct KernelArgs {
@@ -153,6 +163,7 @@ inline void adam_element(const KernelArgs& a, int64_t i) {
   if (kExact) {
     float root;
     if (a.sqrt_flavor == SqrtFlavor::kMklAvx512) sqrt_mkl_avx512(&vv, &root, 1);
+    else if (a.sqrt_flavor == SqrtFlavor::kMklSse) sqrt_mkl_sse(&vv, &root, 1);
     else root = std::sqrt(vv);
     float den = root / a.bc2s + a.eps;
     p = p + (a.ss * m) / den;

@@ -2,6 +2,7 @@
 // and the path for CPUs without AVX2+FMA (or EBBTIDE_CPU_ISA=scalar). Built with -ffp-contract=off; its FMAs
 // are std::fmaf calls (correctly rounded in software where the CPU has no FMA).
 #include "optim/adam_kernel.h"
+#include "optim/sqrt_mkl_sse.h"
 
 namespace ebbtide::optim {
 namespace {
@@ -20,11 +21,24 @@ const KernelTable& kernels_scalar() {
 
 }  // namespace ebbtide::optim
 
-#if !defined(__x86_64__)
 namespace ebbtide::optim {
-// Only x86 torch builds use MKL's sqrt; adam.cc refuses that flavor on other CPUs, so this is never reached.
+#if defined(__x86_64__)
+void sqrt_mkl_sse(const float* x, float* out, int64_t n) {
+  alignas(16) float lane[4];
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t k = n - i < 4 ? n - i : 4;
+    for (int64_t j = 0; j < 4; ++j) lane[j] = j < k ? x[i + j] : 1.f;
+    _mm_store_ps(lane, sqrt_mkl_sse4(_mm_load_ps(lane)));
+    for (int64_t j = 0; j < k; ++j) out[i + j] = lane[j];
+  }
+}
+#else
+// Only x86 torch builds use MKL's sqrt; adam.cc refuses those flavors on other CPUs, so these are never reached.
 void sqrt_mkl_avx512(const float* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(x[i]);
 }
-}  // namespace ebbtide::optim
+void sqrt_mkl_sse(const float* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = std::sqrt(x[i]);
+}
 #endif
+}  // namespace ebbtide::optim

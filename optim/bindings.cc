@@ -70,7 +70,7 @@ void register_bindings(py::module_& m) {
         EBT_PY_CHECK(sqrt_flavor_eval(flavor, ptr<const float>(x), ptr<float>(out), n));
       },
       py::arg("flavor"), py::arg("x"), py::arg("out"), py::arg("n"),
-      "out[i] = sqrt(x[i]) in a sqrt flavor (0 correctly rounded, 1 MKL's AVX-512 vsSqrt); fp32 pointers.");
+      "out[i] = sqrt(x[i]) in a sqrt flavor (0 correctly rounded, 1 MKL's AVX-512 vsSqrt, 2 MKL's generic SSE2 vsSqrt); fp32 pointers.");
 
   py::class_<AdamHyper>(m, "AdamHyper", "Hyper-parameters of one Adam step (see optim/adam.h).")
       .def(py::init<>())

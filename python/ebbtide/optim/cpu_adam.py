@@ -44,15 +44,15 @@ def available_isas() -> list[str]:
 @functools.lru_cache(maxsize=None)
 def probe_torch_sqrt_flavor() -> int | None:
     """Which sqrt torch's CPU ``Tensor.sqrt`` computes in this process: 0 correctly rounded, 1 MKL's AVX-512
-    vsSqrt (optim/adam_kernel.h, Note [torch's sqrt]), None if neither. Found once by comparing torch.sqrt bit for
-    bit on 64K log-uniform probes with each flavor the kernel can evaluate."""
+    vsSqrt, 2 MKL's generic SSE2 vsSqrt (non-Intel CPUs); None if none of them (optim/adam_kernel.h, Note [torch's
+    sqrt]). Found once by comparing torch.sqrt bit for bit, on 64K log-uniform probes plus the edges of MKL's
+    fast range, with each flavor this CPU can evaluate."""
     from ..errors import UnsupportedError
 
     C = _native.load()
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.exp2(torch.empty(1 << 16, dtype=torch.float64).uniform_(-110.0, 30.0, generator=gen)).float()
+    x = _sqrt_probes()
     ref = x.sqrt()
-    for flavor in (0, 1):
+    for flavor in (0, 1, 2):
         out = torch.empty_like(x)
         try:
             C.optim.sqrt_flavor_eval(flavor, x.data_ptr(), out.data_ptr(), x.numel())
@@ -63,13 +63,22 @@ def probe_torch_sqrt_flavor() -> int | None:
     return None
 
 
+def _sqrt_probes() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    spread = torch.exp2(torch.empty(1 << 16, dtype=torch.float64).uniform_(-110.0, 30.0, generator=gen)).float()
+    # zero, subnormals, the smallest normals and the top of the float range: where MKL leaves its fast path
+    edges = torch.tensor([0x0, 0x1, 0x3FF, 0x7FFFFF, 0x800000, 0x800001, 0x7F7FEFFF, 0x7F7FF000, 0x7F7FF001,
+                          0x7F7FFFFF], dtype=torch.int32).view(torch.float32)
+    return torch.cat([spread, edges])
+
+
 def torch_sqrt_flavor() -> int:
     """The sqrt flavor exact mode uses: torch's, or IEEE (with a warning) when torch's is unknown."""
     flavor = probe_torch_sqrt_flavor()
     if flavor is None:
-        warnings.warn("ebbtide.optim: torch.sqrt on this machine is neither IEEE nor MKL's AVX-512 kernel; exact "
-                      "mode uses IEEE sqrt and may differ from torch in about 0.01% of elements", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn("ebbtide.optim: torch.sqrt on this machine matches none of the sqrt flavors exact mode knows "
+                      "(IEEE, MKL's AVX-512 and generic SSE2 kernels); exact mode uses IEEE sqrt and may differ "
+                      "from torch by an ulp in some elements", RuntimeWarning, stacklevel=2)
         return 0
     return flavor
 
