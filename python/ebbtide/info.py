@@ -46,14 +46,19 @@ def collect() -> dict:
 
 
 def _cpu_model() -> str:
+    return _cpuinfo_field("model name") or platform.processor() or "unknown"
+
+
+def _cpuinfo_field(key: str) -> str | None:
+    """The first ``key : value`` of /proc/cpuinfo (e.g. "model name", "vendor_id"), or None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
 
 
 def _driver_version_text(v: int) -> str:

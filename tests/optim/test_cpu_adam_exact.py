@@ -156,16 +156,7 @@ def test_exact_when_mkl_takes_its_avx2_path():
         "print(probe_torch_sqrt_flavor(), bits_equal(a, b))\n")
     env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    expected = "0" if _cpu_vendor() == "GenuineIntel" else "2"
+    from ebbtide.info import _cpuinfo_field
+
+    expected = "0" if _cpuinfo_field("vendor_id") == "GenuineIntel" else "2"
     assert out.stdout.split()[-2:] == [expected, "True"], out.stdout + out.stderr
-
-
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
