@@ -12,6 +12,7 @@ __all__ = [
     "Status",
     "EbbtideError",
     "InvalidArgumentError",
+    "SettingError",
     "StateError",
     "OutOfMemoryError",
     "HostOutOfMemoryError",
@@ -64,6 +65,16 @@ class InvalidArgumentError(EbbtideError, ValueError):
     """Bad argument: wrong dtype, shape, device, size or flag. Nothing was changed."""
 
     status = Status.INVALID_ARGUMENT
+
+
+class SettingError(InvalidArgumentError):
+    """An environment setting whose value does not parse. ``name`` is the variable, ``value`` the text found; the
+    message says what is accepted. Raised where the setting is first read; nothing was changed."""
+
+    def __init__(self, message: str = "", status: Status | None = None, *, name: str = "", value: str = ""):
+        super().__init__(message, status)
+        self.name = name
+        self.value = value
 
 
 class StateError(EbbtideError):
