@@ -1,5 +1,5 @@
 """ebbtide.quant — FP8 (e4m3, 128x128 block / 1x128 group, fp32 or UE8M0 scales) and INT4 (W4A16 symmetric group,
-QAT fake-quant bitwise identical to the served weight) under one pinned numerics contract (specs/quant.md).
+QAT fake-quant bitwise identical to the served weight) under one pinned numerics contract (docs/quant.md).
 
 Policies:
 - One contract, several implementations: CPU tensors run the reference (ebbtide.quant.reference, the oracle);
