@@ -58,7 +58,7 @@ def test_default_tag_from_environment(prog, tmp_path):
 
 
 def test_one_engine_per_process_under_preload():
-    """Preloaded into Python, the interposer and the Python API reach the same engine (spec item 17): a cudaMalloc
+    """Preloaded into Python, the interposer and the Python API reach the same engine: a cudaMalloc
     resolved through the process's global scope inside a region is visible to _C.memory, and pausable from it."""
     code = r"""
 import ctypes
