@@ -7,8 +7,8 @@ Policies:
   tensor, exactly ``fp8_block_quant_list``'s bucket layout, so the bucket is copied in one D2H), every 2-D weight's
   fp32 block scales (the bucket's scale buffer), every 1-D param as raw bf16.
 - The buffer is a memfd shared mapping (not /dev/shm: containers often cap it at 64 MiB) that both processes
-  register with ``cudaHostRegister``, so D2H and H2D are DMA at PCIe speed and the rollout never needs CUDA IPC of
-  region memory (not available before shareable handles, issue 4).
+  register with ``cudaHostRegister``, so D2H and H2D are DMA at PCIe speed and the rollout needs no CUDA IPC of
+  the trainer's region memory.
 - Two codecs, same layout: "ebbtide" (``ebbtide.quant`` kernels, one launch for the whole list) and "torch" (the
   anchor: the DeepGEMM / slime torch formula per tensor, plain per-tensor copies). Each side's reference for the
   correctness check is ``dequant(quant(w))`` of its own codec.

@@ -2,7 +2,7 @@
 launcher). It owns one GPU, starts its rollout process on the same GPU and drives the RL step.
 
 Policies:
-- The step (issue 8): train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
+- The step: train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
   (FP8 block quant + D2H into the shared pinned buffer, while the trainer still holds its weights) ->
   trainer_pause (weights backed up, grads and activations discarded) -> comm_release -> rollout_resume ->
   sync_load (H2D + dequant in the rollout) -> generate -> rollout_pause -> trainer_resume -> comm_reload.

@@ -497,7 +497,7 @@ class Runtime:
         """Tear down the groups of one split level concurrently, one thread per group. The workers run on this
         thread's CUDA device (a new thread starts on device 0: see _timed_teardown). A teardown still running
         after ``tmo`` is logged as an error, naming the groups, every ``tmo`` while it lasts: an abort cannot be
-        interrupted, so release keeps waiting, but a hang is no longer silent."""
+        interrupted, so release keeps waiting, but a hang is never silent."""
         before = device_free_bytes()
         t0 = time.perf_counter()
         log.debug("ebbtide.comm: release: %s %d group(s) concurrently (split level %d): %s", self.teardown,
@@ -891,9 +891,8 @@ def _timed_teardown(inner: ProcessGroup, how: str, device: int | None = None) ->
 #     Replaying the journaled object after the parent was rebuilt (release(include_world=True)) hands NCCL a
 #     structure that belongs to torn-down backends: split() overwrites ``split_from``, which can drop the last
 #     reference to the old, aborted parent backend and destroy it in the middle of the new split; the config it
-#     carries was filled in for the old communicator. (Found while tracing the 2-GPU segfault of 2026-11-22,
-#     whose direct cause is Note [A rebuilt WORLD has no rank map]; this one is the same kind of hazard: a
-#     native structure outliving what it points at.) So the journal keeps only the scalar settings a user can
+#     carries was filled in for the old communicator (the same kind of hazard as Note [A rebuilt WORLD has no
+#     rank map]: a native structure outliving what it points at). So the journal keeps only the scalar settings a user can
 #     choose (a snapshot), and
 #     replay builds fresh options from the *live* parent's (what dist.split_group does for a new split) with the
 #     snapshot applied. At teardown, ``split_from`` of the dying backend's options is cleared, so an old parent is
@@ -971,9 +970,9 @@ def _replay_split_options(parent_inner: ProcessGroup, snap, e: Entry):
 #     process (``local_id_ == 0``) when that list is empty: then a static 0..size-1 list. c10d creates WORLD with an
 #     empty list, which works only because WORLD is normally the first NCCL group of the process. A WORLD rebuilt by
 #     reload() is not (local ids count up for the life of the process), so its groupRanks() is empty and split()
-#     reads past the end of an empty vector: the segfault of the 2-GPU run of 2026-11-22 (dist.split_group
-#     children rebuilt after release(include_world=True); cycles with WORLD kept split the original WORLD and
-#     passed; new_group children of a rebuilt WORLD never call split(), so they were fine). The rebuilt WORLD gets
+#     reads past the end of an empty vector and crashes the process (dist.split_group children rebuilt after
+#     release(include_world=True); cycles with WORLD kept split the original WORLD, and new_group children of a
+#     rebuilt WORLD never call split(), so neither is affected). The rebuilt WORLD gets
 #     the identity map (what the static list holds), and every split parent is checked before split() runs.
 def _ensure_rank_map(backend, parent: ReloadableGroup, where: str) -> None:
     """Make sure ProcessGroupNCCL::split will find the parent's rank map (Note [A rebuilt WORLD has no rank
