@@ -22,13 +22,13 @@ import os
 import torch
 
 from ..errors import InvalidArgumentError
+from ..quant.layout import Fp8BucketLayout, block_grid
 from .model import QUANT_BLOCK
 
 __all__ = ["SyncLayout", "SharedHostBuffer", "pack", "unpack", "reference_weights", "torch_block_quant",
            "torch_block_dequant"]
 
 _SECTION_ALIGN = 256
-_Q_ALIGN = 16
 
 
 def _up(n: int, a: int) -> int:
@@ -53,24 +53,24 @@ class SyncLayout:
 
     @classmethod
     def of(cls, named_shapes) -> "SyncLayout":
-        quant, raw, qo, so, ro = [], [], 0, 0, 0
+        named, raw, ro = [], [], 0
         for name, shape in named_shapes:
             shape = tuple(int(s) for s in shape)
             if len(shape) == 2:
                 N, K = shape
                 if N % QUANT_BLOCK or K % QUANT_BLOCK:
                     raise InvalidArgumentError(f"{name}: shape {shape} is not a multiple of {QUANT_BLOCK}")
-                quant.append(_Entry(name, shape, qo, so))
-                qo += _up(N * K, _Q_ALIGN)
-                so += (N // QUANT_BLOCK) * (K // QUANT_BLOCK)
+                named.append((name, shape))
             elif len(shape) == 1:
                 raw.append(_Entry(name, shape, ro))
                 ro += _up(2 * shape[0], 16)
             else:
                 raise InvalidArgumentError(f"{name}: only 1-D and 2-D params can be synced, got shape {shape}")
-        if not quant:
+        if not named:
             raise InvalidArgumentError("nothing to quantize: the model has no 2-D weights")
-        return cls(tuple(quant), tuple(raw), qo, so, ro)
+        fp8 = Fp8BucketLayout.packed([shape for _, shape in named])  # the quant section is fp8_block_quant_list's
+        quant = [_Entry(name, shape, a, b // 4) for (name, shape), (a, b, _, _) in zip(named, fp8.entries)]
+        return cls(tuple(quant), tuple(raw), fp8.q_bytes, fp8.scale_bytes // 4, ro)
 
     @classmethod
     def of_model(cls, model) -> "SyncLayout":
@@ -202,9 +202,10 @@ def pack(model, layout: SyncLayout, host: torch.Tensor, codec: str) -> int:
 # ---- rollout side --------------------------------------------------------------------------------------------
 def _views(buf: torch.Tensor, layout: SyncLayout, e: _Entry):
     N, K = e.shape
+    nb, kb = block_grid(N, K)
     q = buf[e.offset:e.offset + N * K].view(torch.float8_e4m3fn).view(N, K)
     o = layout.scale_start + 4 * e.scale_offset
-    s = buf[o:o + 4 * (N // 128) * (K // 128)].view(torch.float32).view(N // 128, K // 128)
+    s = buf[o:o + 4 * nb * kb].view(torch.float32).view(nb, kb)
     return q, s
 
 
