@@ -6,7 +6,7 @@
  * function and counted, so a report can say how much memory bypassed ebbtide. Loaded any other way (as _C's
  * dependency, RTLD_LOCAL) the library interposes nothing: only a preload puts it first in the global scope.
  *
- * Inside a region (memory/api.cc says which thread's allocations a region captures) cudaMalloc allocates from
+ * Inside a region (memory/routing.cc says which thread's allocations a region captures) cudaMalloc allocates from
  * the memory engine on the current device instead; cudaFree of an engine pointer frees it there (active or
  * paused), anything else is forwarded. In a forked child everything is forwarded.
  *

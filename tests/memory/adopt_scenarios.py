@@ -9,41 +9,20 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import torch
 
 import ebbtide.memory as em
 from ebbtide.errors import OutOfMemoryError, StateError, UnsupportedError
 
-GiB = 1 << 30
-MiB = 1 << 20
+import _scenario_runner
+from _scenario_runner import GiB, MiB, check_mode, free_bytes, main
+
 MODE = sys.argv[2] if len(sys.argv) > 2 else "?"
 
 
-class Skip(Exception):
-    pass
-
-
-def used() -> int:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-def free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
 def say(label: str) -> int:
-    u = used()
-    print(f"[{MODE}] {label}: device memory used {u / GiB:.3f} GiB", flush=True)
-    return u
-
-
-def check_mode(mode: str) -> None:
-    assert em.hook_mode() == mode, (em.hook_mode(), mode)
+    return _scenario_runner.say(label, f"[{MODE}]")
 
 
 def graph_replay(mode: str):
@@ -302,23 +281,6 @@ def _ipc_child(mode: str, sock_fd: str):
     sock.sendall(b"written")
 
 
-def _diagnostics() -> None:
-    try:
-        print("--- ebbtide stats:", em.stats(), sep="\n")
-        print("--- release report:", em.release_report(), sep="\n")
-    except Exception as e:  # noqa: BLE001
-        print(f"(diagnostics failed: {e})")
-
-
 if __name__ == "__main__":
     torch.cuda.init()
-    try:
-        globals()[sys.argv[1]](MODE, *sys.argv[3:])  # _ipc_child also takes its socket fd
-    except Skip as s:
-        print(f"SKIP: {s}")
-        sys.exit(0)
-    except BaseException:
-        traceback.print_exc()
-        _diagnostics()
-        sys.exit(1)
-    print("OK")
+    main(globals())  # _ipc_child also takes its socket fd
