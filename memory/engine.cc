@@ -44,51 +44,19 @@
  */
 #include "memory/engine.h"
 
-#include <cstdlib>
 #include <cstring>
 
 #include "csrc/status.h"
 #include "memory/engine_internal.h"
 #include "memory/free_ranges.h"
+#include "memory/settings.h"
 
 namespace ebbtide::memory {
 
-namespace {
-
-size_t env_size(const char* name, size_t dflt) {
-  const char* v = getenv(name);
-  if (!v || !*v) return dflt;
-  char* end = nullptr;
-  unsigned long long x = strtoull(v, &end, 10);
-  return (end && *end == '\0' && x > 0) ? static_cast<size_t>(x) : dflt;
-}
-
-}  // namespace
-
-// Copy chunk (EBBTIDE_MEM_CHUNK_BYTES, default 64 MiB: as fast as one large copy, and unmap can start early).
-size_t chunk_bytes() {
-  static const size_t n = env_size("EBBTIDE_MEM_CHUNK_BYTES", size_t(64) << 20);
-  return n;
-}
-// Debug: fill discard-mode allocations with 0xA5 on resume so stale reads show (EBBTIDE_MEM_POISON=1).
-// A pause unmaps a VA-contiguous run with one call; a run with CPU-backed copies closes once it holds this many
-// copied bytes, so unmapping still overlaps the later copies (EBBTIDE_MEM_UNMAP_RUN_BYTES, default 256 MiB).
-size_t unmap_run_copy_bytes() {
-  static const size_t n = env_size("EBBTIDE_MEM_UNMAP_RUN_BYTES", size_t(256) << 20);
-  return n;
-}
-// Resume: cuMemCreate on a helper thread ahead of the maps for resumes of at least EBBTIDE_MEM_CREATE_AHEAD
-// allocations (0 or unset: never; off by default until hardware measurements show the driver overlaps creates
-// with maps).
-size_t create_ahead_min() {
-  static const size_t n = env_size("EBBTIDE_MEM_CREATE_AHEAD", 0);
-  return n;
-}
-bool poison_enabled() {
-  static const bool on = env_size("EBBTIDE_MEM_POISON", 0) != 0;
-  return on;
-}
-
+size_t chunk_bytes() { return settings().chunk_bytes; }
+size_t unmap_run_copy_bytes() { return settings().unmap_run_bytes; }
+size_t create_ahead_min() { return settings().create_ahead; }
+bool poison_enabled() { return settings().poison; }
 
 bool tag_ok(const char* tag) { return tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX; }
 

@@ -215,7 +215,7 @@ class Engine {
   std::vector<std::pair<CUdeviceptr, unsigned long long>> pin_queue_;  // (va, id) of allocations to pin for
   bool pin_busy_ = false;            // the worker is pinning a batch
   bool pin_thread_started_ = false;  // the worker thread exists (started on first use, lives for the process)
-  int pin_enabled_ = -1;             // -1: not read yet (EBBTIDE_MEM_PREPIN, default on); 0/1
+  int pin_enabled_ = -1;             // -1: not set yet (then EBBTIDE_MEM_PREPIN, default on); 0/1
 };
 
 // RAII: make `ctx` current on this thread for the scope (push/pop, so the caller's context is restored).
