@@ -272,15 +272,37 @@ ebt_status_t Engine::free(void* ptr, int* found) {
     CtxGuard ctx(drv, d->ctx);
     CUresult r = drv->cuCtxSynchronize();  // kernels still using it must finish before unmap (TMS #58)
     if (r != CUDA_SUCCESS) st = ebt_cu_error(r, "cuCtxSynchronize (free)", __FILE__, __LINE__);
-    r = drv->cuMemUnmap(a->va, a->aligned);  // the last unmap frees the memory (its handle was released at map)
-    if (r != CUDA_SUCCESS) {
-      st = ebt_cu_error(r, "cuMemUnmap (free)", __FILE__, __LINE__);
-      va_free = false;  // still mapped: never hand this VA out again
+    // The last unmap frees the memory (its handle was released at map).
+    const ebt_status_t ust = unmap_or_quarantine(drv, a->device, a->va, a->aligned, "free");
+    if (ust != EBT_SUCCESS) {
+      st = ust;
+      va_free = false;  // quarantined: still mapped, never handed out again
     }
   }
   if (va_free) d->va->free(a->va, a->aligned);
   arena_.free(a->host);
   return st;
+}
+
+ebt_status_t Engine::unmap_or_quarantine(const ebt_driver_table_t* drv, int device_ordinal, CUdeviceptr va,
+                                         size_t size, const char* what) {
+  CUresult r = drv->cuMemUnmap(va, size);
+  if (r == CUDA_SUCCESS) return EBT_SUCCESS;
+  EBT_INFO(EBT_SUBSYS_MEM, "cuMemUnmap(0x%llx, %zu) in %s failed (%d); retrying once", va, size, what, r);
+  r = drv->cuMemUnmap(va, size);
+  if (r == CUDA_SUCCESS) return EBT_SUCCESS;
+  ebt_cu_error(r, "cuMemUnmap", __FILE__, __LINE__);
+  const std::string msg = ebt_last_error();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    quarantine_.push_back(Quarantined{va, size, device_ordinal});
+  }
+  EBT_WARN(EBT_SUBSYS_MEM, "%s: %s, twice; range 0x%llx + %zu bytes on device %d quarantined (never reused)", what,
+           msg.c_str(), va, size, device_ordinal);
+  return ebt_set_error(EBT_ERROR_DRIVER, "%s (%s, twice): the range 0x%llx + %zu bytes on device %d is quarantined: "
+                       "its address range is never reused and its memory may stay mapped until the process ends "
+                       "(global stats: quarantined_ranges, quarantined_bytes)", msg.c_str(), what, va, size,
+                       device_ordinal);
 }
 
 }  // namespace ebbtide::memory

@@ -179,6 +179,11 @@ class Engine {
   // The coalesced mappings a pause unmapped: detach their members, return the zombies' VA (takes mu_).
   void retire_segments(const std::vector<Allocation*>& allocs, const std::vector<const MapUnit*>& retired,
                        ebt_mem_report_t* r);
+  // free(): unmap [va, va + size) (the device's context current), once more if the driver refuses; if it refuses
+  // again the range is quarantined (never reused, counted in global stats) and the status is EBT_ERROR_DRIVER.
+  // Takes mu_.
+  ebt_status_t unmap_or_quarantine(const ebt_driver_table_t* drv, int device, CUdeviceptr va, size_t size,
+                                   const char* what);
   // free() of an ACTIVE member of a coalesced mapping (mu_ held via `lock`, a already unlisted).
   ebt_status_t free_member(Allocation* a, std::unique_lock<std::mutex>& lock);
   void commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r);
@@ -197,6 +202,15 @@ class Engine {
   size_t pending_free_ = 0;  // aligned bytes of zombies (freed, still mapped in coalesced mappings); mu_
   // An OOM status gets a hint when zombies hold memory (nothing else can give it back before their tag's pause).
   ebt_status_t oom_hint(ebt_status_t st);
+
+  // Ranges a free could not unmap (twice): their VA stays reserved and is never handed out again; their memory
+  // may stay mapped. Counted in global stats; reset() tries to unmap them once more and forgets them. mu_.
+  struct Quarantined {
+    CUdeviceptr va = 0;
+    size_t size = 0;
+    int device = -1;
+  };
+  std::vector<Quarantined> quarantine_;
 
   struct Import {
     CUmemGenericAllocationHandle handle = 0;

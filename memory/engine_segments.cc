@@ -155,12 +155,9 @@ ebt_status_t Engine::free_member(Allocation* a, std::unique_lock<std::mutex>& lo
     CtxGuard ctx(drv, d->ctx);
     CUresult res = drv->cuCtxSynchronize();  // kernels still using any member must finish before unmap
     if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuCtxSynchronize (free)", __FILE__, __LINE__);
-    res = drv->cuMemUnmap(s->va, s->size);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemUnmap (free of a coalesced mapping)", __FILE__, __LINE__);
-    } else {
-      for (Allocation* m : members) d->va->free(m->va, m->aligned);
-    }  // else still mapped: never hand these VAs out again
+    const ebt_status_t ust = unmap_or_quarantine(drv, s->device, s->va, s->size, "free of a coalesced mapping");
+    if (ust != EBT_SUCCESS) st = ust;  // quarantined: still mapped, these VAs are never handed out again
+    else for (Allocation* m : members) d->va->free(m->va, m->aligned);
   }
   for (Allocation* m : members) delete m;
   return st;
