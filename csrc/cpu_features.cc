@@ -9,7 +9,9 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <string>
 
+#include "csrc/param.h"
 #include "csrc/status.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -72,7 +74,7 @@ unsigned g_features = 0;
 const char* g_isa = "scalar";
 
 // Dispatch levels from best to worst, with the features each needs. EBBTIDE_CPU_ISA picks any level the CPU
-// supports (so it can only lower the choice); an unsupported request is refused with a warning.
+// supports (so it can only lower the choice); a known level this CPU lacks is refused with a warning.
 struct Isa {
   const char* name;
   unsigned needs;
@@ -85,6 +87,15 @@ constexpr Isa kIsas[] = {{"avx512_bf16", kAvx512 | EBT_CPU_AVX512_BF16},
                          {"neon", EBT_CPU_NEON},
                          {"scalar", 0}};
 
+// EBBTIDE_CPU_ISA: one of the level names, any case; unset (-1) keeps the automatic choice. A name this code does
+// not know is EBT_ERROR_SETTING from ebt_cpu_isa (a typo must not silently pick another kernel).
+constexpr int kIsaCount = sizeof(kIsas) / sizeof(kIsas[0]);
+constexpr const char* kIsaChoices[] = {"avx512_bf16", "avx512", "avx2", "neon", "scalar"};
+static_assert(sizeof(kIsaChoices) / sizeof(kIsaChoices[0]) == kIsaCount, "one choice per level");
+EBT_PARAM_CHOICE(isa_param, "EBBTIDE_CPU_ISA", kIsaChoices, -1, ebbtide::param::kNoCase)
+ebt_status_t g_isa_status = EBT_SUCCESS;
+std::string g_isa_error;
+
 void init() {
   g_features = detect();
   auto supported = [](const Isa& isa) { return (g_features & isa.needs) == isa.needs; };
@@ -94,18 +105,15 @@ void init() {
       break;
     }
   }
-  if (const char* force = getenv("EBBTIDE_CPU_ISA")) {
-    bool known = false;
-    for (const auto& isa : kIsas) {
-      if (strcasecmp(force, isa.name) != 0) continue;
-      known = true;
-      if (supported(isa)) g_isa = isa.name;
-      else EBT_WARN(EBT_SUBSYS_INIT, "EBBTIDE_CPU_ISA=%s: not supported by this CPU; using %s", force, g_isa);
-    }
-    if (!known)
-      EBT_WARN(EBT_SUBSYS_INIT, "EBBTIDE_CPU_ISA=%s: unknown (avx512_bf16, avx512, avx2, neon, scalar); using %s",
-               force, g_isa);
+  int forced = -1;
+  g_isa_status = isa_param(&forced);
+  if (g_isa_status != EBT_SUCCESS) {
+    g_isa_error = ebt_last_error();
+    return;
   }
+  if (forced < 0) return;  // unset: the automatic choice
+  if (supported(kIsas[forced])) g_isa = kIsas[forced].name;
+  else EBT_WARN(EBT_SUBSYS_INIT, "EBBTIDE_CPU_ISA=%s: not supported by this CPU; using %s", kIsas[forced].name, g_isa);
 }
 
 }  // namespace
@@ -122,6 +130,7 @@ ebt_status_t ebt_cpu_features(unsigned* features) {
 ebt_status_t ebt_cpu_isa(const char** name) {
   if (!name) return ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "ebt_cpu_isa: name is NULL");
   std::call_once(g_once, init);
+  if (g_isa_status != EBT_SUCCESS) return ebt_set_error(g_isa_status, "%s", g_isa_error.c_str());
   *name = g_isa;
   return EBT_SUCCESS;
 }

@@ -40,66 +40,68 @@ void copy_versioned(void* dst, size_t dst_size, const void* src, size_t src_size
 extern "C" {
 
 ebt_status_t ebt_mem_malloc(void** ptr, size_t size, int device, const char* tag, int backup) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().malloc(ptr, size, device, tag, backup);
 }
 
 ebt_status_t ebt_mem_free(void* ptr, int* found) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().free(ptr, found);
 }
 ebt_status_t ebt_mem_mark_clean(const char* tag) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().mark_clean(tag);
 }
 
 ebt_status_t ebt_mem_tag_state(const char* tag, int* state, unsigned long long* pauses) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().tag_state(tag, state, pauses);
 }
 
 ebt_status_t ebt_mem_export_fd(const void* ptr, int* fd, size_t* offset, size_t* size) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().export_fd(ptr, fd, offset, size);
 }
 
 ebt_status_t ebt_mem_import_fd(int fd, size_t size, int device, void** ptr) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().import_fd(fd, size, device, ptr);
 }
 
 ebt_status_t ebt_mem_close_import(void* ptr) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().close_import(ptr);
 }
 
 ebt_status_t ebt_mem_set_memory_margin(size_t bytes) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   Engine::get().set_margin(bytes);
   return EBT_SUCCESS;
 }
 
 ebt_status_t ebt_mem_get_memory_margin(size_t* bytes) {
+  EBT_MEM_SETTINGS_OK();
   EBT_REQUIRE_ARG(bytes, "bytes is NULL");
   *bytes = Engine::get().margin();
   return EBT_SUCCESS;
 }
 
 ebt_status_t ebt_mem_set_coalescing(int enabled) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   EBT_REQUIRE_ARG(enabled == 0 || enabled == 1, "enabled must be 0 or 1, not %d", enabled);
   Engine::get().set_coalescing(enabled != 0);
   return EBT_SUCCESS;
 }
 
 ebt_status_t ebt_mem_get_coalescing(int* enabled) {
+  EBT_MEM_SETTINGS_OK();
   EBT_REQUIRE_ARG(enabled, "enabled is NULL");
   *enabled = Engine::get().coalescing() ? 1 : 0;
   return EBT_SUCCESS;
 }
 
 ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t* count) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   EBT_REQUIRE_ARG(count, "count is NULL");
   EBT_REQUIRE_ARG(capacity == 0 || rows, "rows is NULL with capacity %zu", capacity);
   EBT_REQUIRE_ARG(capacity == 0 || row_size >= offsetof(ebt_mem_tag_stats_t, bytes_pending_free),
@@ -115,7 +117,7 @@ ebt_status_t ebt_mem_stats(void* rows, size_t row_size, size_t capacity, size_t*
 }
 
 ebt_status_t ebt_mem_global_stats(void* out, size_t size) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   EBT_REQUIRE_ARG(out, "out is NULL");
   EBT_REQUIRE_ARG(size >= offsetof(ebt_mem_global_stats_t, coalesced_mappings),
                   "size %zu is smaller than any released ebt_mem_global_stats_t", size);
@@ -126,7 +128,7 @@ ebt_status_t ebt_mem_global_stats(void* out, size_t size) {
 }
 
 ebt_status_t ebt_mem_tag_reports(const char* tag, ebt_mem_report_t* last_pause, ebt_mem_report_t* last_resume) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   ebt_mem_report_t p, r;
   ebt_status_t st = Engine::get().tag_reports(tag, &p, &r);
   if (st != EBT_SUCCESS) return st;
@@ -136,38 +138,38 @@ ebt_status_t ebt_mem_tag_reports(const char* tag, ebt_mem_report_t* last_pause, 
 }
 
 ebt_status_t ebt_mem_get_cpu_backup(const void* ptr, void** host, size_t* bytes_after) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().get_cpu_backup(ptr, host, bytes_after);
 }
 
 ebt_status_t ebt_mem_lookup(const void* ptr, void** base, size_t* size, char* tag, int* paused) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().lookup(ptr, base, size, tag, paused);
 }
 
 ebt_status_t ebt_mem_paused_ranges(uintptr_t* starts, size_t* lengths, size_t capacity, size_t* count) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().paused_ranges(starts, lengths, capacity, count);
 }
 
 ebt_status_t ebt_mem_reserve_host_memory(size_t bytes) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().reserve_host(bytes);
 }
 
 ebt_status_t ebt_mem_release_host_memory(size_t* released) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   return Engine::get().release_host(released);
 }
 
 ebt_status_t ebt_mem_set_background_pinning(int enabled) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   Engine::get().set_background_pinning(enabled != 0);
   return EBT_SUCCESS;
 }
 
 ebt_status_t ebt_mem_wait_background_pinning(void) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   Engine::get().wait_background_pinning();
   return EBT_SUCCESS;
 }

@@ -29,7 +29,7 @@ struct ebt_mem_op {
 namespace {
 
 ebt_status_t run_sync(OpKind kind, const char* tag, ebt_mem_report_t* report) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   Plan plan;
   ebt_mem_report_t scratch;
   memset(&scratch, 0, sizeof(scratch));
@@ -40,7 +40,7 @@ ebt_status_t run_sync(OpKind kind, const char* tag, ebt_mem_report_t* report) {
 ebt_status_t run_async(OpKind kind, const char* tag, ebt_mem_op_t* out) {
   EBT_REQUIRE_ARG(out, "op is NULL");
   *out = nullptr;
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   auto plan = std::make_shared<Plan>();
   ebt_mem_report_t scratch;
   memset(&scratch, 0, sizeof(scratch));
@@ -70,6 +70,7 @@ ebt_status_t ebt_mem_resume(const char* tag, ebt_mem_report_t* report) { return 
 ebt_status_t ebt_mem_pause_async(const char* tag, ebt_mem_op_t* op) { return run_async(OpKind::kPause, tag, op); }
 ebt_status_t ebt_mem_resume_async(const char* tag, ebt_mem_op_t* op) { return run_async(OpKind::kResume, tag, op); }
 
+// No settings check in op_wait/op_release: an op exists only if its start passed one.
 ebt_status_t ebt_mem_op_wait(ebt_mem_op_t op, double timeout_s, ebt_mem_report_t* report) {
   EBT_REQUIRE_ARG(op, "op is NULL");
   std::unique_lock<std::mutex> lock(op->mu);

@@ -263,6 +263,8 @@ void register_bindings(py::module_& m) {
     d["live_allocations"] = g.live_allocations;
     d["coalesced_mappings"] = g.coalesced_mappings;
     d["bytes_pending_free"] = g.bytes_pending_free;
+    d["quarantined_ranges"] = g.quarantined_ranges;
+    d["quarantined_bytes"] = g.quarantined_bytes;
     return d;
   });
   m.def("get_cpu_backup", [](uintptr_t ptr) {

@@ -44,51 +44,19 @@
  */
 #include "memory/engine.h"
 
-#include <cstdlib>
 #include <cstring>
 
 #include "csrc/status.h"
 #include "memory/engine_internal.h"
 #include "memory/free_ranges.h"
+#include "memory/settings.h"
 
 namespace ebbtide::memory {
 
-namespace {
-
-size_t env_size(const char* name, size_t dflt) {
-  const char* v = getenv(name);
-  if (!v || !*v) return dflt;
-  char* end = nullptr;
-  unsigned long long x = strtoull(v, &end, 10);
-  return (end && *end == '\0' && x > 0) ? static_cast<size_t>(x) : dflt;
-}
-
-}  // namespace
-
-// Copy chunk (EBBTIDE_MEM_CHUNK_BYTES, default 64 MiB: as fast as one large copy, and unmap can start early).
-size_t chunk_bytes() {
-  static const size_t n = env_size("EBBTIDE_MEM_CHUNK_BYTES", size_t(64) << 20);
-  return n;
-}
-// Debug: fill discard-mode allocations with 0xA5 on resume so stale reads show (EBBTIDE_MEM_POISON=1).
-// A pause unmaps a VA-contiguous run with one call; a run with CPU-backed copies closes once it holds this many
-// copied bytes, so unmapping still overlaps the later copies (EBBTIDE_MEM_UNMAP_RUN_BYTES, default 256 MiB).
-size_t unmap_run_copy_bytes() {
-  static const size_t n = env_size("EBBTIDE_MEM_UNMAP_RUN_BYTES", size_t(256) << 20);
-  return n;
-}
-// Resume: cuMemCreate on a helper thread ahead of the maps for resumes of at least EBBTIDE_MEM_CREATE_AHEAD
-// allocations (0 or unset: never; off by default because on H200 it did not shorten resumes: the driver appears
-// to serialize creates with maps; memory/NOTES.md).
-size_t create_ahead_min() {
-  static const size_t n = env_size("EBBTIDE_MEM_CREATE_AHEAD", 0);
-  return n;
-}
-bool poison_enabled() {
-  static const bool on = env_size("EBBTIDE_MEM_POISON", 0) != 0;
-  return on;
-}
-
+size_t chunk_bytes() { return settings().chunk_bytes; }
+size_t unmap_run_copy_bytes() { return settings().unmap_run_bytes; }
+size_t create_ahead_min() { return settings().create_ahead; }
+bool poison_enabled() { return settings().poison; }
 
 bool tag_ok(const char* tag) { return tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX; }
 
@@ -304,15 +272,37 @@ ebt_status_t Engine::free(void* ptr, int* found) {
     CtxGuard ctx(drv, d->ctx);
     CUresult r = drv->cuCtxSynchronize();  // kernels still using it must finish before unmap (TMS #58)
     if (r != CUDA_SUCCESS) st = ebt_cu_error(r, "cuCtxSynchronize (free)", __FILE__, __LINE__);
-    r = drv->cuMemUnmap(a->va, a->aligned);  // the last unmap frees the memory (its handle was released at map)
-    if (r != CUDA_SUCCESS) {
-      st = ebt_cu_error(r, "cuMemUnmap (free)", __FILE__, __LINE__);
-      va_free = false;  // still mapped: never hand this VA out again
+    // The last unmap frees the memory (its handle was released at map).
+    const ebt_status_t ust = unmap_or_quarantine(drv, a->device, a->va, a->aligned, "free");
+    if (ust != EBT_SUCCESS) {
+      st = ust;
+      va_free = false;  // quarantined: still mapped, never handed out again
     }
   }
   if (va_free) d->va->free(a->va, a->aligned);
   arena_.free(a->host);
   return st;
+}
+
+ebt_status_t Engine::unmap_or_quarantine(const ebt_driver_table_t* drv, int device_ordinal, CUdeviceptr va,
+                                         size_t size, const char* what) {
+  CUresult r = drv->cuMemUnmap(va, size);
+  if (r == CUDA_SUCCESS) return EBT_SUCCESS;
+  EBT_INFO(EBT_SUBSYS_MEM, "cuMemUnmap(0x%llx, %zu) in %s failed (%d); retrying once", va, size, what, r);
+  r = drv->cuMemUnmap(va, size);
+  if (r == CUDA_SUCCESS) return EBT_SUCCESS;
+  ebt_cu_error(r, "cuMemUnmap", __FILE__, __LINE__);
+  const std::string msg = ebt_last_error();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    quarantine_.push_back(Quarantined{va, size, device_ordinal});
+  }
+  EBT_WARN(EBT_SUBSYS_MEM, "%s: %s, twice; range 0x%llx + %zu bytes on device %d quarantined (never reused)", what,
+           msg.c_str(), va, size, device_ordinal);
+  return ebt_set_error(EBT_ERROR_DRIVER, "%s (%s, twice): the range 0x%llx + %zu bytes on device %d is quarantined: "
+                       "its address range is never reused and its memory may stay mapped until the process ends "
+                       "(global stats: quarantined_ranges, quarantined_bytes)", msg.c_str(), what, va, size,
+                       device_ordinal);
 }
 
 }  // namespace ebbtide::memory

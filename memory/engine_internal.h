@@ -15,7 +15,7 @@ namespace ebbtide::memory {
 using Clock = std::chrono::steady_clock;
 inline double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Tuning settings (engine.cc), each read once.
+// Tuning settings (memory/settings.h has the variables and defaults).
 size_t chunk_bytes();           // copy chunk, bytes
 size_t unmap_run_copy_bytes();  // copied bytes that close a pause's unmap run
 size_t create_ahead_min();      // resumes of at least this many units create ahead on a helper thread (0: never)

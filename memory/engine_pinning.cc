@@ -18,6 +18,7 @@
 
 #include "csrc/status.h"
 #include "memory/engine.h"
+#include "memory/settings.h"
 
 namespace ebbtide::memory {
 
@@ -34,10 +35,7 @@ void Engine::wait_background_pinning() {
 
 void Engine::enqueue_pinning(const Allocation* a) {
   std::lock_guard<std::mutex> lock(pin_mu_);
-  if (pin_enabled_ < 0) {
-    const char* env = getenv("EBBTIDE_MEM_PREPIN");
-    pin_enabled_ = (env && env[0] == '0') ? 0 : 1;
-  }
+  if (pin_enabled_ < 0) pin_enabled_ = settings().prepin ? 1 : 0;
   if (!pin_enabled_) return;
   pin_queue_.emplace_back(a->va, a->id);
   if (!pin_thread_started_) {

@@ -23,6 +23,7 @@
 #include "memory/api_internal.h"
 #include "memory/engine.h"
 #include "memory/routing.h"
+#include "memory/settings.h"
 
 using ebbtide::memory::Engine;
 
@@ -52,49 +53,29 @@ Region g_default;                        // valid iff g_has_default
 
 void on_fork_child() { g_forked.store(true); }
 
-// Library load: install the fork handler; EBBTIDE_MEM_DEFAULT_TAG (+ EBBTIDE_MEM_DEFAULT_BACKUP=none|cpu) sets
-// the process default region, so a process started under the shim captures every allocation from its start.
-void apply_default_from_env();
-void apply_margin_from_env();
-void apply_coalesce_from_env();
+// Library load: install the fork handler, then apply the memory settings (settings.cc): the memory margin,
+// coalescing, and the process default region (EBBTIDE_MEM_DEFAULT_TAG + EBBTIDE_MEM_DEFAULT_BACKUP, or
+// torch_memory_saver's TMS_INIT_ENABLE + TMS_INIT_ENABLE_CPU_BACKUP), so a process started under the shim captures
+// every allocation from its start. A bad setting applies nothing: it is reported here once, and every ebt_mem_*
+// call then fails with it (EBT_MEM_ENTRY).
+void apply_default_region(const Settings& s);
 struct LoadTimeSetup {
   LoadTimeSetup() {
     pthread_atfork(nullptr, nullptr, on_fork_child);
-    apply_margin_from_env();
-    apply_coalesce_from_env();
-    apply_default_from_env();
+    if (load_settings() != EBT_SUCCESS) {
+      EBT_WARN(EBT_SUBSYS_MEM, "memory engine disabled: %s", ebt_last_error());
+      return;
+    }
+    const Settings& s = settings();
+    Engine::get().set_margin(s.margin_bytes);
+    Engine::get().set_coalescing(s.coalesce);
+    if (!s.default_tag.empty()) apply_default_region(s);
   }
 };
 
-void apply_margin_from_env() {
-  const char* m = getenv("EBBTIDE_MEM_MARGIN_BYTES");
-  if (!m || !*m) return;
-  char* end = nullptr;
-  unsigned long long v = strtoull(m, &end, 10);
-  if (end && *end == '\0') Engine::get().set_margin(static_cast<size_t>(v));
-  else EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_MARGIN_BYTES=%s ignored: not a byte count", m);
-}
-
-void apply_coalesce_from_env() {
-  const char* v = getenv("EBBTIDE_MEM_COALESCE");
-  if (!v || !*v) return;
-  if (strcmp(v, "1") == 0 || strcmp(v, "0") == 0) Engine::get().set_coalescing(v[0] == '1');
-  else EBT_WARN(EBT_SUBSYS_MEM, "EBBTIDE_MEM_COALESCE=%s ignored: use 1 or 0", v);
-}
-
-// torch_memory_saver's equivalent (TMS_INIT_ENABLE=1, TMS_INIT_ENABLE_CPU_BACKUP=1: tag "default") is honoured when
-// EBBTIDE_MEM_DEFAULT_TAG is unset, so a launcher written for it (slime) runs unchanged under this shim.
-void apply_default_from_env() {
-  const char* tag = getenv("EBBTIDE_MEM_DEFAULT_TAG");
-  const char* b = getenv("EBBTIDE_MEM_DEFAULT_BACKUP");
-  int backup = (b && strcmp(b, "cpu") == 0) ? EBT_MEM_BACKUP_CPU : EBT_MEM_BACKUP_NONE;
-  if (!tag || !*tag) {
-    const char* tms = getenv("TMS_INIT_ENABLE");
-    if (!tms || strcmp(tms, "1") != 0) return;
-    tag = "default";
-    const char* tb = getenv("TMS_INIT_ENABLE_CPU_BACKUP");
-    backup = (tb && strcmp(tb, "1") == 0) ? EBT_MEM_BACKUP_CPU : EBT_MEM_BACKUP_NONE;
-  }
+void apply_default_region(const Settings& s) {
+  const char* tag = s.default_tag.c_str();
+  const int backup = s.default_backup;
   // PyTorch >= 2.9 reads PYTORCH_ALLOC_CONF too (PYTORCH_CUDA_ALLOC_CONF is its older name).
   const char* conf = nullptr;
   for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
@@ -152,10 +133,10 @@ bool valid_backup(int backup) {
 extern "C" {
 
 ebt_status_t ebt_mem_region_push(const char* tag, int backup, int* token) {
+  EBT_MEM_ENTRY();
   EBT_REQUIRE_ARG(token, "token is NULL");
   EBT_REQUIRE_ARG(valid_tag(tag), "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
   EBT_REQUIRE_ARG(valid_backup(backup), "backup must be NONE(0) or CPU(1), optionally | EBT_MEM_SHAREABLE");
-  EBT_NOT_IN_FORK();
   ThreadRouting& t = t_routing;
   if (t.depth >= kMaxDepth) return ebt_set_error(EBT_ERROR_INVALID_STATE, "regions nested deeper than %d", kMaxDepth);
   EBT_CHECK(Engine::get().register_tag(tag));
@@ -167,6 +148,7 @@ ebt_status_t ebt_mem_region_push(const char* tag, int backup, int* token) {
 }
 
 ebt_status_t ebt_mem_region_pop(int token) {
+  EBT_MEM_SETTINGS_OK();
   ThreadRouting& t = t_routing;
   EBT_REQUIRE_ARG(token >= 0 && token < t.depth, "region token %d does not match this thread's regions (depth %d)",
                   token, t.depth);
@@ -175,6 +157,7 @@ ebt_status_t ebt_mem_region_pop(int token) {
 }
 
 ebt_status_t ebt_mem_set_disabled(int disabled, int* previous) {
+  EBT_MEM_SETTINGS_OK();
   if (previous) *previous = t_routing.disabled;
   EBT_REQUIRE_ARG(disabled >= 0, "disabled must be >= 0");
   t_routing.disabled = disabled;
@@ -182,7 +165,7 @@ ebt_status_t ebt_mem_set_disabled(int disabled, int* previous) {
 }
 
 ebt_status_t ebt_mem_set_default_region(const char* tag, int backup) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   if (!tag) {
     std::lock_guard<std::mutex> lock(g_default_mu);
     g_has_default.store(false);
@@ -199,6 +182,7 @@ ebt_status_t ebt_mem_set_default_region(const char* tag, int backup) {
 }
 
 ebt_status_t ebt_mem_current_region(char* tag, int* backup, int* disabled) {
+  EBT_MEM_SETTINGS_OK();
   EBT_REQUIRE_ARG(tag && backup && disabled, "out-pointers must not be NULL");
   *disabled = t_routing.disabled;
   int saved = t_routing.disabled;
@@ -212,7 +196,7 @@ ebt_status_t ebt_mem_current_region(char* tag, int* backup, int* disabled) {
   return EBT_SUCCESS;
 }
 ebt_status_t ebt_mem_reset_for_testing(void) {
-  EBT_NOT_IN_FORK();
+  EBT_MEM_ENTRY();
   EBT_CHECK(Engine::get().reset());
   t_routing.depth = 0;
   t_routing.disabled = 0;

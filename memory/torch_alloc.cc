@@ -12,6 +12,7 @@
 #include "memory/ebbtide_memory.h"
 #include "memory/engine.h"
 #include "memory/routing.h"
+#include "memory/settings.h"
 
 using namespace ebbtide::memory;
 
@@ -19,6 +20,10 @@ extern "C" {
 
 void* ebt_torch_malloc(ssize_t size, int device, void* stream) {
   if (forked_child() || size <= 0) return nullptr;
+  if (load_settings() != EBT_SUCCESS) {  // torch raises its OutOfMemoryError; the reason goes to the log
+    EBT_WARN(EBT_SUBSYS_MEM, "ebt_torch_malloc(%zd, device %d) refused: %s", size, device, ebt_last_error());
+    return nullptr;
+  }
   char tag[EBT_MEM_TAG_MAX + 1];
   int backup = EBT_MEM_BACKUP_NONE;
   if (!route_current(tag, &backup)) {
