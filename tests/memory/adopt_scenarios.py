@@ -70,11 +70,11 @@ def graph_replay(mode: str):
 
 def _check_diagnostics(found: list) -> str:
     """What check() saw against what the pause recorded, around each reported block."""
-    from ebbtide.memory import _hooks  # noqa: PLC0415
+    from ebbtide.memory import _check  # noqa: PLC0415
 
     lines = [f"check() reported {found}"]
     for b in found[:4]:
-        near = sorted(a for a in _hooks._baseline if abs(a - b["address"]) < 4 * MiB)
+        near = sorted(a for a in _check._baseline if abs(a - b["address"]) < 4 * MiB)
         lines.append(f"  baseline near {b['address']:#x}: {[hex(a) for a in near]}")
         for seg in torch.cuda.memory_snapshot():
             if seg["address"] <= b["address"] < seg["address"] + seg["total_size"]:

@@ -75,4 +75,5 @@ COALESCE_FAULTS = {
 }
 
 # Scenarios with tests of their own in test_engine_fake.py (a setting, arguments or a second device).
-OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "soak", "multi_device", "host_arena_exact_and_chunked"]
+OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "soak", "multi_device", "host_arena_exact_and_chunked",
+             "check_setting"]

@@ -12,13 +12,14 @@ children with ``preload_env()`` / ``configure_subprocess()``). Architecture and 
 """
 from __future__ import annotations
 
-from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, mark_clean, pause, pause_async, paused_ranges,
-                      release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
-                      set_memory_margin, memory_margin, stats, wait_background_pinning, set_coalescing,
-                      coalescing)
+from ._engine import (Pending, Report, coalescing, get_cpu_backup, get_cpu_backup_address, mark_clean,
+                      memory_margin, pause, pause_async, paused_ranges, release_host_memory, reserve_host_memory,
+                      resume, resume_async, set_background_pinning, set_coalescing, set_memory_margin, stats,
+                      wait_background_pinning)
+from ._check import check, check_paused_blocks, set_checking
 from ._cupy import cupy_allocator
-from ._hooks import (check, check_paused_blocks, configure_subprocess, disable, graph, hook_mode, preload_env,
-                     region, set_checking, set_default_region, set_hook_mode)
+from ._hooks import (configure_subprocess, disable, graph, hook_mode, preload_env, region, set_default_region,
+                     set_hook_mode)
 from ._ipc import ImportedTensor, SharedHandle, export_tensor, import_tensor
 from ._report import ReleaseReport, release_report
 
