@@ -41,6 +41,7 @@ SIMPLE = [
     "memory_margin_and_tag_epochs",
     "release_report_without_torch",
     "shareable_ipc",
+    "import_handle_checks",
     "register_workers_keep_capture_mode",
     "cupy_allocator_routing",
     "versioned_stats",
