@@ -30,7 +30,9 @@ __all__ = ["region", "disable", "graph", "hook_mode", "set_hook_mode", "set_defa
 
 _lock = threading.Lock()           # guards the state below
 _mode: Optional[str] = None        # "preload" | "torch", fixed at first use
-_pools: dict = {}                  # (kind, tag, device, epoch) -> MemPool; kept alive for the process (torch #146431)
+# (kind, tag, device, epoch) -> MemPool, kept alive for the process: a tensor that outlives its MemPool is freed
+# by PyTorch with the default allocator's cudaFree instead of the pool's allocator (ebt_torch_free).
+_pools: dict = {}
 _pluggable = None                  # the CUDAPluggableAllocator (torch mode), created once
 
 
@@ -57,15 +59,15 @@ def set_hook_mode(mode: str) -> None:
 
 
 def pool_epoch(tag: str):
-    """Which pool generation a region of ``tag`` uses now (the paused-block guard, spec item 13).
+    """Which pool generation a region of ``tag`` uses now (the paused-block guard).
 
     A tag's pool caches free blocks inside the tag's segments; while the tag is paused those segments are unmapped,
-    and the caching allocator would hand such a block to a new allocation (a crash on first touch: miles #3207,
-    slime #1690). So while the tag is paused (or an op owns it), its regions use a pool of that pause's own:
-    ("paused", n) for the n-th pause, which holds no paused block until the tag is paused again, when n moves on.
-    n counts pauses begun, so a region opened while pause n+1 is still running (pause_async) already gets the
-    fresh pool n+1, never pool n whose blocks that pause is unmapping. An active tag uses its main pool ("main"),
-    whose blocks are all mapped again after the resume."""
+    and the caching allocator would hand such a block to a new allocation (a crash on first touch). So while the
+    tag is paused (or an op owns it), its regions use a pool of that pause's own: ("paused", n) for the n-th
+    pause, which holds no paused block until the tag is paused again, when n moves on. n counts pauses begun, so
+    a region opened while pause n+1 is still running (pause_async) already gets the fresh pool n+1, never pool n
+    whose blocks that pause is unmapping. An active tag uses its main pool ("main"), whose blocks are all mapped
+    again after the resume."""
     state, pauses = _mem().tag_state(tag)
     if state == "active":
         return "main"
