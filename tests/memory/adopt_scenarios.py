@@ -13,7 +13,7 @@ import sys
 import torch
 
 import ebbtide.memory as em
-from ebbtide.errors import OutOfMemoryError, StateError, UnsupportedError
+from ebbtide.errors import InvalidArgumentError, OutOfMemoryError, StateError, UnsupportedError
 
 import _scenario_runner
 from _scenario_runner import GiB, MiB, check_mode, free_bytes, main
@@ -70,11 +70,11 @@ def graph_replay(mode: str):
 
 def _check_diagnostics(found: list) -> str:
     """What check() saw against what the pause recorded, around each reported block."""
-    from ebbtide.memory import _hooks  # noqa: PLC0415
+    from ebbtide.memory import _check  # noqa: PLC0415
 
     lines = [f"check() reported {found}"]
     for b in found[:4]:
-        near = sorted(a for a in _hooks._baseline if abs(a - b["address"]) < 4 * MiB)
+        near = sorted(a for a in _check._baseline if abs(a - b["address"]) < 4 * MiB)
         lines.append(f"  baseline near {b['address']:#x}: {[hex(a) for a in near]}")
         for seg in torch.cuda.memory_snapshot():
             if seg["address"] <= b["address"] < seg["address"] + seg["total_size"]:
@@ -238,7 +238,8 @@ def expandable_segments(mode: str):
 
 def shareable_ipc(mode: str):
     """A tensor of a shareable region exported as a POSIX fd, sent over a Unix socket to a second process, which
-    maps it, checks the bytes and writes; the writer's change is visible here. Then pause/resume still work."""
+    maps it, checks the bytes and writes; the writer's change is visible here (a handle claiming more than the
+    mapping is refused there first). Then pause/resume still work."""
     import pickle  # noqa: PLC0415
     import socket  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
@@ -266,12 +267,21 @@ def shareable_ipc(mode: str):
 
 
 def _ipc_child(mode: str, sock_fd: str):
+    import dataclasses  # noqa: PLC0415
     import pickle  # noqa: PLC0415
     import socket  # noqa: PLC0415
 
     sock = socket.socket(fileno=int(sock_fd))
     msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
     handle = pickle.loads(msg)
+    em.check_handle(handle)
+    # A handle whose tensor runs past the mapping is refused before anything is mapped.
+    lie = dataclasses.replace(handle, nbytes=handle.size, shape=(handle.size // 4,), offset=handle.offset + 4)
+    try:
+        em.import_tensor(lie, os.dup(fds[0]))
+        raise AssertionError("import_tensor accepted a handle beyond the mapping")
+    except InvalidArgumentError:
+        pass
     with em.import_tensor(handle, fds[0]) as imp:
         t = imp.tensor
         assert t.shape == (64 * MiB,) and t.dtype == torch.int32, (t.shape, t.dtype)

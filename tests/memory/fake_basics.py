@@ -215,6 +215,29 @@ def release_report_without_torch():
     assert_clean()
 
 
+def check_setting(expect: str):
+    """EBBTIDE_MEM_CHECK (the test sets it) is parsed strictly: "on" turns the paused-block checker on from the
+    start; a value that does not parse is a SettingError naming it, raised by a pause before anything is paused."""
+    from ebbtide.errors import SettingError  # noqa: PLC0415
+
+    p = alloc(2 * MiB, "t", "cpu")
+    d = fill(p, 2 * MiB, 7)
+    if expect == "on":
+        em.pause("t")
+        assert em.check() == []  # no StateError: checking was on before the pause (no PyTorch GPU: nothing found)
+        em.resume("t")
+    else:
+        for op in (lambda: em.pause("t"), lambda: em.pause_async("t"), em.check):
+            try:
+                op()
+                raise AssertionError("a bad EBBTIDE_MEM_CHECK was accepted")
+            except SettingError as e:
+                assert "EBBTIDE_MEM_CHECK" in str(e) and repr(os.environ["EBBTIDE_MEM_CHECK"]) in str(e), e
+        assert tag_row("t")["state"] == "active" and read(p, 2 * MiB) == d
+    free(p)
+    assert_clean()
+
+
 def versioned_stats():
     """ebt_mem_stats / ebt_mem_global_stats take the caller's struct size: rows are laid out with that stride
     (a caller built against a newer, larger header still reads each row's start), and a size smaller than any

@@ -41,6 +41,7 @@ SIMPLE = [
     "memory_margin_and_tag_epochs",
     "release_report_without_torch",
     "shareable_ipc",
+    "import_handle_checks",
     "register_workers_keep_capture_mode",
     "cupy_allocator_routing",
     "versioned_stats",
@@ -75,4 +76,5 @@ COALESCE_FAULTS = {
 }
 
 # Scenarios with tests of their own in test_engine_fake.py (a setting, arguments or a second device).
-OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "soak", "multi_device", "host_arena_exact_and_chunked"]
+OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "soak", "multi_device", "host_arena_exact_and_chunked",
+             "check_setting"]

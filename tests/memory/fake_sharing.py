@@ -14,7 +14,7 @@ import sys
 import ebbtide.memory as em
 from ebbtide.errors import InvalidArgumentError, NotFoundError, StateError
 
-from _fake_driver import MiB, NATIVE, alloc, assert_clean, fill, free, read
+from _fake_driver import MiB, NATIVE, alloc, assert_clean, counters, fill, free, read
 from _scenario_runner import main
 
 
@@ -82,6 +82,65 @@ def _ipc_child(sock_fd: str, mapped: str, off: str):
     ctypes.memmove(base, b"IMPORTED", 8)
     NATIVE.close_import(base)
     sock.sendall(b"written")
+
+
+def import_handle_checks():
+    """import_tensor trusts nothing in the peer's handle: a handle whose tensor would lie outside the mapping, or
+    whose shape, dtype and byte count disagree, is refused before anything is mapped (and its fd is still closed).
+    A good handle maps; when viewing it fails afterwards (no CUDA torch here) the mapping is closed again."""
+    import dataclasses  # noqa: PLC0415
+
+    from ebbtide.memory import SharedHandle  # noqa: PLC0415
+
+    p = NATIVE.malloc(4 * MiB, 0, "s", NATIVE.SHAREABLE | 1)
+    fd, off, mapped = NATIVE.export_fd(p + 4096)
+    good = SharedHandle(offset=off, size=mapped, nbytes=1024 * 4, shape=(32, 32), dtype="float32", device=0)
+    em.check_handle(good)
+    bad = [dataclasses.replace(good, offset=mapped - 1024),          # runs past the mapping
+           dataclasses.replace(good, offset=off + 2),                # misaligned for float32
+           dataclasses.replace(good, nbytes=4097),                   # disagrees with shape x itemsize
+           dataclasses.replace(good, shape=(32, 33)),
+           dataclasses.replace(good, shape=(-32, -32)),
+           dataclasses.replace(good, shape=[32, 32]),
+           dataclasses.replace(good, dtype="complex128"),
+           dataclasses.replace(good, size=0, offset=0),
+           dataclasses.replace(good, offset=-4096),
+           dataclasses.replace(good, device=True),
+           dataclasses.replace(good, size=mapped, offset=0, nbytes=mapped + 4, shape=((mapped + 4) // 4,)),
+           {"offset": off, "size": mapped}]
+    mappings = counters()["mappings"]
+    for h in bad:
+        try:
+            em.check_handle(h)
+            raise AssertionError(f"check_handle accepted {h}")
+        except InvalidArgumentError:
+            pass
+        dup = os.dup(fd)
+        try:
+            em.import_tensor(h, dup)
+            raise AssertionError(f"import_tensor accepted {h}")
+        except InvalidArgumentError:
+            pass
+        assert counters()["mappings"] == mappings, f"a refused handle mapped memory: {h}"
+        try:
+            os.fstat(dup)
+            raise AssertionError("import_tensor left the fd open")
+        except OSError:
+            pass
+    try:
+        em.import_tensor(good, os.dup(fd), device=-1)
+        raise AssertionError("import_tensor accepted device=-1")
+    except InvalidArgumentError:
+        pass
+    try:  # maps, then cannot view the mapping as a CUDA tensor here: the mapping is closed again
+        em.import_tensor(good, os.dup(fd))
+        raise AssertionError("import_tensor made a CUDA tensor without CUDA")
+    except (AssertionError, RuntimeError) as e:
+        assert "CUDA" in str(e), e
+    assert counters()["mappings"] == mappings
+    os.close(fd)
+    free(p)
+    assert_clean()
 
 
 def cupy_allocator_routing():

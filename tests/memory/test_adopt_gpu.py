@@ -2,13 +2,13 @@
 each, in both hook modes where the feature has both. Skipped without a GPU."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+DEMO = HERE.parents[1] / "examples" / "colocate" / "memory_handoff_demo.py"
 sys.path.insert(0, str(HERE))
 import _scenario_runner as runner  # noqa: E402
 
@@ -41,10 +41,8 @@ def test_cupy_program_under_the_shim_keeps_its_data():
 
 
 @pytest.mark.gpu
-def test_colocation_example_takes_turns():
-    """The colocation demo of docs/memory.md: two processes whose working sets cannot fit at once take turns."""
-    p = subprocess.run([sys.executable, "-m", "ebbtide.memory.colocate", "--steps", "2"], capture_output=True,
-                       text=True, env=_env("torch"), timeout=300)
+def test_memory_handoff_demo_takes_turns():
+    """examples/colocate/memory_handoff_demo.py: two processes whose working sets cannot fit at once take turns."""
+    p = runner.run(DEMO, "--steps", "2", env=_env("torch"), what="memory hand-off demo")
     print(p.stdout)
-    assert p.returncode == 0 and "colocation: OK" in p.stdout, p.stdout[-6000:] + p.stderr[-6000:]
     assert p.stdout.count(": running, free") == 4, p.stdout

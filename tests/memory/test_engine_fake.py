@@ -47,6 +47,11 @@ def test_poison_discarded_pages():
     run("va_stability_and_roundtrip", env={"EBBTIDE_MEM_POISON": "1"})
 
 
+@pytest.mark.parametrize("value,expect", [("1", "on"), ("on", "on"), ("2", "error"), ("maybe", "error")])
+def test_check_setting(value, expect):
+    run("check_setting", expect, env={"EBBTIDE_MEM_CHECK": value})
+
+
 def test_chunked_copies_exact_host_sizes():
     run("host_arena_exact_and_chunked", env={"EBBTIDE_MEM_CHUNK_BYTES": str(1 << 20)})
 
