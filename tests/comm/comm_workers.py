@@ -453,10 +453,10 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
     instead, and at reload every member agrees to rebuild that group (a resume would wait for it forever)."""
     import dataclasses
 
-    import ebbtide.comm._runtime as R
+    import ebbtide.comm._backend as B
 
     calls = []
-    real_facts = R._facts
+    real_facts = B.facts
 
     def facts(*a, **k):
         return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
@@ -468,8 +468,8 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
         if rank == fail_rank:
             raise RuntimeError("injected suspend failure")
 
-    R._facts, R._suspend_backend = facts, suspend
-    R._resume_backend = lambda inner: calls.append("resume")
+    B.facts, B.suspend = facts, suspend
+    B.resume = lambda inner: calls.append("resume")
     _init(rank, world, init)
     g = dist.new_group(list(range(world)))
     _expect_sum(g, list(range(world)), rank)
@@ -496,10 +496,10 @@ def teardown_order(rank, world, init, concurrent=True):
     reverse journal order."""
     import threading
 
-    import ebbtide.comm._runtime as R
+    import ebbtide.comm._backend as B
 
     order = []  # (event, group name, thread name)
-    real = R._teardown
+    real = B.teardown
     lock = threading.Lock()
 
     def recording(inner, how):
@@ -510,7 +510,7 @@ def teardown_order(rank, world, init, concurrent=True):
         with lock:
             order.append(("end", name, threading.current_thread().name))
 
-    R._teardown = recording
+    B.teardown = recording
     _init(rank, world, init, concurrent_teardown=concurrent)
     names = [dist.group.WORLD.group_name]
     for _ in range(3):
@@ -530,7 +530,8 @@ def split_replay_guards(rank, world, init):
     """Rebuilding a split child checks ProcessGroupNCCL::split's preconditions first and raises StateError (a
     segfault or a hang inside native code otherwise); split options are journaled as a scalar snapshot, never as
     the native object split() writes into (Note [Split options are not replayed])."""
-    import ebbtide.comm._runtime as R
+    import ebbtide.comm._backend as B
+    import ebbtide.comm._journal as J
 
     _init(rank, world, init)
     w = dist.group.WORLD
@@ -538,22 +539,22 @@ def split_replay_guards(rank, world, init):
 
     def attempt(key, entry):
         try:
-            R.RUNTIME._split_parent_ready(entry)
+            B.split_parent_ready(entry.parent, entry.name, set(), set())
         except StateError as err:
             errors[key] = str(err)
         else:
             raise AssertionError(f"{key}: no StateError")
 
-    attempt("unknown", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=None))
-    attempt("unbound", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
+    attempt("unknown", J.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=None))
+    attempt("unbound", J.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
     inner, w._ebt_inner = w._ebt_inner, None
     try:
-        attempt("released", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
+        attempt("released", J.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
     finally:
         w._ebt_inner = inner
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=7)
-    snap = R._OptionsSnapshot.take(opts)
+    snap = J.OptionsSnapshot.take(opts)
     fresh = dist.ProcessGroupGloo._Options()
     snap.apply(fresh)
     dist.destroy_process_group()

@@ -33,7 +33,7 @@ import contextlib
 
 from ._group import ReloadableGroup
 from ._report import GroupReport, Report
-from ._runtime import DEFAULT_TEARDOWN, TEARDOWNS
+from ._backend import DEFAULT_TEARDOWN, TEARDOWNS
 from ._runtime import RUNTIME as _RT
 from ._strategy import DESTROY, KEEP, SUSPEND, Facts, env_warnings, select_strategy
 
