@@ -569,3 +569,46 @@ def nccl_baseline_handshake(rank, world, init):
     lines = []
     free = _nccl_process_state(rank, world, init, torch.device("cpu"), torch.zeros(4), lines.append)
     return {"free": free, "lines": lines}
+
+
+def destroyed_while_released(rank, world, init):
+    """A group destroyed with dist.destroy_process_group while released stays destroyed across reload (on every
+    rank: `both` by all its members, `one` by rank 0 only), and every use of it afterwards is a StateError naming
+    it; the other groups and later cycles are unaffected."""
+    _init(rank, world, init)
+    ranks = list(range(world))
+    both, one, kept = (dist.new_group(ranks) for _ in range(3))
+    for g in (both, one, kept):
+        _expect_sum(g, ranks, rank)
+    comm.release(include_cpu=True)
+    dist.destroy_process_group(both)
+    if rank == 0:
+        dist.destroy_process_group(one)
+    rl = comm.reload()
+    assert not comm.is_released()
+    assert {x.name for x in rl.groups} == {kept.group_name}, rl.groups
+    out = {"errors": {}}
+    for label, g in (("both", both), ("one", one)):
+        assert g.inner is None and not g.released and "destroyed" in repr(g), (label, g)
+        try:
+            g.allreduce([torch.ones(1)])
+        except StateError as e:
+            out["errors"][label] = str(e)
+        else:
+            raise AssertionError(f"op on destroyed group {label} did not raise")
+    try:
+        dist.all_reduce(torch.ones(1), group=one)
+    except (StateError, ValueError) as e:
+        out["dist_error"] = f"{type(e).__name__}: {e}"
+    else:
+        raise AssertionError("dist.all_reduce on a group destroyed on a peer did not raise")
+    _expect_sum(kept, ranks, rank)
+    for _ in range(2):  # later cycles neither rebuild nor trip over the destroyed groups
+        rep = comm.release(include_cpu=True)
+        assert [x.name for x in rep.groups] == [kept.group_name], rep.groups
+        comm.reload()
+        _expect_sum(kept, ranks, rank)
+        assert both.inner is None and one.inner is None
+    out["names"] = {"both": both.group_name, "one": one.group_name}
+    dist.destroy_process_group()
+    return out

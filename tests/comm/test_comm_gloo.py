@@ -101,3 +101,14 @@ def test_nccl_baseline_all_or_none():
     res = _spawn.run("nccl_baseline_handshake", 2, timeout=60)
     for r in res:
         assert r["free"] is None and "not measured" in r["lines"][0], r
+
+
+def test_group_destroyed_while_released_stays_destroyed():
+    res = _spawn.run("destroyed_while_released", 2)
+    for r in res:
+        for label in ("both", "one"):
+            msg = r["errors"][label]
+            assert f"'{r['names'][label]}'" in msg and "destroyed" in msg, msg
+        assert "peer" in r["errors"]["one"] or "dist.destroy_process_group" in r["errors"]["one"]
+    assert "on a peer rank" in res[1]["errors"]["one"], res[1]
+    assert "StateError" in res[1]["dist_error"], res[1]  # rank 1 did not destroy it: c10d still knows it

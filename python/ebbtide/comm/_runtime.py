@@ -440,12 +440,15 @@ class Runtime:
             payload = {"journal": journal_hash(self.journal), "eager": bool(eager),
                        "connect": [e.gidx for e in self.journal if e.gidx >= 0 and e.plan and e.initialized],
                        "plans": {str(e.gidx): e.plan for e in self.journal
-                                 if e.gidx >= 0 and e.plan and e.group is not None}}
+                                 if e.gidx >= 0 and e.plan and e.group is not None},
+                       "gone": [e.agreement_key() for e in self.journal
+                                if e.plan and e.group is not None and e.group._ebt_destroyed]}
             tb = time.perf_counter()
             log.debug("ebbtide.comm: reload: agreeing on the control plane")
             everyone = self._exchange(control, "reload", payload, tmo)
             check_agreement(everyone, "reload")
             barrier_s = time.perf_counter() - tb
+            self._forget_destroyed(everyone)
             self._settle_plans(everyone)
             connect = set()
             for p in everyone:
@@ -471,6 +474,23 @@ class Runtime:
                          device_free_bytes(), reports)
             log.info("%s", rep.summary())
             return rep
+
+    def _forget_destroyed(self, everyone: list[dict]) -> None:
+        """A group destroyed while released (dist.destroy_process_group) stays destroyed: no rank rebuilds it, on
+        members and non-members alike (a rebuild is collective). A member that had not destroyed it itself marks
+        it destroyed too, so its ops raise StateError naming it instead of waiting for peers that left."""
+        gone = {k for p in everyone for k in p["gone"]}
+        for e in self.journal:
+            if not e.plan or e.agreement_key() not in gone:
+                continue
+            e.plan = None
+            g = e.group
+            if g is not None and not g._ebt_destroyed:
+                held = g._ebt_destroy("dist.destroy_process_group on a peer rank while released")
+                if held is not None:
+                    self.inner_to_wrapper.pop(held, None)
+                    B.teardown(held, self.teardown)
+            log.debug("ebbtide.comm: reload: group '%s' was destroyed while released: not rebuilt", e.name)
 
     def _settle_plans(self, everyone: list[dict]) -> None:
         """A member whose suspend failed destroyed its communicator instead; then every member must rebuild that
