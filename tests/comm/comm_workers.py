@@ -347,7 +347,7 @@ def megatron(rank, world, init, cycles=2):
 
 
 def megatron_like_8(rank, world, init, cycles=3):
-    """Issue 9's topology on 8 Gloo ranks: TP=2, PP=4, DP=1 plus embedding, position-embedding, model-parallel
+    """The Megatron-like topology on 8 Gloo ranks: TP=2, PP=4, DP=1 plus embedding, position-embedding, model-parallel
     and singleton groups, all overlapping; release/reload cycles (WORLD included on odd cycles) with
     batch_isend_irecv as the first operation on every pipeline group after each reload."""
     _init(rank, world, init)

@@ -1,6 +1,6 @@
 """The journal signature is what ranks compare before acting, so it must hold only rank-invariant facts.
-(Regression: on 2 GPUs each rank passes its own device_id, cuda:0 and cuda:1, and release was refused as a
-disagreement.)"""
+(On 2 GPUs each rank passes its own device_id, cuda:0 and cuda:1: a signature holding it would refuse every release
+as a disagreement.)"""
 import datetime
 
 import torch

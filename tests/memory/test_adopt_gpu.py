@@ -49,7 +49,7 @@ def test_cupy_program_under_the_shim_keeps_its_data():
 
 @pytest.mark.gpu
 def test_colocation_example_takes_turns():
-    """The README's colocation example: two processes whose working sets cannot fit at once take turns."""
+    """The colocation demo of docs/memory.md: two processes whose working sets cannot fit at once take turns."""
     p = subprocess.run([sys.executable, "-m", "ebbtide.memory.colocate", "--steps", "2"], capture_output=True,
                        text=True, env=_env("torch"), timeout=300)
     print(p.stdout)

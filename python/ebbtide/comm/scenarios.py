@@ -10,7 +10,7 @@
 It also runs on Gloo/CPU (``backend="gloo"``) so the scenario code itself is exercised in CI; memory figures are
 then None.
 
-Topologies: "flat" is WORLD + 6 overlapping groups over all ranks + one singleton per rank (the spec's 2-GPU case);
+Topologies: "flat" is WORLD + 6 overlapping groups over all ranks + one singleton per rank (the 2-GPU case);
 "megatron" is TP=2 x PP=world/2 with embedding, position-embedding, model-parallel and singleton DP groups.
 """
 from __future__ import annotations

@@ -76,7 +76,7 @@ def _expandable_segments_requested() -> bool:
 
 
 def pool_epoch(tag: str):
-    """Which pool generation a region of ``tag`` uses now (the paused-block guard, spec item 13).
+    """Which pool generation a region of ``tag`` uses now (the paused-block guard; memory/NOTES.md).
 
     A tag's pool caches free blocks inside the tag's segments; while the tag is paused those segments are unmapped,
     and the caching allocator would hand such a block to a new allocation (a crash on first touch: miles #3207,

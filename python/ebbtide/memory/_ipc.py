@@ -1,4 +1,4 @@
-"""CUDA IPC of region memory through POSIX file descriptors (spec item 16).
+"""CUDA IPC of region memory through POSIX file descriptors.
 
 A region entered with ``shareable=True`` creates its physical memory exportable. ``export_tensor(t)`` gives a
 :class:`SharedHandle` (an fd the caller sends to another process, e.g. with ``socket.send_fds``, plus the offset,

@@ -1,5 +1,5 @@
 """ebbtide.quant — FP8 (e4m3, 128x128 block / 1x128 group, fp32 or UE8M0 scales) and INT4 (W4A16 symmetric group,
-QAT fake-quant bitwise identical to the served weight) under one pinned numerics contract (specs/quant.md).
+QAT fake-quant bitwise identical to the served weight) under one pinned numerics contract (docs/quant.md).
 
 Policies:
 - One contract, several implementations: CPU tensors run the reference (ebbtide.quant.reference, the oracle);
@@ -20,8 +20,9 @@ import torch
 from ..errors import InvalidArgumentError
 from . import _cuda
 from . import reference as _ref
+from .layout import Fp8BucketLayout
 
-__all__ = ["fp8_block_quant", "fp8_block_quant_list", "fp8_group_quant", "fp8_block_dequant", "int4_fake_quant",
+__all__ = ["fp8_block_quant", "fp8_block_quant_list", "fp8_block_quant_into", "fp8_group_quant", "fp8_block_dequant", "int4_fake_quant",
            "int4_pack", "int4_unpack", "Fp8Bucket"]
 
 _SCALES = ("fp32", "ue8m0", "ue8m0_packed")
@@ -85,16 +86,21 @@ def fp8_block_quant(w: torch.Tensor, block: int = 128, scale: str = "fp32", eps:
 class Fp8Bucket:
     """The output of fp8_block_quant_list: every tensor's q and scale as views into two flat buffers (the
     transfer bucket). ``q[i]`` is float8_e4m3fn [N_i, K_i]; ``scale[i]`` float32 [ceil(N_i/128), ceil(K_i/128)].
-    Each q starts at a 16-byte aligned offset of ``q_buffer`` (uint8). The views are made on first use (building
+    Offsets are ``layout`` (``Fp8BucketLayout.packed``: each q at a 16-byte aligned offset of ``q_buffer``). The views are made on first use (building
     200 views costs about as much host time as a 100-tensor bucket costs GPU time)."""
 
-    def __init__(self, q_buffer, scale_buffer, q=None, scale=None, *, layout=None):
+    def __init__(self, q_buffer, scale_buffer, q=None, scale=None, *, layout: Fp8BucketLayout | None = None):
         self.q_buffer, self.scale_buffer = q_buffer, scale_buffer
         self._layout, self._q, self._scale = layout, q, scale
 
+    @property
+    def layout(self) -> Fp8BucketLayout | None:
+        """Where each tensor sits in the two buffers (``ebbtide.quant.layout``)."""
+        return self._layout
+
     def _views(self):
         if self._q is None:
-            self._q, self._scale = _cuda.bucket_views(self.q_buffer, self.scale_buffer, self._layout)
+            self._q, self._scale = self._layout.views(self.q_buffer, self.scale_buffer)
 
     @property
     def q(self) -> list:
@@ -113,9 +119,7 @@ class Fp8Bucket:
         return iter(zip(self.q, self.scale))
 
 
-def fp8_block_quant_list(tensors, scale: str = "fp32", eps: float = 1e-4) -> Fp8Bucket:
-    """Block-quantize a list of bf16 2-D tensors of different shapes into one output bucket — one kernel launch
-    for the whole list on CUDA (weight sync). Bits equal fp8_block_quant of each tensor."""
+def _check_list(tensors) -> list:
     tensors = list(tensors)
     if not tensors:
         raise InvalidArgumentError("fp8_block_quant_list needs at least one tensor")
@@ -134,25 +138,63 @@ def fp8_block_quant_list(tensors, scale: str = "fp32", eps: float = 1e-4) -> Fp8
                 raise InvalidArgumentError(f"tensors[{i}] is empty (shape {tuple(t.shape)})")
     if dev0.type not in ("cpu", "cuda"):
         _check_tensor(tensors[0], "tensors[0]", (2,))
+    return tensors
+
+
+def _reference_into(tensors, layout: Fp8BucketLayout, q_buffer, scale_buffer, scale: str, eps: float) -> None:
+    qs, ss = layout.views(q_buffer, scale_buffer)
+    for t, qv, sv in zip(tensors, qs, ss):
+        q, s = _ref.fp8_block_quant(t, 128, scale, eps)
+        qv.view(torch.uint8).copy_(q.view(torch.uint8))
+        sv.copy_(s)
+
+
+def fp8_block_quant_list(tensors, scale: str = "fp32", eps: float = 1e-4) -> Fp8Bucket:
+    """Block-quantize a list of bf16 2-D tensors of different shapes into one output bucket — one kernel launch
+    for the whole list on CUDA (weight sync). Bits equal fp8_block_quant of each tensor. The bucket's layout is
+    ``Fp8BucketLayout.packed`` of the shapes."""
+    tensors = _check_list(tensors)
     _check_fixed(scale, "scale (packed UE8M0 has no flat bucket layout)", ("fp32", "ue8m0"))
     eps = _check_eps(eps)
     if tensors[0].device.type == "cuda":
         q_buf, s_buf, layout = _cuda.fp8_block_quant_list(tensors, scale, eps)
         return Fp8Bucket(q_buf, s_buf, layout=layout)
-    qs, ss = zip(*(_ref.fp8_block_quant(t, 128, scale, eps) for t in tensors))
-    q_off, off = [], 0
-    for q in qs:
-        q_off.append(off)
-        off += -(-q.numel() // 16) * 16
-    q_buf = torch.zeros(max(off, 1), dtype=torch.uint8)
-    s_buf = torch.cat([s.reshape(-1) for s in ss])
-    q_views, s_views, so = [], [], 0
-    for q, s, a in zip(qs, ss, q_off):
-        q_buf[a:a + q.numel()].copy_(q.view(torch.uint8).reshape(-1))
-        q_views.append(q_buf[a:a + q.numel()].view(torch.float8_e4m3fn).view(q.shape))
-        s_views.append(s_buf[so:so + s.numel()].view(s.shape))
-        so += s.numel()
-    return Fp8Bucket(q_buf, s_buf, q_views, s_views)
+    layout = Fp8BucketLayout.packed([t.shape for t in tensors])
+    q_buf = torch.zeros(layout.q_bytes, dtype=torch.uint8)
+    s_buf = torch.empty(layout.scale_bytes // 4, dtype=torch.float32)
+    _reference_into(tensors, layout, q_buf, s_buf, scale, eps)
+    return Fp8Bucket(q_buf, s_buf, layout=layout)
+
+
+def fp8_block_quant_into(tensors, layout: Fp8BucketLayout, q_buffer: torch.Tensor, scale_buffer: torch.Tensor,
+                         scale: str = "fp32", eps: float = 1e-4) -> Fp8Bucket:
+    """``fp8_block_quant_list`` into buffers the caller owns, at the offsets of ``layout`` (``Fp8BucketLayout.at``
+    places tensors anywhere; ``q_buffer`` and ``scale_buffer`` may be one uint8 buffer). One launch on CUDA,
+    asynchronous on the current stream; bytes outside the layout's entries are left as they were."""
+    tensors = _check_list(tensors)
+    _check_fixed(scale, "scale (packed UE8M0 has no flat bucket layout)", ("fp32", "ue8m0"))
+    eps = _check_eps(eps)
+    if not isinstance(layout, Fp8BucketLayout) or len(layout) != len(tensors):
+        raise InvalidArgumentError(f"layout must be an Fp8BucketLayout with one entry per tensor "
+                                   f"({len(tensors)}), got {layout!r}")
+    for i, (t, (_, _, N, K)) in enumerate(zip(tensors, layout.entries)):
+        if tuple(t.shape) != (N, K):
+            raise InvalidArgumentError(f"tensors[{i}] has shape {tuple(t.shape)}, the layout entry {(N, K)}")
+    for name, buf, need in (("q_buffer", q_buffer, layout.q_bytes), ("scale_buffer", scale_buffer,
+                                                                        layout.scale_bytes)):
+        if not isinstance(buf, torch.Tensor) or not buf.is_contiguous() or buf.dim() != 1:
+            raise InvalidArgumentError(f"{name} must be a contiguous 1-D tensor")
+        if buf.device != tensors[0].device:
+            raise InvalidArgumentError(f"{name} is on {buf.device}, the tensors on {tensors[0].device}")
+        if buf.numel() * buf.element_size() < need:
+            raise InvalidArgumentError(f"{name} has {buf.numel() * buf.element_size()} bytes, the layout needs {need}")
+    if scale_buffer.data_ptr() % 4:
+        raise InvalidArgumentError("scale_buffer must be 4-byte aligned")
+    if tensors[0].device.type == "cuda":
+        _cuda.fp8_block_quant_into(tensors, layout, q_buffer, scale_buffer, scale, eps)
+    else:
+        _reference_into(tensors, layout, q_buffer, scale_buffer, scale, eps)
+    return Fp8Bucket(q_buffer, scale_buffer, layout=layout)
 
 
 def fp8_group_quant(x: torch.Tensor, group: int = 128, scale_layout: str = "row", scale: str = "fp32",

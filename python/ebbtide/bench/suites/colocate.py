@@ -1,4 +1,4 @@
-"""Suite `colocate`: a short colocated RL loop (issue 8's example, ``python -m ebbtide.colocate``) beside the same
+"""Suite `colocate`: a short colocated RL loop (the colocation example, ``python -m ebbtide.colocate``) beside the same
 loop on today's tools (torch_memory_saver retain_cpu_backup, destroy + re-create process groups, torch fused AdamW
 on CPU with plain copies, the torch quant formula), each variant in fresh processes of the same run.
 

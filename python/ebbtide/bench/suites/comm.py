@@ -4,7 +4,7 @@ Both run in the same processes on the same WORLD (ebbtide.comm.scenarios.cycle_s
 the anchor first (plain torch groups created, used, destroyed, re-created and used), then ebbtide.comm adopts WORLD
 and the same groups go through release/reload cycles and a soak. Memory is cudaMemGetInfo per GPU; times are
 wall-clock on each rank (the slowest rank is reported), each followed by a device sync.
-2 GPUs: WORLD + 6 overlapping groups + a singleton per rank (the spec's case). 4 or 8 GPUs: additionally the
+2 GPUs: WORLD + 6 overlapping groups + a singleton per rank. 4 or 8 GPUs: additionally the
 Megatron-like topology (TP=2 x PP=world/2, embedding, position-embedding, model-parallel, singleton DP groups).
 """
 from __future__ import annotations
