@@ -14,12 +14,13 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import ebbtide.comm as comm
+from ebbtide.bench._spawn import join_store
 from ebbtide.errors import StateError, WaitTimeoutError
 
 
 def _init(rank, world, init, **kw):
     comm.install(**kw)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
 
 
@@ -293,7 +294,7 @@ def install_after_init(rank, world, init):
     """install() after init_process_group adopts WORLD (releasable) and warns about earlier groups."""
     import warnings
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world)
     early = dist.new_group(list(range(world)))
     import os
 
@@ -391,12 +392,12 @@ def nccl_split(rank, world, init, cycles=2):
     journaled (non-members' calls too) and rebuilt by splitting the rebuilt parent; the mesh hands back the same
     wrappers. (Gloo's own C++ split hangs or crashes intermittently in torch 2.13 even without ebbtide, so this
     path is tested on GPUs only.)"""
-    from ebbtide.comm._spawn import progress
+    from ebbtide.bench._spawn import progress
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     comm.install(timeout=60)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=dev,
+    dist.init_process_group("nccl", store=join_store(init), rank=rank, world_size=world, device_id=dev,
                             timeout=datetime.timedelta(seconds=60))
     progress(f"rank {rank}: WORLD bound to {dev}; splitting")
     pair = dist.split_group(split_ranks=[list(range(world))], group_desc="pair")
@@ -470,7 +471,8 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
 
     B.facts, B.suspend = facts, suspend
     B.resume = lambda inner: calls.append("resume")
-    _init(rank, world, init)
+    B.torch_version, B.nccl_version = (lambda: (2, 12)), (lambda: (2, 29, 7))  # install() checks them
+    _init(rank, world, init, strategy="suspend")
     g = dist.new_group(list(range(world)))
     _expect_sum(g, list(range(world)), rank)
     before = g.inner
@@ -561,13 +563,58 @@ def split_replay_guards(rank, world, init):
     return {"errors": errors, "snap_fields": sorted(snap.fields), "applied_timeout": fresh._timeout.total_seconds()}
 
 
+def suspend_policy(rank, world, init):
+    """Policy on this machine's torch/NCCL (no NCCL in the CPU build): "auto" destroys and rebuilds; asking for
+    native suspend raises UnsupportedError at install() and, should the strategy be set another way, at release()
+    before any group is detached (the group stays usable)."""
+    from ebbtide.errors import UnsupportedError
+
+    import ebbtide.comm._runtime as R
+
+    out = {}
+    try:
+        comm.install(strategy="suspend")
+    except UnsupportedError as e:
+        out["install"] = str(e)
+    else:
+        raise AssertionError("install(strategy='suspend') without NCCL >= 2.29.7 did not raise")
+    assert not comm.is_installed()  # nothing was hooked
+    _init(rank, world, init)
+    g = dist.new_group(list(range(world)))
+    _expect_sum(g, list(range(world)), rank)
+    rep = comm.release(include_cpu=True)
+    assert [x.strategy for x in rep.groups] == ["destroy"], rep.groups
+    comm.reload()
+    R.RUNTIME.strategy = "suspend"  # as if the versions had changed under a running process
+    facts = R.B.facts
+
+    def device_facts(*a, **k):
+        import dataclasses
+
+        return dataclasses.replace(facts(*a, **k), accelerator=True)
+
+    R.B.facts = device_facts
+    try:
+        comm.release()
+    except UnsupportedError as e:
+        out["release"] = str(e)
+    else:
+        raise AssertionError("release with strategy 'suspend' and no NCCL did not raise")
+    finally:
+        R.B.facts = facts
+    assert not comm.is_released() and not g.released
+    _expect_sum(g, list(range(world)), rank)
+    dist.destroy_process_group()
+    return out
+
+
 def nccl_baseline_handshake(rank, world, init):
     """The scenario's NCCL-loaded baseline either runs on every rank or on none: here (no NCCL in the CPU build)
     every rank reports it cannot, and no rank is left waiting for the others."""
-    from ebbtide.comm.scenarios import _nccl_process_state
+    from ebbtide.bench.comm_scenarios import _nccl_process_state
 
     lines = []
-    free = _nccl_process_state(rank, world, init, torch.device("cpu"), torch.zeros(4), lines.append)
+    free = _nccl_process_state(rank, world, join_store(init), torch.device("cpu"), torch.zeros(4), lines.append)
     return {"free": free, "lines": lines}
 
 

@@ -60,6 +60,14 @@ def test_suspend_strategy_bookkeeping():
         assert r["same_inner"] and r["calls"] == ["suspend", "resume"], r
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check: needs a torch without NCCL >= 2.29.7")
+def test_suspend_is_opt_in_and_unsupported_here():
+    res = _spawn.run("suspend_policy", 2)
+    for r in res:
+        for where in ("install", "release"):
+            assert "needs torch >= 2.12 and NCCL >= 2.29.7" in r[where] and "no NCCL" in r[where], r
+
+
 def test_failed_suspend_makes_every_member_rebuild():
     res = _spawn.run("suspend_bookkeeping", 2, fail_rank=1)
     assert res[1]["release"] == ["destroy"]  # fell back locally

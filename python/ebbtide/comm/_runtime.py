@@ -105,6 +105,8 @@ class Runtime:
             raise InvalidArgumentError(f"teardown must be one of {B.TEARDOWNS}, not {teardown!r}")
         if timeout is not None and not timeout > 0:
             raise InvalidArgumentError(f"timeout must be > 0 seconds, not {timeout!r}")
+        if strategy == S.SUSPEND:  # opt-in, and only where torch and NCCL have it
+            S.check_suspend_supported(B.torch_version(), B.nccl_version())
         with self.lock:
             self._check_pid()
             self.strategy, self.teardown = strategy, teardown
@@ -113,7 +115,7 @@ class Runtime:
                 self.timeout = datetime.timedelta(seconds=float(timeout))
             warned: list[str] = []
             if check_env:
-                for var, msg in S.env_warnings(os.environ, B.nccl_version(), B.torch_version()):
+                for var, msg in S.env_warnings(os.environ, B.nccl_version(), B.torch_version(), strategy):
                     warnings.warn(f"ebbtide.comm: {msg}", RuntimeWarning, stacklevel=3)
                     warned.append(var)
             if self.installed:
