@@ -1,6 +1,6 @@
 """ebbtide.comm on NCCL, one rank per GPU (``multigpu``), plus the same scenario code on Gloo for CI.
 
-The scenario (ebbtide.comm.scenarios.cycle_scenario) checks every collective's result exactly inside the ranks and
+The scenario (ebbtide.bench.comm_scenarios.cycle_scenario) checks every collective's result exactly inside the ranks and
 returns the memory and timing figures asserted here. Memory is cudaMemGetInfo on each rank's own GPU (it counts
 NCCL's allocations, which torch's caching allocator never sees).
 
@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ebbtide.comm import _spawn  # noqa: E402
+from ebbtide.bench import _spawn  # noqa: E402
 
 MiB = 1 << 20
 # Seconds per scenario (the spawn helper's deadline); conftest.py reads this for the pytest-timeout backstop.
@@ -26,7 +26,7 @@ DEADLINE_S = {"test_scenario_code_on_gloo": 100, "test_nccl_flat_bound_world": 1
 
 
 def _run(world, test, **kw):
-    return _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios", timeout=DEADLINE_S[test], **kw)
+    return _spawn.run("cycle_scenario", world, module="ebbtide.bench.comm_scenarios", timeout=DEADLINE_S[test], **kw)
 
 
 def test_scenario_code_on_gloo():
@@ -40,7 +40,7 @@ def test_scenario_code_on_gloo():
 
 # Share of communicator memory release(include_world=True) must free (the goal). Communicator memory is counted
 # from a baseline with NCCL's process-wide state already loaded (device code, context stack reservation: no API
-# returns it while the process lives; see scenarios._nccl_process_state), measured by a throwaway 1-rank
+# returns it while the process lives; see comm_scenarios._nccl_process_state), measured by a throwaway 1-rank
 # communicator; counted from the bare CUDA context instead, ~418 MiB of that state per GPU (2 H200) would count as
 # communicator memory. The process state is reported on its own. release() ends with a barrier, so no rank
 # measures before its peers have unmapped its buffers.
