@@ -43,7 +43,7 @@ unsigned cpu_features() {
   return f;
 }
 
-// Maps ebt_cpu_isa()'s level (which EBBTIDE_CPU_ISA may lower) to the best kernel at or below it.
+// Maps ebt_cpu_isa()'s level (dispatch rules, or EBBTIDE_CPU_ISA) to the best kernel at or below it.
 const IsaEntry* default_isa() {
   const char* level = "scalar";
   if (ebt_cpu_isa(&level) != EBT_SUCCESS || level == nullptr) level = "scalar";
