@@ -12,8 +12,8 @@ Policies:
   (GPU-resident optimizers; new state tensors made by later steps are adopted at the next ``offload``).
   After adoption each tag's engine bytes are checked against what was moved: a storage that did not land in the
   engine is an error, never a silent partial offload.
-- ``offload()``: empty the caching allocator (activations), pause grads (discard), optimizer and weights (copy to
-  pinned host memory), empty the cache again; the report has seconds and bytes per tag, and the memory left:
+- ``offload()``: empty the caching allocator (activations and other scratch of the default pool), then pause
+  grads (discard), optimizer and weights (copy to pinned host memory); the report has seconds and bytes per tag, and the memory left:
   torch's reserved bytes outside the tags and the device's used bytes (driver view: CUDA context, NCCL, other
   processes included). ``restore()``: resume weights, optimizer, grads (same addresses), zero the DDP grad
   buffers (``zero_grad_buffer``: the state Megatron expects at the start of a step).
@@ -202,7 +202,6 @@ class TrainingState:
             rep = self._em.pause(tag)
             tags[tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
         self._offloaded = True
-        torch.cuda.empty_cache()
         residual, used = self._residual()
         return OffloadReport("offload", time.perf_counter() - t0, tags, residual, used)
 
