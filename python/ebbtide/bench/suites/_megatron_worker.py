@@ -286,6 +286,7 @@ def cmd_bench(spec: dict) -> dict:
         from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
 
         tms.hook_mode = "torch"
+        tms.retain_cpu_backup = True  # keep the pinned backup across cycles (its best setting)
     init(ebbtide_groups=variant == "ebbtide")
     dist_opt = variant != "ebbtide"
     if tms is not None:
