@@ -18,6 +18,7 @@ import contextlib
 import copy
 import datetime
 import logging
+import os
 import re
 import time
 
@@ -85,6 +86,32 @@ def facts(g, tv, nv, cumem, split_share_env: bool, include_cpu: bool) -> S.Facts
                 initialized = False
     return S.Facts(accelerator=accel, torch_version=tv, nccl_version=nv, backend_has_suspend=has_suspend,
                    cumem=cumem, split_share=split_share, comm_initialized=initialized, include_cpu=include_cpu)
+
+
+def local_choices(journal: list, requested: str, include_world: bool, include_cpu: bool) -> list:
+    """(entry, strategy, reason) for every live group of ``journal`` this rank would release, from its own facts
+    (peers may choose differently; release() combines the choices). Sets ``entry.initialized`` where the group's
+    communicator exists. Raises UnsupportedError before anything changes where ``requested`` is "suspend" and the
+    versions lack it."""
+    tv, nv = torch_version(), nccl_version()
+    cumem = S.cumem_enabled(os.environ, nv)
+    split_share_env = os.environ.get("NCCL_COMM_SPLIT_SHARE_RESOURCES", "").strip() == "1"
+    out = []
+    for e in journal:
+        g = e.group
+        if g is None or g._ebt_destroyed or g._ebt_inner is None:
+            continue
+        if e.kind == "world" and not include_world:
+            continue
+        f = facts(g, tv, nv, cumem, split_share_env, include_cpu)
+        choice, reason = S.select_strategy(f, requested)
+        if e.local_sync and choice == S.SUSPEND:  # members of local groups cannot be agreed on: destroy
+            choice, reason = S.DESTROY, "local-synchronization group"
+        if choice == S.KEEP:
+            continue
+        e.initialized = f.comm_initialized or g._ebt_used
+        out.append((e, choice, reason))
+    return out
 
 
 def drain(groups: list) -> None:

@@ -4,7 +4,8 @@ What holds (the caller's contract is in ``__init__.py``):
 - Creation goes through one hooked chokepoint (``_hooks.py``) plus ``ReloadableGroup.split_group``; every call is
   journaled in order with all its arguments (``_journal.py``), including calls on ranks that are not members.
 - Every journaled group is returned to the user as a :class:`ReloadableGroup` registered in c10d under the group's
-  own name; the torch group doing the work is its *inner*. See Note [Why a wrapper]. The group owns its state
+  own name; the torch group doing the work is its *inner* (Note [Why a wrapper] in comm/NOTES.md: torch never
+  replaces a group's backend, so a rebuilt one cannot go back into the user's object). The group owns its state
   (entry, inner, status); the runtime holds the journal and changes a group's state only through its transition
   methods.
 - release() and reload() are collective over WORLD: every rank calls them, in the same order, with the same
@@ -23,12 +24,6 @@ What holds (the caller's contract is in ``__init__.py``):
 - Fork: a child process starts with an empty journal and a fresh lock (groups inherited through fork are not
   usable there anyway).
 
-Note [Why a wrapper]
-    torch's ProcessGroup keeps one backend per backend *type* and never replaces it (``setBackend`` reuses an
-    existing entry), and Python cannot construct a c10d ``Backend``; so a rebuilt NCCL backend cannot be put back
-    into the user's original object. The wrapper is a real ProcessGroup subclass registered under the original
-    name, so identity, rank helpers and name lookups stay stable; the native name registry points at the live inner
-    so functional collectives and compiled graphs run on it without Python in the way.
 """
 from __future__ import annotations
 
@@ -55,7 +50,8 @@ from ._group import ReloadableGroup
 from ._hooks import Hooks
 from ._journal import (Entry, OptionsSnapshot, check_agreement, combine_plans, creation_connects, is_local_name,
                        journal_hash, split_depth)
-from ._registry import _forget_registration, _global_ranks, _move_registration, _register_native
+from ._registry import (_forget_registration, _global_ranks, _move_registration, _register_native,
+                        _world_creation_call)
 from ._report import GroupReport, Report, device_free_bytes
 
 log = logging.getLogger("ebbtide.comm")
@@ -240,17 +236,8 @@ class Runtime:
     def _adopt_existing_world(self) -> None:
         """install() after init_process_group: wrap the existing WORLD so it can be released too."""
         world = c10d._world.default_pg
-        backend, prefix_store = c10d._world.pg_map[world]
-        store = getattr(prefix_store, "underlying_store", prefix_store)
-        timeout = None
-        for dev in world._device_types:
-            with contextlib.suppress(Exception):
-                timeout = world._get_backend(dev).options._timeout
-                break
-        call = {"group_size": world.size(), "group_rank": world.rank(), "global_ranks_in_group": [],
-                "backend": backend, "store": store, "group_name": world.group_name,
-                "timeout": timeout or c10d._get_default_timeout(backend), "device_id": world.bound_device_id,
-                "group_desc": world.group_desc}
+        call = _world_creation_call(world)
+        store = call["store"]
         others = [pg for pg in c10d._world.pg_map if pg is not world]
         self._reset_journal()
         wrapper = ReloadableGroup(world, name=world.group_name, desc=world.group_desc, index=0, runtime=self)
@@ -276,7 +263,7 @@ class Runtime:
             tmo = self._timeout(timeout)
             control = self._control()
             free_before = device_free_bytes()
-            local = self._local_choices(include_world, include_cpu)
+            local = B.local_choices(self.journal, self.strategy, include_world, include_cpu)
             # 1. Detach: from here every op on a target raises StateError instead of reaching NCCL.
             detached = {e: e.group._ebt_detach() for e, _choice, _reason in local}
             # 2. Drain outstanding device work (NCCL kernels run on internal streams; a device sync covers them).
@@ -342,27 +329,6 @@ class Runtime:
             log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "
                       "NCCL memory never goes through it)", B.reserved_mib())
             return rep
-
-    def _local_choices(self, include_world: bool, include_cpu: bool):
-        tv, nv = B.torch_version(), B.nccl_version()
-        cumem = S.cumem_enabled(os.environ, nv)
-        split_share_env = os.environ.get("NCCL_COMM_SPLIT_SHARE_RESOURCES", "").strip() == "1"
-        out = []
-        for e in self.journal:
-            g = e.group
-            if g is None or g._ebt_destroyed or g._ebt_inner is None:
-                continue
-            if e.kind == "world" and not include_world:
-                continue
-            facts = B.facts(g, tv, nv, cumem, split_share_env, include_cpu)
-            choice, reason = S.select_strategy(facts, self.strategy)
-            if e.local_sync and choice == S.SUSPEND:  # members of local groups cannot be agreed on: destroy
-                choice, reason = S.DESTROY, "local-synchronization group"
-            if choice == S.KEEP:
-                continue
-            e.initialized = facts.comm_initialized or g._ebt_used
-            out.append((e, choice, reason))
-        return out
 
     def _release_all(self, todo: list[Entry], detached: dict, tmo: datetime.timedelta | None = None
                      ) -> list[GroupReport]:
