@@ -13,7 +13,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <string>
 
 #include "csrc/param.h"
 #include "csrc/status.h"
@@ -122,7 +121,7 @@ constexpr const char* kIsaChoices[] = {"avx512_bf16", "avx512", "avx2", "neon", 
 static_assert(sizeof(kIsaChoices) / sizeof(kIsaChoices[0]) == kIsaCount, "one choice per level");
 EBT_PARAM_CHOICE(isa_param, "EBBTIDE_CPU_ISA", kIsaChoices, -1, ebbtide::param::kNoCase)
 ebt_status_t g_isa_status = EBT_SUCCESS;
-std::string g_isa_error;
+char g_isa_error[512] = "";  // constant-initialized (init() may run from another file's load-time constructor)
 // Dispatch rules: on these CPUs the automatic choice stops at `cap` (the widest supported level at or below it),
 // because a wider kernel measured slower there. First match wins; family 0 matches any family of the vendor.
 // Measured with the fast Adam mode (32M fp32 params, 2 threads, fused torch AdamW as the yardstick):
@@ -180,7 +179,7 @@ void init() {
   int forced = -1;
   g_isa_status = isa_param(&forced);
   if (g_isa_status != EBT_SUCCESS) {
-    g_isa_error = ebt_last_error();
+    snprintf(g_isa_error, sizeof(g_isa_error), "%s", ebt_last_error());
     return;
   }
   if (forced >= 0) {  // set: any level this CPU supports
@@ -207,7 +206,7 @@ ebt_status_t ebt_cpu_features(unsigned* features) {
 ebt_status_t ebt_cpu_isa(const char** name) {
   if (!name) return ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "ebt_cpu_isa: name is NULL");
   std::call_once(g_once, init);
-  if (g_isa_status != EBT_SUCCESS) return ebt_set_error(g_isa_status, "%s", g_isa_error.c_str());
+  if (g_isa_status != EBT_SUCCESS) return ebt_set_error(g_isa_status, "%s", g_isa_error);
   *name = g_isa;
   return EBT_SUCCESS;
 }
@@ -215,7 +214,7 @@ ebt_status_t ebt_cpu_isa(const char** name) {
 ebt_status_t ebt_cpu_isa_reason(const char** reason) {
   if (!reason) return ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "ebt_cpu_isa_reason: reason is NULL");
   std::call_once(g_once, init);
-  if (g_isa_status != EBT_SUCCESS) return ebt_set_error(g_isa_status, "%s", g_isa_error.c_str());
+  if (g_isa_status != EBT_SUCCESS) return ebt_set_error(g_isa_status, "%s", g_isa_error);
   *reason = g_reason;
   return EBT_SUCCESS;
 }

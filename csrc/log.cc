@@ -105,7 +105,9 @@ constexpr const char* kLevels[] = {"NONE", "WARN", "INFO", "TRACE"};  // index =
 using ebbtide::param::kNoCase;
 using ebbtide::param::kQuiet;
 using ebbtide::param::kSecure;
-std::string g_env_error;  // the first bad logging setting (written once, in read_env)
+// The first bad logging setting (written once, in read_env). A plain array, so it is constant-initialized: the
+// logger may be first used by another file's load-time constructor, before this file's dynamic initializers ran.
+char g_env_error[512] = "";
 
 void read_env() {
   std::string errors;
@@ -135,7 +137,7 @@ void read_env() {
                          static_cast<int>(getpid()), path.c_str(), why.c_str());
   }
   if (!errors.empty()) {
-    g_env_error = errors;
+    snprintf(g_env_error, sizeof(g_env_error), "%s", errors.c_str());
     fprintf(stderr, "ebbtide %d WARN %s (that setting keeps its default)\n", static_cast<int>(getpid()),
             errors.c_str());
   }
@@ -199,7 +201,7 @@ ebt_status_t ebt_log_configure(int level, unsigned subsys_mask) {
 ebt_status_t ebt_log_get(int* level, unsigned* subsys_mask) {
   std::call_once(g_env_once, read_env);
   if (!level || !subsys_mask) return EBT_ERROR_INVALID_ARGUMENT;
-  if (!g_env_error.empty()) return ebt_set_error_quiet(EBT_ERROR_SETTING, "%s", g_env_error.c_str());
+  if (g_env_error[0]) return ebt_set_error_quiet(EBT_ERROR_SETTING, "%s", g_env_error);
   *level = g_level.load();
   *subsys_mask = g_mask.load();
   return EBT_SUCCESS;

@@ -228,3 +228,23 @@ def test_coalesced_free_quarantines_the_whole_mapping():
         print("OK")
     """, env=fake_env(EBBTIDE_MEM_PREPIN="0"))
     assert p.stdout.strip().endswith("OK")
+
+
+def test_retyped_error_keeps_its_message():
+    """A pinned-host registration refused for lack of memory becomes HOST_OUT_OF_MEMORY with the driver's message
+    (re-typing an error passes the thread's own message back in: it must survive)."""
+    p = run_python("""
+        import ctypes, os
+        from ebbtide import _native
+        from ebbtide.errors import HostOutOfMemoryError
+        FAKE = ctypes.CDLL(os.environ["EBBTIDE_LIBCUDA"])
+        N = _native.load().memory
+        p = N.malloc(1 << 20, 0, "h", 1)
+        FAKE.ebt_fake_set_fault(b"cuMemHostRegister", 1, 2)
+        try:
+            N.pause("h")
+        except HostOutOfMemoryError as e:
+            print(str(e))
+        N.free(p)
+    """, env=fake_env(EBBTIDE_MEM_PREPIN="0"))
+    assert "cuMemHostRegister (host arena)" in p.stdout
