@@ -37,7 +37,7 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def _torch_opt(params, h, dtype_lr=None):
+def _torch_opt(params, h):
     cls = torch.optim.AdamW if h["adamw"] else torch.optim.Adam
     kw = {k: v for k, v in h.items() if k != "adamw"}
     return cls(params, foreach=False, **kw)
