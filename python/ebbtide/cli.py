@@ -31,7 +31,9 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ebbtide", description="ebbtide: GPU memory and communication runtime "
-                                "for colocated RL post-training")
+                                "for colocated RL post-training",
+                                epilog="exit status: 0 success, 1 failure while running, 2 usage error (nothing "
+                                "was run), 130 interrupted. See docs/cli.md.")
     sub = p.add_subparsers(dest="command", required=True)
     pi = sub.add_parser("info", help="what was built and what this machine has")
     pi.add_argument("--json", action="store_true", help="print JSON instead of text")

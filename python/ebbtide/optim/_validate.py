@@ -8,8 +8,9 @@ changed when it does):
 - ``amsgrad``, ``maximize``, ``decoupled_weight_decay``: bool (or the ints 0 and 1).
 - ``mode``: "fast" or "exact".
 - ``step(grad_scale=...)``: None or a finite real number.
-- Params: tensors; none passed twice (in one group or across groups) and no two whose memory overlaps (views of
-  one storage): both would be updated from the same bytes at once.
+- Params: tensors; none passed twice (in one group or across groups) and no two whose address ranges intersect
+  (views of one storage; interleaved strided views count as intersecting): both would be updated from the same
+  bytes at once, and the result would depend on thread timing.
 - ``step`` checks every group before any group is stepped.
 - ``load_state_dict``: a mapping with ``param_groups`` (a list matching the optimizer's groups and their sizes)
   and ``state``; each loaded group's hyper-parameters obey the rules above; each per-param state tensor
