@@ -105,10 +105,11 @@ def _check_buffer(buf, plan) -> None:
 
 
 class HostSender:
-    """Sending end of the host transport (see the module policies)."""
+    """Sending end of the host transport (see the module policies). ``keep_slots=False`` frees the two device
+    buffers after every update (a trainer that hands the GPU to its rollout between updates)."""
 
-    def __init__(self, buffer: SharedHostBuffer):
-        self.buf, self.header = buffer, _Header(buffer)
+    def __init__(self, buffer: SharedHostBuffer, *, keep_slots: bool = True):
+        self.buf, self.header, self.keep_slots = buffer, _Header(buffer), keep_slots
         self._slots, self._copied, self._copy_stream = [], [], None
 
     def begin(self, version, plan, device) -> None:
@@ -147,6 +148,8 @@ class HostSender:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
         self.header.write(version, _COMPLETE, self.plan.nbytes, self.plan.signature)
+        if not self.keep_slots:
+            self._slots, self._copied = [], []
 
     def close(self) -> None:
         self._slots, self._copied = [], []
