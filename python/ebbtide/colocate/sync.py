@@ -97,8 +97,7 @@ class TrainerSync:
         the rollout must hold after a load."""
         named = {n: p.detach() for n, p in self.model.named_parameters()}
         if self.codec == "ebbtide":
-            dev = next(iter(named.values())).device
-            return {n: t.to(dev) for n, t in expected(self.plan, named).items()}
+            return expected(self.plan, named)
         return {it.source: torch_block_dequant(*torch_block_quant(named[it.source])) if it.kind == "fp8"
                 else named[it.source].clone() for it in self.plan.items}
 
