@@ -218,8 +218,14 @@ class IpcSender:
         self._pending: dict = {}  # slot -> bucket index awaiting the receiver's answer
         self._used: set = set()  # slots whose "consumed" event the next writer must wait for
 
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as e:
+            raise PartialUpdateError(f"the receiver went away ({type(e).__name__})") from None
+
     def _call(self, msg, want: str):
-        self.conn.send(msg)
+        self._send(msg)
         return self._expect(want)
 
     def _expect(self, want: str):
@@ -261,7 +267,7 @@ class IpcSender:
     def send(self, bucket, buf, stream) -> None:
         slot = bucket.index % self.nslots
         self._ready[slot].record(stream)
-        self.conn.send(("bucket", self.gen, self.version, bucket.index, slot))
+        self._send(("bucket", self.gen, self.version, bucket.index, slot))
         self._pending[slot] = bucket.index
         self._used.add(slot)
 
@@ -274,7 +280,7 @@ class IpcSender:
         if self._bufs:
             try:
                 self._call(("close", self.gen), "closed")
-            except (StateError, OSError):
+            except StateError:  # PartialUpdateError included: the receiver is gone already
                 pass
         self._bufs = []
 
