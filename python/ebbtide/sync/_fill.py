@@ -41,8 +41,13 @@ def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor) -> N
 
 
 @torch.no_grad()
-def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params) -> None:
-    """Dequantize/copy ``bucket``'s outputs in ``buf`` into ``params`` (name -> live tensor) in place."""
+def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params, *, served: bool = False) -> None:
+    """Dequantize/copy ``bucket``'s outputs in ``buf`` into ``params`` (source name -> live tensor) in place; with
+    ``served``, copy every output into ``params[output name]`` as it is."""
+    if served:
+        for o in bucket.outputs:
+            params[o.name].copy_(o.view(buf))
+        return
     for it in bucket.items:
         p = params[it.source]
         if it.kind == "fp8":
