@@ -149,3 +149,26 @@ def test_host_transport_between_two_processes():
         assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
     finally:
         buf.close()
+
+
+def test_served_form_holds_the_quantized_outputs():
+    src = checkpoint(2)
+    plan = Plan.of(src, rules=RULES, bucket_bytes=150_000)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        outs = {o.name: o for it in plan.items for o in it.outputs}
+        served = {n: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for n, o in outs.items()}
+        r = Receiver(served, plan, form="served")
+        Sender(src, HostSender(buf), plan=plan).push(1)
+        HostReceiver(buf).receive(r, 1)
+        staged = {}
+        for b in plan.buckets:
+            region = r.region(b)
+            staged.update({o.name: o.view(region) for o in b.outputs})
+        assert all(torch.equal(served[n].view(torch.uint8), staged[n].view(torch.uint8)) for n in outs)
+        bad = dict(served)
+        bad.pop("lm_head.weight")
+        with pytest.raises(PlanMismatchError, match="lm_head.weight: receiver missing"):
+            Receiver(bad, plan, form="served")
+    finally:
+        buf.close()

@@ -26,6 +26,7 @@ SUITE_MODULES: dict[str, str] = {
     "comm": "ebbtide.bench.suites.comm",
     "colocate": "ebbtide.bench.suites.colocate",
     "megatron": "ebbtide.bench.suites.megatron",
+    "sync": "ebbtide.bench.suites.sync",
 }
 
 

@@ -40,7 +40,7 @@ import torch
 from .measure import NvmlProbe, Recorder
 from .model import ModelConfig, TinyLM
 from .rollout import die_with_parent, prompts, weight_digests
-from .sync import SharedHostBuffer, SyncLayout, pack, reference_weights
+from .sync import TrainerSync
 
 __all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments"]
 
@@ -222,15 +222,14 @@ class _Trainer:
         self.comm = _Comm(self.variant, rank, world, self.dev) if world > 1 else None
         self.nvml.claim("peer_trainers")  # other ranks' NCCL mappings on this GPU, if NVML lists them
         self._build_model()
-        self.layout = SyncLayout.of_model(self.model)
-        self.buffer = SharedHostBuffer.create(self.layout.nbytes, pin=self.cuda)
+        self.sync = TrainerSync(self.model, self.codec, pin=self.cuda)
         self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, self.dev)
         self.rollout = self._start_rollout()
         self.nvml.claim("rollout", pid=self.rollout.info.get("pid"))
         self.setup["nvml_roles"] = {str(k): v for k, v in self.nvml.roles.items()}
         self.setup["rollout"] = {k: v for k, v in self.rollout.info.items() if k not in ("ok", "mem")}
-        self.setup.update(params=self.cfg.n_params(), sync_bytes=self.layout.nbytes,
-                          sync_bf16_bytes=self.layout.bf16_bytes())
+        self.setup.update(params=self.cfg.n_params(), sync_bytes=self.sync.plan.nbytes,
+                          sync_bf16_bytes=self.sync.plan.source_bytes)
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def _build_model(self):
@@ -265,13 +264,13 @@ class _Trainer:
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
                                   "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s")}
         spec["decode"] = s.get("decode", "eager")
-        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.layout.nbytes,
+        spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.sync.nbytes,
                     trainer_pid=os.getpid())
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
         if self.variant == "ebbtide" and self.cuda:
             env = without_expandable_segments(env)
             env = self.em.preload_env(env, default_tag="rollout_scratch", default_backup=s["scratch_backup"])
-        return _RolloutClient(spec, env, self.buffer.fd)
+        return _RolloutClient(spec, env, self.sync.fd)
 
     # ---- measurement -----------------------------------------------------------------------------------------
     def _sample(self, step: int, phase: str, rollout_mem: dict | None = None) -> dict:
@@ -330,7 +329,7 @@ class _Trainer:
 
     @torch.no_grad()
     def _reference(self) -> dict:
-        ref = reference_weights(self.model, self.layout, self.codec)
+        ref = self.sync.reference()
         named = dict(self.model.named_parameters())
         saved = {n: p.detach().clone() for n, p in named.items()}
         for n, p in named.items():
@@ -366,7 +365,7 @@ class _Trainer:
         self._sample(step, "train")
         ref = self._reference() if verify else None  # untimed
         with rec.phase(step, "sync_pack") as info:
-            info["bytes"] = pack(self.model, self.layout, self.buffer.tensor, self.codec)
+            info["bytes"] = self.sync.pack(step + 1)  # version = step + 1
         self._sample(step, "sync_pack")
         with rec.phase(step, "trainer_pause") as info:
             self._sync()
@@ -389,7 +388,7 @@ class _Trainer:
         for name, cmd in (("rollout_resume", "resume"), ("sync_load", "load"), ("generate", "generate"),
                           ("rollout_pause", "pause")):
             with rec.phase(step, name) as info:
-                out = R.call(cmd, timeout=tmo)
+                out = R.call(cmd, timeout=tmo, **({"version": step + 1} if cmd == "load" else {}))
                 info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released",
                                                                    "bytes_mapped")})
             self._sample(step, name, out.get("mem"))
@@ -446,7 +445,7 @@ class _Trainer:
 
     def close(self):
         self.rollout.close()
-        self.buffer.close()
+        self.sync.close()
 
 
 def _only(d: dict, *keys: str) -> dict:

@@ -41,8 +41,13 @@ def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor) -> N
 
 
 @torch.no_grad()
-def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params) -> None:
-    """Dequantize/copy ``bucket``'s outputs in ``buf`` into ``params`` (name -> live tensor) in place."""
+def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params, *, served: bool = False) -> None:
+    """Dequantize/copy ``bucket``'s outputs in ``buf`` into ``params`` (source name -> live tensor) in place; with
+    ``served``, copy every output into ``params[output name]`` as it is."""
+    if served:
+        for o in bucket.outputs:
+            params[o.name].copy_(o.view(buf))
+        return
     for it in bucket.items:
         p = params[it.source]
         if it.kind == "fp8":
@@ -56,11 +61,12 @@ def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params) -> None:
 
 @torch.no_grad()
 def expected(plan: Plan, sources) -> dict:
-    """{source name: what a receiver must hold}: ``dequant(quant(w))`` by ``ebbtide.quant``'s CPU reference for
-    FP8 and INT4 weights, the tensor itself for raw ones (CPU tensors; the oracle of the bit-exactness checks)."""
+    """{source name: what a receiver must hold}: ``dequant(quant(w))`` by ``ebbtide.quant``'s per-tensor calls for
+    FP8 and INT4 weights, the tensor itself for raw ones, on each tensor's device (CPU tensors run the reference,
+    the oracle; CUDA tensors the kernels, which match it bit for bit). Pass CPU copies for an independent check."""
     out = {}
     for it in plan.items:
-        w = sources[it.source].detach().cpu()
+        w = sources[it.source].detach()
         if it.kind == "fp8":
             q, s = Q.fp8_block_quant(w, scale=plan.scale, eps=plan.eps)
             out[it.source] = Q.fp8_block_dequant(q, s)

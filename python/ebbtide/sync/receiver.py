@@ -9,8 +9,10 @@ Policies:
 - Versions only grow: an update whose version is not above the current one raises ``WeightVersionError``.
   ``require(v)`` lets the rollout check, before it generates, that it holds exactly version ``v``.
 - At construction the plan is checked against the parameters: a name the rollout does not have, a shape or a
-  dtype that differs raises ``PlanMismatchError`` naming the first ones. FP8 and INT4 weights are dequantized into
-  the parameter (any floating dtype); raw tensors are copied (same dtype).
+  dtype that differs raises ``PlanMismatchError`` naming the first ones. ``form="dequant"`` (a bf16 rollout):
+  parameters are named as the trainer's, FP8 and INT4 weights are dequantized into them (any floating dtype), raw
+  tensors copied. ``form="served"`` (a rollout that serves the quantized weights): parameters are named as the
+  plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes and shapes, and every output is copied.
 - On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed.
 """
 from __future__ import annotations
@@ -28,14 +30,22 @@ __all__ = ["Receiver"]
 
 
 class Receiver:
-    def __init__(self, params, plan: Plan, *, staging: torch.Tensor | None = None, device=None):
+    def __init__(self, params, plan: Plan, *, staging: torch.Tensor | None = None, device=None,
+                 form: str = "dequant"):
         if isinstance(params, torch.nn.Module):
             params = dict(params.named_parameters())
         if not isinstance(params, Mapping):
             raise InvalidArgumentError("params must be a module or a mapping name -> tensor")
-        self.params, self.plan = dict(params), plan
+        if form not in ("dequant", "served"):
+            raise InvalidArgumentError(f"form must be 'dequant' or 'served', got {form!r}")
+        self.params, self.plan, self.served = dict(params), plan, form == "served"
         bad = []
-        for it in plan.items:
+        for o in (o for it in plan.items for o in it.outputs) if self.served else ():
+            p = self.params.get(o.name)
+            if p is None or tuple(p.shape) != o.shape or p.dtype != _dtype(o.dtype):
+                got = "missing" if p is None else f"{p.dtype} {tuple(p.shape)}"
+                bad.append(f"{o.name}: receiver {got}, sender {o.dtype} {o.shape}")
+        for it in () if self.served else plan.items:
             p = self.params.get(it.source)
             if p is None:
                 bad.append(f"{it.source}: not a parameter of the receiver")
@@ -82,11 +92,11 @@ class Receiver:
         if ctx is not None:
             with ctx:
                 for b in self.plan.buckets:
-                    load_bucket(b, self.region(b), self.params)
+                    load_bucket(b, self.region(b), self.params, served=self.served)
             self.stream.synchronize()
         else:
             for b in self.plan.buckets:
-                load_bucket(b, self.region(b), self.params)
+                load_bucket(b, self.region(b), self.params, served=self.served)
         self.version = version
 
     def require(self, version: int) -> None:

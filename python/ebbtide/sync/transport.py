@@ -105,10 +105,11 @@ def _check_buffer(buf, plan) -> None:
 
 
 class HostSender:
-    """Sending end of the host transport (see the module policies)."""
+    """Sending end of the host transport (see the module policies). ``keep_slots=False`` frees the two device
+    buffers after every update (a trainer that hands the GPU to its rollout between updates)."""
 
-    def __init__(self, buffer: SharedHostBuffer):
-        self.buf, self.header = buffer, _Header(buffer)
+    def __init__(self, buffer: SharedHostBuffer, *, keep_slots: bool = True):
+        self.buf, self.header, self.keep_slots = buffer, _Header(buffer), keep_slots
         self._slots, self._copied, self._copy_stream = [], [], None
 
     def begin(self, version, plan, device) -> None:
@@ -147,6 +148,8 @@ class HostSender:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
         self.header.write(version, _COMPLETE, self.plan.nbytes, self.plan.signature)
+        if not self.keep_slots:
+            self._slots, self._copied = [], []
 
     def close(self) -> None:
         self._slots, self._copied = [], []
@@ -215,8 +218,14 @@ class IpcSender:
         self._pending: dict = {}  # slot -> bucket index awaiting the receiver's answer
         self._used: set = set()  # slots whose "consumed" event the next writer must wait for
 
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as e:
+            raise PartialUpdateError(f"the receiver went away ({type(e).__name__})") from None
+
     def _call(self, msg, want: str):
-        self.conn.send(msg)
+        self._send(msg)
         return self._expect(want)
 
     def _expect(self, want: str):
@@ -258,7 +267,7 @@ class IpcSender:
     def send(self, bucket, buf, stream) -> None:
         slot = bucket.index % self.nslots
         self._ready[slot].record(stream)
-        self.conn.send(("bucket", self.gen, self.version, bucket.index, slot))
+        self._send(("bucket", self.gen, self.version, bucket.index, slot))
         self._pending[slot] = bucket.index
         self._used.add(slot)
 
@@ -271,7 +280,7 @@ class IpcSender:
         if self._bufs:
             try:
                 self._call(("close", self.gen), "closed")
-            except (StateError, OSError):
+            except StateError:  # PartialUpdateError included: the receiver is gone already
                 pass
         self._bufs = []
 
