@@ -23,6 +23,7 @@ const char* const kStatusText[] = {
     /* CUDA_RUNTIME */ "kernel launch or CUDA runtime call failed",
     /* VERSION_MISMATCH */ "ebbtide components of different versions were mixed: reinstall ebbtide",
     /* TIMEOUT */ "a wait ran past its deadline",
+    /* SETTING */ "an environment setting has a value that does not parse: fix or unset the variable named",
 };
 static_assert(sizeof(kStatusText) / sizeof(kStatusText[0]) == EBT_STATUS_COUNT,
               "every status needs its text");
@@ -46,6 +47,14 @@ ebt_status_t ebt_set_error(ebt_status_t status, const char* fmt, ...) {
   va_end(ap);
   EBT_INFO(EBT_SUBSYS_ALL, "error %d (%s): %s", static_cast<int>(status), ebt_status_string(status),
            g_last_error);
+  return status;
+}
+
+ebt_status_t ebt_set_error_quiet(ebt_status_t status, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
+  va_end(ap);
   return status;
 }
 

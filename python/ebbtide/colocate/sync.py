@@ -7,8 +7,8 @@ Policies:
   tensor, exactly ``fp8_block_quant_list``'s bucket layout, so the bucket is copied in one D2H), every 2-D weight's
   fp32 block scales (the bucket's scale buffer), every 1-D param as raw bf16.
 - The buffer is a memfd shared mapping (not /dev/shm: containers often cap it at 64 MiB) that both processes
-  register with ``cudaHostRegister``, so D2H and H2D are DMA at PCIe speed and the rollout never needs CUDA IPC of
-  region memory (not available before shareable handles, issue 4).
+  register with ``cudaHostRegister``, so D2H and H2D are DMA at PCIe speed and the rollout needs no CUDA IPC of
+  the trainer's region memory.
 - Two codecs, same layout: "ebbtide" (``ebbtide.quant`` kernels, one launch for the whole list) and "torch" (the
   anchor: the DeepGEMM / slime torch formula per tensor, plain per-tensor copies). Each side's reference for the
   correctness check is ``dequant(quant(w))`` of its own codec.
@@ -22,13 +22,13 @@ import os
 import torch
 
 from ..errors import InvalidArgumentError
+from ..quant.layout import Fp8BucketLayout, block_grid
 from .model import QUANT_BLOCK
 
 __all__ = ["SyncLayout", "SharedHostBuffer", "pack", "unpack", "reference_weights", "torch_block_quant",
            "torch_block_dequant"]
 
 _SECTION_ALIGN = 256
-_Q_ALIGN = 16
 
 
 def _up(n: int, a: int) -> int:
@@ -53,24 +53,24 @@ class SyncLayout:
 
     @classmethod
     def of(cls, named_shapes) -> "SyncLayout":
-        quant, raw, qo, so, ro = [], [], 0, 0, 0
+        named, raw, ro = [], [], 0
         for name, shape in named_shapes:
             shape = tuple(int(s) for s in shape)
             if len(shape) == 2:
                 N, K = shape
                 if N % QUANT_BLOCK or K % QUANT_BLOCK:
                     raise InvalidArgumentError(f"{name}: shape {shape} is not a multiple of {QUANT_BLOCK}")
-                quant.append(_Entry(name, shape, qo, so))
-                qo += _up(N * K, _Q_ALIGN)
-                so += (N // QUANT_BLOCK) * (K // QUANT_BLOCK)
+                named.append((name, shape))
             elif len(shape) == 1:
                 raw.append(_Entry(name, shape, ro))
                 ro += _up(2 * shape[0], 16)
             else:
                 raise InvalidArgumentError(f"{name}: only 1-D and 2-D params can be synced, got shape {shape}")
-        if not quant:
+        if not named:
             raise InvalidArgumentError("nothing to quantize: the model has no 2-D weights")
-        return cls(tuple(quant), tuple(raw), qo, so, ro)
+        fp8 = Fp8BucketLayout.packed([shape for _, shape in named])  # the quant section is fp8_block_quant_list's
+        quant = [_Entry(name, shape, a, b // 4) for (name, shape), (a, b, _, _) in zip(named, fp8.entries)]
+        return cls(tuple(quant), tuple(raw), fp8.q_bytes, fp8.scale_bytes // 4, ro)
 
     @classmethod
     def of_model(cls, model) -> "SyncLayout":
@@ -202,9 +202,10 @@ def pack(model, layout: SyncLayout, host: torch.Tensor, codec: str) -> int:
 # ---- rollout side --------------------------------------------------------------------------------------------
 def _views(buf: torch.Tensor, layout: SyncLayout, e: _Entry):
     N, K = e.shape
+    nb, kb = block_grid(N, K)
     q = buf[e.offset:e.offset + N * K].view(torch.float8_e4m3fn).view(N, K)
     o = layout.scale_start + 4 * e.scale_offset
-    s = buf[o:o + 4 * (N // 128) * (K // 128)].view(torch.float32).view(N // 128, K // 128)
+    s = buf[o:o + 4 * nb * kb].view(torch.float32).view(nb, kb)
     return q, s
 
 

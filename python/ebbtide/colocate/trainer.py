@@ -2,7 +2,7 @@
 launcher). It owns one GPU, starts its rollout process on the same GPU and drives the RL step.
 
 Policies:
-- The step (issue 8): train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
+- The step: train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
   (FP8 block quant + D2H into the shared pinned buffer, while the trainer still holds its weights) ->
   trainer_pause (weights backed up, grads and activations discarded) -> comm_release -> rollout_resume ->
   sync_load (H2D + dequant in the rollout) -> generate -> rollout_pause -> trainer_resume -> comm_reload.
@@ -145,13 +145,17 @@ class _Comm:
 
             self.comm = comm
             comm.install()
+        # The launcher serves the store (loopback unless it was told otherwise); ranks only connect.
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
+        if variant == "ebbtide":
             if dev.type == "cuda":
-                dist.init_process_group("nccl", device_id=dev, timeout=timedelta(minutes=10))
+                dist.init_process_group("nccl", store=self.store, rank=rank, world_size=world, device_id=dev,
+                                        timeout=timedelta(minutes=10))
             else:
-                dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+                dist.init_process_group("gloo", store=self.store, rank=rank, world_size=world,
+                                        timeout=timedelta(minutes=10))
         else:
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timedelta(minutes=10))
             self._init()
         self.all_reduce(torch.zeros(1, device=dev))  # communicator up before the first timed step
 

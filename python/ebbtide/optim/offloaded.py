@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError, StateError
-from .cpu_adam import _MODES, _check_hyper, make_hyper, shared_engine
+from ._validate import check_distinct, check_grad_scale, check_group, check_groups, check_state_dict
+from .cpu_adam import _check_hyper, _check_threads_isa, make_hyper, shared_engine
 
 __all__ = ["OffloadedAdam"]
 
@@ -125,13 +126,13 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
                  amsgrad=False, maximize=False, mode="fast", threads=None, bucket_numel=16 * 2**20, slots=3,
                  overlap_with_backward=False, isa=None, buffer_factory=None, attach_grads=True):
-        _check_hyper(lr, betas, eps, weight_decay, mode)
+        _check_hyper(lr, betas, eps, weight_decay, mode, "OffloadedAdam", amsgrad=amsgrad, maximize=maximize,
+                     decoupled_weight_decay=adamw)
+        _check_threads_isa(threads, isa)
         if not isinstance(bucket_numel, int) or bucket_numel < _ALIGN:
             raise InvalidArgumentError(f"bucket_numel must be an int >= {_ALIGN} (got {bucket_numel!r})")
         if not isinstance(slots, int) or slots < 1:
             raise InvalidArgumentError(f"slots must be an int >= 1 (got {slots!r})")
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise InvalidArgumentError(f"threads must be a positive int or None (got {threads!r})")
         if buffer_factory is not None and not callable(buffer_factory):
             raise InvalidArgumentError(f"buffer_factory must be callable or None (got {buffer_factory!r})")
         if not attach_grads and overlap_with_backward:
@@ -326,7 +327,13 @@ class OffloadedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if getattr(self, "_buckets", None) is not None:
             raise StateError("OffloadedAdam lays out its buffers at construction: pass every param group there")
-        super().add_param_group(param_group)
+        if not isinstance(param_group, dict):
+            raise InvalidArgumentError(f"a param group must be a dict (got {type(param_group).__name__})")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        check_distinct(params, [p for g in self.param_groups for p in g["params"]])
+        check_group(param_group, f"param_groups[{len(self.param_groups)}]")
+        super().add_param_group({**param_group, "params": params})
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def _on_grad_ready(self, p):
@@ -359,12 +366,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scale = 1.0 if grad_scale is None else float(grad_scale)
-        if not math.isfinite(scale):
-            raise InvalidArgumentError(f"grad_scale must be finite (got {grad_scale})")
-        for g in self.param_groups:
-            if g.get("mode", "fast") not in _MODES:
-                raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {g['mode']!r})")
+        scale = check_grad_scale(grad_scale)
+        check_groups(self.param_groups)  # every group before any bucket is stepped
         hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
         if self._repair_grad_views():
             self._reset_overlap()  # a hook-started download may predate the repaired gradient: download again
@@ -439,6 +442,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict):
+        check_state_dict(state_dict, self.param_groups)  # hyper-parameters, sizes, exact state shapes
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise InvalidArgumentError("loaded state dict has a different number of parameter groups")
