@@ -1,7 +1,7 @@
 """The integration tests' spawn helper: the repository's rank launcher with this folder on the ranks' sys.path."""
 import os
 
-from ebbtide.comm import _spawn
+from ebbtide.bench import _spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

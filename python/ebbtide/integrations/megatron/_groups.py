@@ -37,8 +37,8 @@ def install_groups(**comm_install_kwargs) -> list[str]:
     ``parallel_state.initialize_model_parallel`` (best: before ``init_process_group``). Keyword arguments go to
     :func:`ebbtide.comm.install`; returns its list of warned NCCL variables. Idempotent."""
     ps = _parallel_state()
-    held = megatron_groups()
-    if ps.model_parallel_is_initialized() or held:
+    if ps.model_parallel_is_initialized():
+        held = megatron_groups()
         raise StateError("install_groups() must run before parallel_state.initialize_model_parallel(): Megatron "
                          f"already holds {len(held)} process group(s) made as plain torch groups "
                          f"({', '.join(sorted(held)[:6])}...), which release/reload would not manage. Call "
