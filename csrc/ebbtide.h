@@ -108,10 +108,13 @@ typedef enum {
 
 /* Features the CPU and OS support (the OS must save the wider registers: xgetbv is checked). */
 EBT_API ebt_status_t ebt_cpu_features(unsigned* features);
-/* The best dispatch level for this process: "avx512_bf16", "avx512", "avx2", "neon" or "scalar",
- * lowered (never raised) by EBBTIDE_CPU_ISA. Static storage. EBT_ERROR_SETTING when EBBTIDE_CPU_ISA is not one
- * of those names. */
+/* The dispatch level for this process: "avx512_bf16", "avx512", "avx2", "neon" or "scalar": the widest the CPU
+ * supports, capped on CPUs where a wider kernel measured slower (the rule table in cpu_features.cc), or any
+ * supported level named by EBBTIDE_CPU_ISA. Static storage. EBT_ERROR_SETTING when EBBTIDE_CPU_ISA is not one of
+ * those names (any case). */
 EBT_API ebt_status_t ebt_cpu_isa(const char** name);
+/* Why ebt_cpu_isa chose its level (one line of text, e.g. the rule that capped it). Static storage. */
+EBT_API ebt_status_t ebt_cpu_isa_reason(const char** reason);
 /* Logical CPUs this process may run on (sched_getaffinity). */
 EBT_API ebt_status_t ebt_cpu_affinity_count(int* count);
 

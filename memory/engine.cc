@@ -16,7 +16,7 @@
  *  - Ops run in two steps: prepare() marks the tag and its allocations busy under mu_; execute() does driver
  *    work and copies WITHOUT mu_ (so a pause of one tag and a resume of another overlap), then commits under
  *    mu_. Only the owning op touches a busy allocation's state/mapping/host; free() of a busy allocation waits.
- *  - Drain before unmap (spec item 11): pause synchronizes each involved device (cuCtxSynchronize in that
+ *  - Drain before unmap: pause synchronizes each involved device (cuCtxSynchronize in that
  *    device's primary context) before its first copy/unmap; free() synchronizes the allocation's device before
  *    unmapping it.
  *  - Driver mappings are never unmapped in part: a pause unmaps a Segment whole (all its live members are ACTIVE
@@ -27,10 +27,10 @@
  *  - Pause: copies of all CPU-backed allocations are issued first (chunked, on the device's runtime-owned D2H
  *    stream, never crossing a host registration piece), then VA-contiguous runs of same-device allocations are
  *    unmapped, one cuMemUnmap per run (per allocation if the driver refuses the span), each run right after its
- *    own copies finished; a run closes at 256 MiB of copies, so unmaps overlap later copies (spec item 7).
+ *    own copies finished; a run closes at 256 MiB of copies, so unmaps overlap later copies.
  *  - Resume: pre-flight free-memory check per device; create+map+release every mapping unit (an allocation, or a
  *    coalesced run) first, grant access once per VA-contiguous run, then stream H2D. Any failure unmaps what
- *    this op mapped (whole mappings): the tag stays PAUSED, host copies intact, retryable (spec item 12). OOM
+ *    this op mapped (whole mappings): the tag stays PAUSED, host copies intact, retryable. OOM
  *    fills report->oom_*.
  *  - Pause failure before the first release: nothing changed. After it: released allocations are mapped again
  *    and restored from their host copies (discard-mode content is gone, as a pause would have made it); if even

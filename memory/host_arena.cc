@@ -42,7 +42,7 @@ ebt_status_t HostArena::add_segment(const ebt_driver_table_t* drv, CUcontext ctx
   madvise(p, seg->size, MADV_HUGEPAGE);  // best effort: fewer pages to pin
   seg->base = static_cast<char*>(p);
 
-  // Touch then register each piece, pieces spread over a private pool (first-cycle speed, spec item 7).
+  // Touch then register each piece, pieces spread over a private pool (first-cycle speed).
   const size_t pieces = (seg->size + kPieceBytes - 1) / kPieceBytes;
   std::vector<CUresult> results(pieces, CUDA_SUCCESS);
   const long page = sysconf(_SC_PAGESIZE);

@@ -43,7 +43,7 @@ unsigned cpu_features() {
   return f;
 }
 
-// Maps ebt_cpu_isa()'s level (which EBBTIDE_CPU_ISA may lower) to the best kernel at or below it. A failed
+// Maps ebt_cpu_isa()'s level (dispatch rules, or EBBTIDE_CPU_ISA) to the best kernel at or below it. A failed
 // lookup (an EBBTIDE_CPU_ISA value that does not parse) is the caller's error, never a quiet scalar kernel.
 ebt_status_t default_isa(const IsaEntry** out) {
   const char* level = nullptr;

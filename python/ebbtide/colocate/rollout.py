@@ -37,7 +37,7 @@ import torch
 
 from ..errors import InvalidArgumentError, StateError
 from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
-from .sync import SharedHostBuffer, SyncLayout, unpack
+from .sync import RolloutSync
 
 __all__ = ["main", "weight_digests", "prompts", "die_with_parent", "DECODE_MODES", "GRAPH_TAG"]
 
@@ -107,7 +107,6 @@ class _Rollout:
             self.tms = tms
             tms.hook_mode = "torch"  # its default is preload (LD_PRELOAD of its own shim)
             region = lambda tag: tms.region(tag=tag)  # noqa: E731
-        self.layout = SyncLayout.of_model(_shapes_model(self.cfg))
         B, P, N = spec["gen_batch"], spec["prompt_len"], spec["new_tokens"]
         with region("weights"):
             # a different seed from the trainer's: only a correct sync makes the logits match
@@ -119,14 +118,15 @@ class _Rollout:
             self.reserve = torch.empty(extra, dtype=torch.uint8, device=self.dev) if extra else None
         self.region = region
         with region("sync_staging"):
-            self.staging = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.dev)
-        self.buffer = SharedHostBuffer(spec["buf_fd"], spec["buf_bytes"], pin=self.cuda)
+            self.staging = torch.empty(RolloutSync.staging_bytes(self.model), dtype=torch.uint8, device=self.dev)
+        self.sync = RolloutSync(self.model, self.codec, spec["buf_fd"], spec["buf_bytes"], pin=self.cuda,
+                                staging=self.staging)
         # kept on the CPU and moved per call: device scratch is discarded on pause with --scratch-backup none
         self.prompts = prompts(self.cfg, B, P, spec["seed"] + 7, "cpu")
         self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, "cpu")
         self._sync()
         self.info = {"pid": os.getpid(), "weights_bytes": 2 * self.cfg.n_params(),
-                     "kv_cache_bytes": self.cache.nbytes + extra, "staging_bytes": self.layout.nbytes,
+                     "kv_cache_bytes": self.cache.nbytes + extra, "staging_bytes": self.sync.plan.nbytes,
                      "hook_mode": self.em.hook_mode() if self.em else "tms-torch" if self.tms else "none (cpu)",
                      "decode": self.decode}
 
@@ -156,8 +156,8 @@ class _Rollout:
         self.tms.resume()
         return {}
 
-    def load(self):
-        return {"bytes": unpack(self.model, self.layout, self.buffer.tensor, self.codec, self.staging)}
+    def load(self, version: int):
+        return {"bytes": self.sync.load(version), "version": version}
 
     def verify_load(self):
         """Untimed (the trainer calls it between phases): logits on the verification prompts and weight digests."""
@@ -230,11 +230,6 @@ class _Rollout:
         if self.em:
             return {"rollout": sum(r["bytes_active"] for r in self.em.stats()["tags"])}
         return {}
-
-
-def _shapes_model(cfg: ModelConfig):
-    with torch.device("meta"):
-        return TinyLM(cfg)
 
 
 def serve(conn, spec: dict) -> int:

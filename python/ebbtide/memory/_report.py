@@ -14,13 +14,9 @@ import os
 import sys
 from typing import Optional
 
-from .. import _native
+from ._common import expandable_segments_requested, mem as _mem
 
 __all__ = ["ReleaseReport", "release_report"]
-
-
-def _mem():
-    return _native.load().memory
 
 
 @dataclasses.dataclass
@@ -115,8 +111,6 @@ def _torch_segments(torch, device: int, paused: list) -> list:
 def release_report(report=None, *, device: Optional[int] = None) -> ReleaseReport:
     """Explain a pause's effect on the driver. ``report``: the Report ``pause()`` returned (its device and
     driver free-memory delta are used); without one, the current state of ``device`` (default 0)."""
-    from ._hooks import _expandable_segments_requested  # noqa: PLC0415
-
     mem = _mem()
     notes: list = []
     dev = report.device if report is not None and report.device >= 0 else (0 if device is None else device)
@@ -181,7 +175,7 @@ def release_report(report=None, *, device: Optional[int] = None) -> ReleaseRepor
         driver_total=total, nvml_process_used=nvml_used, active_tags=active, torch_unpaused_segments=segs,
         torch_cached_unpaused=sum(s["size"] - s["allocated"] for s in segs),
         torch_allocated_unpaused=sum(s["allocated"] for s in segs),
-        expandable_segments=_expandable_segments_requested(), forwarded_allocs=int(g["forwarded_allocs"]),
+        expandable_segments=expandable_segments_requested(), forwarded_allocs=int(g["forwarded_allocs"]),
         forwarded_bytes=int(g["forwarded_bytes"]), shim_active=bool(mem.shim_active()), nccl=nccl,
         other_bytes=other, notes=notes, pending_free=pending, quarantined_ranges=int(g.get("quarantined_ranges", 0)),
         quarantined_bytes=quarantined)

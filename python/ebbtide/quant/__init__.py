@@ -1,18 +1,20 @@
 """ebbtide.quant — FP8 block/group and INT4 QAT kernels under one pinned numerics contract.
 
 CPU tensors run the reference (``ebbtide.quant.reference``, the oracle); CUDA tensors run the sm90 kernels, which
-match it bit for bit. See api.py for the policies and specs/quant.md for the contract.
+match it bit for bit. See api.py for the policies and docs/quant.md for the contract.
 """
 from __future__ import annotations
 
-from . import reference
-from .api import (Fp8Bucket, fp8_block_dequant, fp8_block_quant, fp8_block_quant_list, fp8_group_quant,
-                  int4_fake_quant, int4_pack, int4_unpack)
+from . import layout, reference
+from .api import (Fp8Bucket, fp8_block_dequant, fp8_block_quant, fp8_block_quant_into, fp8_block_quant_list,
+                  fp8_group_quant, int4_fake_quant, int4_pack, int4_unpack)
+from .layout import Fp8BucketLayout
 from .export import (DEFAULT_IGNORE, check_int4_config, export_fp8, export_int4, fp8_quantization_config,
                      int4_quantization_config)
 
 __all__ = [
-    "reference", "Fp8Bucket", "fp8_block_quant", "fp8_block_quant_list", "fp8_group_quant", "fp8_block_dequant",
+    "reference", "layout", "Fp8Bucket", "Fp8BucketLayout", "fp8_block_quant", "fp8_block_quant_list",
+    "fp8_block_quant_into", "fp8_group_quant", "fp8_block_dequant",
     "int4_fake_quant", "int4_pack", "int4_unpack", "export_fp8", "export_int4", "check_int4_config",
     "fp8_quantization_config", "int4_quantization_config", "DEFAULT_IGNORE",
 ]

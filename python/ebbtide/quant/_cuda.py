@@ -9,6 +9,7 @@ import torch
 
 from .. import _native
 from ..errors import UnsupportedError
+from .layout import Fp8BucketLayout
 
 MODES = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
 LAYOUTS = {"row": 0, "mn_major": 1}
@@ -56,27 +57,30 @@ def fp8_block_quant(w: torch.Tensor, scale: str, eps: float):
     return (q[0], s[0]) if squeeze else (q, s)
 
 
-def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float, align: int = 16):
-    """All tensors (bf16 2D, same device) in one launch. Returns (q_buffer uint8, scale_buffer fp32, layout) with
-    layout = [(q offset, scale offset, N, K)] for Fp8Bucket's views. Host work per tensor is kept to a few attribute
-    reads (a 100-tensor bucket quantizes in well under a millisecond of GPU time, so Python must not be slower)."""
+def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float):
+    """All tensors (bf16 2D, same device) in one launch into two new buffers laid out by
+    ``Fp8BucketLayout.packed``. Returns (q_buffer uint8, scale_buffer fp32, layout)."""
+    layout = Fp8BucketLayout.packed([w.shape for w in tensors])
     device = tensors[0].device
+    q_buf = torch.empty(layout.q_bytes, dtype=torch.uint8, device=device)
+    s_buf = torch.empty(layout.scale_bytes // 4, dtype=torch.float32, device=device)
+    fp8_block_quant_into(tensors, layout, q_buf, s_buf, scale, eps)
+    return q_buf, s_buf, layout
+
+
+def fp8_block_quant_into(tensors: list[torch.Tensor], layout: Fp8BucketLayout, q_buf: torch.Tensor,
+                         s_buf: torch.Tensor, scale: str, eps: float) -> None:
+    """One launch that quantizes ``tensors[i]`` to ``layout.entries[i]`` of ``q_buf`` / ``s_buf`` (which may be
+    the same buffer). Host work per tensor is a few attribute reads and one table row (a 100-tensor bucket
+    quantizes in well under a millisecond of GPU time, so Python must not be slower)."""
     mode = MODES[scale]
-    layout, flat = [], []
-    qo = so = 0
-    for w in tensors:
-        N, K = w.shape
-        nbkb = ((N + 127) >> 7) * ((K + 127) >> 7)
-        layout.append((qo, so, N, K))
-        # BlockListEntry: src, q (offset; based below), scale (offset), ld, rows, cols, tile_begin (= so), mode
-        flat += (w.data_ptr(), qo, so * 4, w.stride(0), N, K, so, mode)
-        qo += (N * K + align - 1) // align * align
-        so += nbkb
-    q_buf = torch.empty(max(qo, 1), dtype=torch.uint8, device=device)
-    s_buf = torch.empty(max(so, 1), dtype=torch.float32, device=device)
-    table = torch.tensor(flat, dtype=torch.int64).view(-1, 8)
-    table[:, 1] += q_buf.data_ptr()
-    table[:, 2] += s_buf.data_ptr()
+    qp, sp = q_buf.data_ptr(), s_buf.data_ptr()
+    flat = []
+    # BlockListEntry: src, q, scale, ld, rows, cols, tile_begin, mode
+    for w, (a, b, N, K), t in zip(tensors, layout.entries, layout.tile_begin):
+        flat += (w.data_ptr(), qp + a, sp + b, w.stride(0), N, K, t, mode)
+    table = torch.tensor(flat, dtype=torch.int64)
+    device = tensors[0].device
     with torch.cuda.device(device):
         dev_table = None  # the table travels inside the launch: no copy ahead of the kernel
         if len(tensors) > PARAM_ENTRIES:
@@ -86,18 +90,6 @@ def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float, al
         _q().fp8_block_quant_list(host_entries=table.data_ptr(),
                                   device_entries=0 if dev_table is None else dev_table.data_ptr(),
                                   count=len(tensors), eps=eps, stream=_stream(tensors[0]))
-    return q_buf, s_buf, layout
-
-
-def bucket_views(q_buf: torch.Tensor, s_buf: torch.Tensor, layout) -> tuple[list, list]:
-    """The per-tensor (q float8_e4m3fn [N, K], scale fp32 [ceil(N/128), ceil(K/128)]) views of a bucket."""
-    qs, ss = [], []
-    q8 = q_buf.view(torch.float8_e4m3fn)
-    for a, b, N, K in layout:
-        nb, kb = -(-N // 128), -(-K // 128)
-        qs.append(q8[a:a + N * K].view(N, K))
-        ss.append(s_buf[b:b + nb * kb].view(nb, kb))
-    return qs, ss
 
 
 def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""Writing one bucket (the sender) and reading it back into live parameters (the receiver), per the plan.
+
+A bucket is filled by one FP8 launch for all its FP8 weights (``fp8_block_quant_into`` at the plan's offsets,
+experts of a stacked weight one entry each), one INT4 pack per INT4 weight and one copy per raw tensor; on CUDA
+everything is queued on the current stream. CPU tensors take ``ebbtide.quant``'s reference: the same bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import quant as Q
+from .plan import BucketPlan, Plan
+
+__all__ = ["fill_bucket", "load_bucket", "expected"]
+
+
+def _fp8_sources(bucket: BucketPlan, sources) -> list:
+    out = []
+    for it in bucket.items:
+        if it.kind == "fp8":
+            t = sources[it.source]
+            out.extend(t.unbind(0) if t.dim() == 3 else (t,))
+    return out
+
+
+@torch.no_grad()
+def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor) -> None:
+    """Write ``bucket``'s outputs from ``sources`` (name -> full tensor, on ``buf``'s device) into ``buf`` (uint8,
+    at least ``bucket.nbytes``)."""
+    if bucket.fp8 is not None:
+        Q.fp8_block_quant_into(_fp8_sources(bucket, sources), bucket.fp8, buf, buf, scale=plan.scale, eps=plan.eps)
+    for it in bucket.items:
+        if it.kind == "raw":
+            it.outputs[0].view(buf).copy_(sources[it.source])
+        elif it.kind == "int4":
+            p = Q.int4_pack(sources[it.source], group=plan.int4_group)
+            packed, scale, shape = it.outputs
+            packed.view(buf).copy_(p["weight_packed"])
+            scale.view(buf).copy_(p["weight_scale"])
+            shape.view(buf).copy_(p["weight_shape"], non_blocking=True)
+
+
+@torch.no_grad()
+def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params, *, served: bool = False) -> None:
+    """Dequantize/copy ``bucket``'s outputs in ``buf`` into ``params`` (source name -> live tensor) in place; with
+    ``served``, copy every output into ``params[output name]`` as it is."""
+    if served:
+        for o in bucket.outputs:
+            params[o.name].copy_(o.view(buf))
+        return
+    for it in bucket.items:
+        p = params[it.source]
+        if it.kind == "fp8":
+            p.copy_(Q.fp8_block_dequant(it.outputs[0].view(buf), it.outputs[1].view(buf)))
+        elif it.kind == "int4":
+            packed, scale, _ = it.outputs
+            p.copy_(Q.int4_unpack(packed.view(buf), scale.view(buf), it.shape))
+        else:
+            p.copy_(it.outputs[0].view(buf))
+
+
+@torch.no_grad()
+def expected(plan: Plan, sources) -> dict:
+    """{source name: what a receiver must hold}: ``dequant(quant(w))`` by ``ebbtide.quant``'s per-tensor calls for
+    FP8 and INT4 weights, the tensor itself for raw ones, on each tensor's device (CPU tensors run the reference,
+    the oracle; CUDA tensors the kernels, which match it bit for bit). Pass CPU copies for an independent check."""
+    out = {}
+    for it in plan.items:
+        w = sources[it.source].detach()
+        if it.kind == "fp8":
+            q, s = Q.fp8_block_quant(w, scale=plan.scale, eps=plan.eps)
+            out[it.source] = Q.fp8_block_dequant(q, s)
+        elif it.kind == "int4":
+            out[it.source] = Q.int4_unpack(Q.int4_pack(w, group=plan.int4_group))
+        else:
+            out[it.source] = w.clone()
+    return out

@@ -1,0 +1,105 @@
+"""The rollout's end of a weight update: stage every bucket, then load the whole version into the live parameters
+in place.
+
+Policies:
+- Nothing touches a parameter until every bucket of one version is staged: a transport copies each bucket into
+  ``staging`` (one device buffer of ``plan.nbytes``, the quantized size of the model) and calls :meth:`apply`
+  only after the last one. A missing bucket, a bucket of another version or a sender that went away raises and
+  leaves the parameters at ``version`` (the last complete one).
+- Versions only grow: an update whose version is not above the current one raises ``WeightVersionError``.
+  ``require(v)`` lets the rollout check, before it generates, that it holds exactly version ``v``.
+- At construction the plan is checked against the parameters: a name the rollout does not have, a shape or a
+  dtype that differs raises ``PlanMismatchError`` naming the first ones. ``form="dequant"`` (a bf16 rollout):
+  parameters are named as the trainer's, FP8 and INT4 weights are dequantized into them (any floating dtype), raw
+  tensors copied. ``form="served"`` (a rollout that serves the quantized weights): parameters are named as the
+  plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes and shapes, and every output is copied.
+- On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import InvalidArgumentError
+from ._fill import load_bucket
+from .errors import PlanMismatchError, WeightVersionError
+from .plan import Plan, _dtype
+
+__all__ = ["Receiver"]
+
+
+class Receiver:
+    def __init__(self, params, plan: Plan, *, staging: torch.Tensor | None = None, device=None,
+                 form: str = "dequant"):
+        if isinstance(params, torch.nn.Module):
+            params = dict(params.named_parameters())
+        if not isinstance(params, Mapping):
+            raise InvalidArgumentError("params must be a module or a mapping name -> tensor")
+        if form not in ("dequant", "served"):
+            raise InvalidArgumentError(f"form must be 'dequant' or 'served', got {form!r}")
+        self.params, self.plan, self.served = dict(params), plan, form == "served"
+        bad = []
+        for o in (o for it in plan.items for o in it.outputs) if self.served else ():
+            p = self.params.get(o.name)
+            if p is None or tuple(p.shape) != o.shape or p.dtype != _dtype(o.dtype):
+                got = "missing" if p is None else f"{p.dtype} {tuple(p.shape)}"
+                bad.append(f"{o.name}: receiver {got}, sender {o.dtype} {o.shape}")
+        for it in () if self.served else plan.items:
+            p = self.params.get(it.source)
+            if p is None:
+                bad.append(f"{it.source}: not a parameter of the receiver")
+            elif tuple(p.shape) != it.shape:
+                bad.append(f"{it.source}: receiver shape {tuple(p.shape)}, sender {it.shape}")
+            elif it.kind == "raw" and p.dtype != _dtype(it.dtype):
+                bad.append(f"{it.source}: receiver dtype {p.dtype}, sender {it.dtype}")
+            elif it.kind != "raw" and not p.dtype.is_floating_point:
+                bad.append(f"{it.source}: a {it.kind} weight needs a floating parameter, got {p.dtype}")
+        if bad:
+            raise PlanMismatchError(f"{len(bad)} tensor(s) of the plan do not fit the receiver: " + "; ".join(bad[:4]))
+        self.device = torch.device(device) if device is not None else next(iter(self.params.values())).device
+        if staging is None:
+            staging = torch.empty(max(plan.nbytes, 1), dtype=torch.uint8, device=self.device)
+        if staging.dtype != torch.uint8 or staging.numel() < plan.nbytes or staging.device != self.device:
+            raise InvalidArgumentError(f"staging must be uint8 with at least {plan.nbytes} bytes on {self.device}")
+        self.staging = staging
+        self.offsets = plan.bucket_offsets()
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.version: int | None = None  # the last complete version the parameters hold
+
+    def region(self, bucket) -> torch.Tensor:
+        """Where bucket ``bucket`` (a BucketPlan or its index) is staged."""
+        b = self.plan.buckets[bucket if isinstance(bucket, int) else bucket.index]
+        o = self.offsets[b.index]
+        return self.staging[o:o + b.nbytes]
+
+    def check_next(self, version: int, expected: int | None = None) -> None:
+        """Raise ``WeightVersionError`` unless ``version`` may be applied next (above the current one and equal to
+        ``expected`` when given)."""
+        if not isinstance(version, int):
+            raise WeightVersionError(f"version must be an int, got {version!r}")
+        if expected is not None and version != expected:
+            raise WeightVersionError(f"the update carries version {version}, the rollout expected {expected}")
+        if self.version is not None and version <= self.version:
+            raise WeightVersionError(f"version {version} is not newer than the held version {self.version}")
+
+    @torch.no_grad()
+    def apply(self, version: int) -> None:
+        """Load every staged bucket into the parameters (the whole version at once) and hold ``version``."""
+        self.check_next(version)
+        ctx = torch.cuda.stream(self.stream) if self.cuda else None
+        if ctx is not None:
+            with ctx:
+                for b in self.plan.buckets:
+                    load_bucket(b, self.region(b), self.params, served=self.served)
+            self.stream.synchronize()
+        else:
+            for b in self.plan.buckets:
+                load_bucket(b, self.region(b), self.params, served=self.served)
+        self.version = version
+
+    def require(self, version: int) -> None:
+        """Raise ``WeightVersionError`` unless the parameters hold exactly ``version``."""
+        if self.version != version:
+            raise WeightVersionError(f"the rollout holds version {self.version}, version {version} was required")

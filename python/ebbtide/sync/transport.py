@@ -1,0 +1,353 @@
+"""Transports on one host: a shared pinned host buffer, and CUDA IPC between two processes on one GPU.
+
+Every transport has a sending end (``begin(version, plan, device)``, ``buffer(bucket, stream)``, ``send(bucket,
+buf, stream)``, ``commit(version)``, ``close()``; driven by ``Sender``) and a receiving end (``receive(receiver,
+version=None)``, which stages every bucket into the ``Receiver`` and applies the version, or raises).
+
+Policies:
+- Host (``HostSender`` / ``HostReceiver``): the whole update goes into a shared memfd mapping (``SharedHostBuffer``;
+  not /dev/shm, which containers often cap at 64 MiB) registered with CUDA by both processes, so both copies are
+  DMA at PCIe speed. The sender quantizes bucket k+1 into the other of two device buffers while bucket k is copied
+  down on a copy stream. A 4 KiB header (magic, version, state, size, plan signature) makes the buffer
+  self-describing: the receiver refuses another plan, an incomplete update, an unexpected or stale version, and an
+  update that was overwritten while it was read. On the CPU the sender quantizes straight into the buffer.
+- CUDA IPC (``IpcSender`` / ``IpcReceiver``, two processes, one GPU, a ``multiprocessing`` connection for control):
+  two producer buffers and their "ready" events are shared once (torch's CUDA IPC handles) and re-shared only when
+  the plan needs bigger buffers (a new generation; a message naming an old generation is refused). Per bucket the
+  sender records "ready" on its stream and sends (generation, bucket, slot); the receiver's stream waits for it,
+  copies the bucket into its staging (device to device, no host copy), records its own "consumed" event and
+  answers. A slot is written again only after that answer and a device-side wait on "consumed": the receiver's
+  copy, not its reply, frees the buffer.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, StateError
+from .errors import PartialUpdateError, PlanMismatchError, WeightVersionError
+
+__all__ = ["SharedHostBuffer", "HostSender", "HostReceiver", "IpcSender", "IpcReceiver", "HEADER_BYTES"]
+
+HEADER_BYTES = 4096
+_MAGIC = 0x45425453594E4331  # "EBTSYNC1"
+_EMPTY, _WRITING, _COMPLETE = 0, 1, 2
+
+
+class SharedHostBuffer:
+    """``nbytes`` of shared host memory behind a memfd, optionally registered (pinned) with CUDA.
+    ``SharedHostBuffer.create(n)`` in one process; ``SharedHostBuffer(fd, n)`` in a child that inherited ``fd``."""
+
+    def __init__(self, fd: int, nbytes: int, *, pin: bool):
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"shared buffer size must be positive, got {nbytes}")
+        self.fd, self.nbytes = fd, nbytes
+        self._mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            cudart = torch.cuda.cudart()
+            torch.cuda.check_error(cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+            self.pinned = True
+
+    @classmethod
+    def create(cls, nbytes: int, *, pin: bool) -> "SharedHostBuffer":
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgumentError(f"shared buffer size must be a positive int, got {nbytes!r}")
+        fd = os.memfd_create("ebbtide-sync", 0)  # no MFD_CLOEXEC: a child started with pass_fds inherits it
+        os.ftruncate(fd, nbytes)
+        return cls(fd, nbytes, pin=pin)
+
+    @staticmethod
+    def size_for(plan) -> int:
+        """Bytes a host transport needs for ``plan`` (header + the whole update)."""
+        return HEADER_BYTES + plan.nbytes
+
+    def close(self):
+        if self.pinned:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()))
+            self.pinned = False
+        self.tensor = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view still references it; the mapping goes with the process
+            pass
+
+
+def _sig_words(signature: str) -> list:
+    return np.frombuffer(bytes.fromhex(signature)[:32], dtype=np.int64).tolist()
+
+
+class _Header:
+    def __init__(self, buf: SharedHostBuffer):
+        self.words = buf.tensor[:64].numpy().view(np.int64)  # magic, version, state, nbytes, signature[4]
+
+    def write(self, version: int, state: int, nbytes: int, signature: str) -> None:
+        self.words[2] = _WRITING
+        self.words[0], self.words[1], self.words[3] = _MAGIC, version, nbytes
+        self.words[4:8] = _sig_words(signature)
+        self.words[2] = state
+
+    def read(self) -> tuple:
+        w = self.words.copy()
+        return int(w[0]), int(w[1]), int(w[2]), int(w[3]), w[4:8].tolist()
+
+
+def _check_buffer(buf, plan) -> None:
+    if not isinstance(buf, SharedHostBuffer):
+        raise InvalidArgumentError(f"expected a SharedHostBuffer, got {type(buf).__name__}")
+    if buf.nbytes < SharedHostBuffer.size_for(plan):
+        raise InvalidArgumentError(f"the host buffer has {buf.nbytes} bytes, the plan needs "
+                                   f"{SharedHostBuffer.size_for(plan)} (SharedHostBuffer.size_for(plan))")
+
+
+class HostSender:
+    """Sending end of the host transport (see the module policies). ``keep_slots=False`` frees the two device
+    buffers after every update (a trainer that hands the GPU to its rollout between updates)."""
+
+    def __init__(self, buffer: SharedHostBuffer, *, keep_slots: bool = True):
+        self.buf, self.header, self.keep_slots = buffer, _Header(buffer), keep_slots
+        self._slots, self._copied, self._copy_stream = [], [], None
+
+    def begin(self, version, plan, device) -> None:
+        _check_buffer(self.buf, plan)
+        self.plan, self.device, self.version = plan, torch.device(device), version
+        self.offsets = plan.bucket_offsets()
+        self.header.write(version, _WRITING, plan.nbytes, plan.signature)
+        if self.device.type == "cuda" and (not self._slots or self._slots[0].numel() < plan.max_bucket_bytes
+                                           or self._slots[0].device != self.device):
+            self._slots = [torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=self.device)
+                           for _ in range(2)]
+            self._copied = [torch.cuda.Event() for _ in range(2)]
+            self._copy_stream = torch.cuda.Stream(self.device)
+
+    def _host(self, bucket) -> torch.Tensor:
+        o = HEADER_BYTES + self.offsets[bucket.index]
+        return self.buf.tensor[o:o + bucket.nbytes]
+
+    def buffer(self, bucket, stream):
+        if self.device.type != "cuda":
+            return self._host(bucket)
+        slot = bucket.index % 2
+        stream.wait_event(self._copied[slot])  # its previous bucket is down in host memory
+        return self._slots[slot]
+
+    def send(self, bucket, buf, stream) -> None:
+        if self.device.type != "cuda":
+            return
+        cs = self._copy_stream
+        cs.wait_stream(stream)
+        with torch.cuda.stream(cs):
+            self._host(bucket).copy_(buf[:bucket.nbytes], non_blocking=True)
+        self._copied[bucket.index % 2].record(cs)
+
+    def commit(self, version) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        self.header.write(version, _COMPLETE, self.plan.nbytes, self.plan.signature)
+        if not self.keep_slots:
+            self._slots, self._copied = [], []
+
+    def close(self) -> None:
+        self._slots, self._copied = [], []
+
+
+class HostReceiver:
+    """Receiving end of the host transport: one host-to-device copy of the update into the receiver's staging,
+    then the receiver applies it."""
+
+    def __init__(self, buffer: SharedHostBuffer):
+        self.buf, self.header = buffer, _Header(buffer)
+
+    def _checked(self, receiver, expected):
+        magic, version, state, nbytes, sig = self.header.read()
+        plan = receiver.plan
+        if magic != _MAGIC:
+            raise PartialUpdateError("the host buffer holds no update (no sender has written it)")
+        if sig != _sig_words(plan.signature) or nbytes != plan.nbytes:
+            raise PlanMismatchError("the update in the host buffer was made for another plan (names, shapes, "
+                                    "dtypes, kinds or bucketing differ from the receiver's)")
+        if state != _COMPLETE:
+            raise PartialUpdateError(f"update {version} in the host buffer is incomplete (the sender did not "
+                                     f"finish it); the rollout keeps version {receiver.version}")
+        receiver.check_next(version, expected)
+        return version
+
+    def receive(self, receiver, version: int | None = None) -> int:
+        v = self._checked(receiver, version)
+        _check_buffer(self.buf, receiver.plan)
+        src = self.buf.tensor[HEADER_BYTES:HEADER_BYTES + receiver.plan.nbytes]
+        dst = receiver.staging[:receiver.plan.nbytes]
+        if receiver.cuda:
+            with torch.cuda.stream(receiver.stream):
+                dst.copy_(src, non_blocking=True)
+            receiver.stream.synchronize()
+        else:
+            dst.copy_(src)
+        if self.header.read()[1:3] != (v, _COMPLETE):
+            raise PartialUpdateError(f"the host buffer was rewritten while update {v} was read; nothing applied")
+        receiver.apply(v)
+        return v
+
+
+# ---- CUDA IPC -----------------------------------------------------------------------------------------------
+def _recv(conn, timeout: float, who: str):
+    if not conn.poll(timeout):
+        raise PartialUpdateError(f"the {who} did not answer within {timeout} s")
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError) as e:
+        raise PartialUpdateError(f"the {who} went away ({type(e).__name__})") from None
+    return msg
+
+
+class IpcSender:
+    """Sending end of the CUDA IPC transport (see the module policies). ``conn`` is a
+    ``multiprocessing.connection.Connection`` to the process that runs ``IpcReceiver.receive``."""
+
+    def __init__(self, conn, *, slots: int = 2, timeout: float = 600.0):
+        import torch.multiprocessing  # noqa: F401,PLC0415  (registers torch's CUDA IPC reductions)
+
+        if slots < 1:
+            raise InvalidArgumentError(f"slots must be >= 1, got {slots}")
+        self.conn, self.nslots, self.timeout = conn, slots, timeout
+        self.gen, self._bufs = 0, []
+        self._pending: dict = {}  # slot -> bucket index awaiting the receiver's answer
+        self._used: set = set()  # slots whose "consumed" event the next writer must wait for
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as e:
+            raise PartialUpdateError(f"the receiver went away ({type(e).__name__})") from None
+
+    def _call(self, msg, want: str):
+        self._send(msg)
+        return self._expect(want)
+
+    def _expect(self, want: str):
+        reply = _recv(self.conn, self.timeout, "receiver")
+        if reply[0] == "error":
+            raise StateError(f"the receiver refused the update: {reply[1]}")
+        if reply[0] != want:
+            raise StateError(f"protocol error: expected {want!r} from the receiver, got {reply[0]!r}")
+        return reply
+
+    def begin(self, version, plan, device) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise InvalidArgumentError("the CUDA IPC transport needs tensors on a CUDA device")
+        self.plan, self.version = plan, version
+        if not self._bufs or self._bufs[0].numel() < plan.max_bucket_bytes or self._bufs[0].device != device:
+            self.gen += 1
+            self._bufs = [torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device)
+                          for _ in range(self.nslots)]
+            self._ready = [torch.cuda.Event(interprocess=True) for _ in range(self.nslots)]
+            self._consumed = self._call(("open", self.gen, self._bufs, self._ready), "opened")[1]
+            self._used = set()
+        self._call(("begin", version, plan.signature, len(plan.buckets)), "begun")
+
+    def _settle(self, slot: int) -> None:
+        if slot in self._pending:
+            k = self._pending.pop(slot)
+            reply = self._expect("ack")
+            if reply[1] != k:
+                raise StateError(f"protocol error: the receiver answered bucket {reply[1]}, expected {k}")
+
+    def buffer(self, bucket, stream):
+        slot = bucket.index % self.nslots
+        self._settle(slot)
+        if slot in self._used:
+            stream.wait_event(self._consumed[slot])  # the receiver's copy out of it has completed
+        return self._bufs[slot]
+
+    def send(self, bucket, buf, stream) -> None:
+        slot = bucket.index % self.nslots
+        self._ready[slot].record(stream)
+        self._send(("bucket", self.gen, self.version, bucket.index, slot))
+        self._pending[slot] = bucket.index
+        self._used.add(slot)
+
+    def commit(self, version) -> None:
+        for slot in sorted(self._pending, key=self._pending.get):
+            self._settle(slot)
+        self._call(("commit", version), "committed")
+
+    def close(self) -> None:
+        if self._bufs:
+            try:
+                self._call(("close", self.gen), "closed")
+            except StateError:  # PartialUpdateError included: the receiver is gone already
+                pass
+        self._bufs = []
+
+
+class IpcReceiver:
+    """Receiving end of the CUDA IPC transport; ``receive`` serves one update (or a close) and returns the version
+    applied (None after a close)."""
+
+    def __init__(self, conn, *, timeout: float = 600.0):
+        import torch.multiprocessing  # noqa: F401,PLC0415
+
+        self.conn, self.timeout = conn, timeout
+        self.gen, self._bufs, self._ready, self._consumed = None, [], [], []
+
+    def _fail(self, err: Exception):
+        try:
+            self.conn.send(("error", f"{type(err).__name__}: {err}"))
+        except OSError:
+            pass
+        raise err
+
+    def receive(self, receiver, version: int | None = None) -> int | None:
+        pending, got = None, set()
+        while True:
+            msg = _recv(self.conn, self.timeout, "sender")
+            kind = msg[0]
+            if kind == "open":
+                _, self.gen, self._bufs, self._ready = msg
+                self._consumed = [torch.cuda.Event(interprocess=True) for _ in self._bufs]
+                self.conn.send(("opened", self._consumed))
+            elif kind == "close":
+                self.gen, self._bufs, self._ready = None, [], []
+                self.conn.send(("closed",))
+                return None
+            elif kind == "begin":
+                _, v, sig, n = msg
+                if sig != receiver.plan.signature or n != len(receiver.plan.buckets):
+                    self._fail(PlanMismatchError("the sender's plan differs from the receiver's (names, shapes, "
+                                                 "dtypes, kinds or bucketing)"))
+                try:
+                    receiver.check_next(v, version)
+                except WeightVersionError as e:
+                    self._fail(e)
+                pending, got = v, set()
+                self.conn.send(("begun",))
+            elif kind == "bucket":
+                _, gen, v, k, slot = msg
+                if gen != self.gen:
+                    self._fail(PartialUpdateError(f"bucket {k} names IPC buffers of generation {gen}; the held "
+                                                  f"ones are generation {self.gen} (the old ones were freed)"))
+                if v != pending:
+                    self._fail(WeightVersionError(f"bucket {k} of version {v} arrived during update {pending}"))
+                b = receiver.plan.buckets[k]
+                s = receiver.stream
+                s.wait_event(self._ready[slot])
+                with torch.cuda.stream(s):
+                    receiver.region(b).copy_(self._bufs[slot][:b.nbytes], non_blocking=True)
+                self._consumed[slot].record(s)
+                got.add(k)
+                self.conn.send(("ack", k))
+            elif kind == "commit":
+                v = msg[1]
+                if v != pending or len(got) != len(receiver.plan.buckets):
+                    self._fail(PartialUpdateError(f"commit of version {v} with {len(got)} of "
+                                                  f"{len(receiver.plan.buckets)} buckets staged (update {pending})"))
+                receiver.apply(v)
+                self.conn.send(("committed", v))
+                return v
+            else:
+                self._fail(StateError(f"protocol error: unknown message {kind!r}"))

@@ -1,0 +1,85 @@
+"""Child processes of the GPU sync tests (spawned; importable by name)."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+
+def digests(named: dict) -> dict:
+    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            for n, t in named.items()}
+
+
+class _DyingConn:
+    """A connection that kills its process after ``n`` bucket messages (a receiver dying mid-update)."""
+
+    def __init__(self, conn, n: int):
+        self.conn, self.n = conn, n
+
+    def recv(self):
+        msg = self.conn.recv()
+        if msg[0] == "bucket":
+            self.n -= 1
+            if self.n < 0:
+                os._exit(3)
+        return msg
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def ipc_receiver(conn, results, plan_kw: dict, expect: list, die_after_buckets: int | None = None) -> None:
+    """Receive ``len(expect)`` updates over CUDA IPC (``expect[i]``: the version required, or None); after each,
+    send ("ok", version, digests) or ("error", type name, message, digests of what is held)."""
+    from ebbtide.sync import IpcReceiver, Plan, Receiver
+    from sync_models import checkpoint
+
+    torch.cuda.set_device(0)
+    src = checkpoint(0, "cuda")
+    params = {n: torch.zeros_like(t) for n, t in src.items()}
+    receiver = Receiver(params, Plan.of(src, **plan_kw))
+    c = conn if die_after_buckets is None else _DyingConn(conn, die_after_buckets)
+    rx = IpcReceiver(c, timeout=120)
+    for want in expect:
+        try:
+            v = rx.receive(receiver, want)
+            results.send(("ok", v, digests(params)))
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            results.send(("error", type(e).__name__, str(e), digests(params)))
+            return
+    try:  # the sender closes its buffers at the end
+        rx.receive(receiver)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def nccl_rank(rank: int, port: int, plan_kw: dict, versions: int, results) -> None:
+    """Rank 0 sends ``versions`` updates by NCCL broadcast, rank 1 receives them; rank 1 reports digests."""
+    import torch.distributed as dist
+
+    from ebbtide.sync import NcclReceiver, NcclSender, Plan, Receiver, Sender
+    from sync_models import checkpoint
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=dev)
+    try:
+        src = checkpoint(0, dev)
+        plan = Plan.of(src, **plan_kw)
+        if rank == 0:
+            sender = Sender(src, NcclSender(dist.group.WORLD, src=0), plan=plan)
+            for v in range(1, versions + 1):
+                with torch.no_grad():
+                    for t in src.values():
+                        t.mul_(1.25)
+                sender.push(v)
+        else:
+            params = {n: torch.zeros_like(t) for n, t in src.items()}
+            receiver = Receiver(params, plan)
+            for v in range(1, versions + 1):
+                NcclReceiver(dist.group.WORLD, src=0).receive(receiver, v)
+                results.send((v, digests(params)))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,174 @@
+"""Sender -> host buffer -> Receiver on the CPU: bits over many updates, versions, refusals, rollback."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ebbtide.sync import (HostReceiver, HostSender, PartialUpdateError, Plan, PlanMismatchError, Receiver, Sender,
+                          SharedHostBuffer, WeightVersionError, expected)
+
+from sync_models import RULES, checkpoint
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _pair(scale="fp32", bucket_bytes=150_000):
+    src = checkpoint(0)
+    plan = Plan.of(src, rules=RULES, scale=scale, bucket_bytes=bucket_bytes)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    return src, plan, buf, Sender(src, HostSender(buf), plan=plan), Receiver(dst, plan), dst
+
+
+@pytest.mark.parametrize("scale,updates", [("fp32", 20), ("ue8m0", 4)])  # the CPU reference is slow; GPU runs 20
+def test_receiver_holds_the_reference_bit_for_bit_over_many_updates(scale, updates):
+    src, plan, buf, sender, receiver, dst = _pair(scale)
+    rx = HostReceiver(buf)
+    try:
+        for v in range(1, updates + 1):
+            with torch.no_grad():  # the optimizer changes the weights between updates
+                for t in src.values():
+                    t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(v)).to(t.dtype) * 0.01)
+            sender.push(v)
+            assert rx.receive(receiver, v) == v
+            receiver.require(v)
+            want = expected(plan, src)
+            bad = [n for n in src if not torch.equal(_bits(want[n]), _bits(dst[n]))]
+            assert not bad, (v, bad)
+    finally:
+        buf.close()
+
+
+def test_versions_only_grow_and_must_match():
+    src, plan, buf, sender, receiver, dst = _pair()
+    rx = HostReceiver(buf)
+    try:
+        with pytest.raises(PartialUpdateError, match="no update"):
+            rx.receive(receiver)
+        sender.push(3)
+        with pytest.raises(WeightVersionError, match="expected 4"):
+            rx.receive(receiver, 4)
+        assert receiver.version is None  # nothing applied
+        rx.receive(receiver, 3)
+        with pytest.raises(WeightVersionError, match="not newer"):
+            rx.receive(receiver)  # the same update twice
+        sender.push(2)
+        with pytest.raises(WeightVersionError, match="not newer"):
+            rx.receive(receiver)
+        with pytest.raises(WeightVersionError, match="holds version 3"):
+            receiver.require(2)
+    finally:
+        buf.close()
+
+
+def test_incomplete_update_keeps_the_last_version():
+    src, plan, buf, sender, receiver, dst = _pair()
+    rx = HostReceiver(buf)
+    try:
+        sender.push(1)
+        rx.receive(receiver, 1)
+        held = {n: t.clone() for n, t in dst.items()}
+        # the sender dies after its first bucket: the header says "writing", the receiver refuses the update
+        end = sender.transport
+        end.begin(2, plan, "cpu")
+        with pytest.raises(PartialUpdateError, match="incomplete"):
+            rx.receive(receiver, 2)
+        assert receiver.version == 1 and all(torch.equal(held[n], dst[n]) for n in dst)
+    finally:
+        buf.close()
+
+
+def test_plan_mismatch_is_refused():
+    src, plan, buf, sender, receiver, dst = _pair()
+    try:
+        sender.push(1)
+        other = Plan.of(src, rules=RULES, bucket_bytes=1)
+        with pytest.raises(PlanMismatchError, match="another plan"):
+            HostReceiver(buf).receive(Receiver({n: torch.zeros_like(t) for n, t in src.items()}, other))
+    finally:
+        buf.close()
+
+
+def test_receiver_refuses_unknown_names_shapes_and_dtypes():
+    src = checkpoint()
+    plan = Plan.of(src, rules=RULES)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    del dst["lm_head.weight"]
+    with pytest.raises(PlanMismatchError, match="lm_head.weight: not a parameter"):
+        Receiver(dst, plan)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    dst["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(PlanMismatchError, match="shape"):
+        Receiver(dst, plan)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    dst["model.layers.0.input_layernorm.weight"] = torch.zeros(256)
+    with pytest.raises(PlanMismatchError, match="dtype"):
+        Receiver(dst, plan)
+
+
+def test_sender_refuses_a_plan_that_does_not_fit():
+    src = checkpoint()
+    plan = Plan.of(src, rules=RULES)
+    buf = SharedHostBuffer.create(64 << 10, pin=False)
+    try:
+        with pytest.raises(ValueError, match="the plan needs"):
+            Sender(src, HostSender(buf), plan=plan).push(1)
+        small = dict(src)
+        small["lm_head.weight"] = torch.zeros(8, 8, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="lm_head.weight"):
+            Sender(small, HostSender(buf), plan=plan)
+    finally:
+        buf.close()
+
+
+def test_host_transport_between_two_processes():
+    src, plan, buf, sender, _, _ = _pair()
+    try:
+        sender.push(7)
+        code = f"""
+            import sys, torch
+            sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+            from ebbtide.sync import HostReceiver, Plan, Receiver, SharedHostBuffer, expected
+            from sync_models import RULES, checkpoint
+            src = checkpoint(0)
+            plan = Plan.of(src, rules=RULES, bucket_bytes=150_000)
+            buf = SharedHostBuffer({buf.fd}, {buf.nbytes}, pin=False)
+            dst = {{n: torch.zeros_like(t) for n, t in src.items()}}
+            r = Receiver(dst, plan)
+            assert HostReceiver(buf).receive(r, 7) == 7
+            want = expected(plan, src)
+            assert all(torch.equal(want[n].view(torch.uint8), dst[n].view(torch.uint8)) for n in src)
+            print("ok")
+            """
+        p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], pass_fds=(buf.fd,), capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+    finally:
+        buf.close()
+
+
+def test_served_form_holds_the_quantized_outputs():
+    src = checkpoint(2)
+    plan = Plan.of(src, rules=RULES, bucket_bytes=150_000)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        outs = {o.name: o for it in plan.items for o in it.outputs}
+        served = {n: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for n, o in outs.items()}
+        r = Receiver(served, plan, form="served")
+        Sender(src, HostSender(buf), plan=plan).push(1)
+        HostReceiver(buf).receive(r, 1)
+        staged = {}
+        for b in plan.buckets:
+            region = r.region(b)
+            staged.update({o.name: o.view(region) for o in b.outputs})
+        assert all(torch.equal(served[n].view(torch.uint8), staged[n].view(torch.uint8)) for n in outs)
+        bad = dict(served)
+        bad.pop("lm_head.weight")
+        with pytest.raises(PlanMismatchError, match="lm_head.weight: receiver missing"):
+            Receiver(bad, plan, form="served")
+    finally:
+        buf.close()

@@ -1,0 +1,128 @@
+"""ebbtide.sync on the GPU: bits against the CPU reference quantizer over 20 updates, CUDA IPC between two
+processes on one GPU (bits, versions, a receiver dying mid-update), NCCL between two GPUs."""
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+from ebbtide.sync import (HostReceiver, HostSender, IpcSender, Plan, Receiver, Sender, SharedHostBuffer,
+                          WeightVersionError, expected)
+
+import sync_workers
+from sync_models import RULES, checkpoint
+
+pytestmark = pytest.mark.gpu
+PLAN_KW = {"rules": RULES, "bucket_bytes": 150_000}
+
+
+def _cpu_digests(plan, src):
+    return sync_workers.digests(expected(plan, {n: t.cpu() for n, t in src.items()}))
+
+
+def _step(src, v):
+    with torch.no_grad():
+        for t in src.values():
+            t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(v)).to(t.device, t.dtype) * 0.01)
+
+
+@pytest.mark.parametrize("scale", ["fp32", "ue8m0"])
+def test_host_path_on_gpu_equals_the_cpu_reference_over_20_updates(scale):
+    src = checkpoint(0, "cuda")
+    plan = Plan.of(src, scale=scale, **PLAN_KW)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=True)
+    try:
+        params = {n: torch.zeros_like(t) for n, t in src.items()}
+        sender, receiver = Sender(src, HostSender(buf), plan=plan), Receiver(params, plan)
+        for v in range(1, 21):
+            _step(src, v)
+            sender.push(v)
+            HostReceiver(buf).receive(receiver, v)
+            assert sync_workers.digests(params) == _cpu_digests(plan, src), v
+        with pytest.raises(WeightVersionError):
+            HostReceiver(buf).receive(receiver, 20)
+    finally:
+        buf.close()
+
+
+def _ipc(expect, versions, die_after_buckets=None):
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    res_r, res_w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=sync_workers.ipc_receiver, args=(b, res_w, PLAN_KW, expect, die_after_buckets))
+    p.start()
+    src = checkpoint(0, "cuda")
+    plan = Plan.of(src, **PLAN_KW)
+    sender = Sender(src, IpcSender(a, timeout=120), plan=plan)
+    out = []
+    try:
+        for v in versions:
+            _step(src, v)
+            want = _cpu_digests(plan, src)
+            try:
+                sender.push(v)
+            except Exception as e:  # noqa: BLE001 (the test reads it)
+                out.append(("sender", type(e).__name__, str(e)))
+                break
+            out.append(("pushed", v, want))
+            out.append(res_r.recv())
+        else:
+            sender.close()
+    finally:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    return out, p.exitcode, res_r
+
+
+def test_ipc_two_processes_one_gpu_bits_over_20_updates():
+    out, code, _ = _ipc([None] * 20, range(1, 21))
+    pairs = list(zip(out[::2], out[1::2]))
+    assert len(pairs) == 20
+    for (kind, v, want), got in pairs:
+        assert got[0] == "ok" and got[1] == v, got[:3]
+        assert got[2] == want, v
+    assert code == 0
+
+
+def test_ipc_version_mismatch_is_refused_on_both_sides_and_keeps_the_last_version():
+    out, code, res = _ipc([1, 5], [1, 2])
+    (_, _, want1), got1 = out[0], out[1]
+    assert got1[:2] == ("ok", 1) and got1[2] == want1
+    assert out[2][0] == "sender" and "expected 5" in out[2][2]
+    child = res.recv()
+    assert child[0] == "error" and child[1] == "WeightVersionError"
+    assert child[3] == want1  # still version 1, bit for bit
+
+
+def test_ipc_receiver_dying_mid_update_raises_on_the_sender():
+    out, code, _ = _ipc([None], [1], die_after_buckets=1)
+    assert out[0][0] == "sender" and out[0][1] == "PartialUpdateError", out
+    assert code == 3
+
+
+@pytest.mark.multigpu
+def test_nccl_broadcast_between_two_gpus():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    r, w = ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=sync_workers.nccl_rank, args=(k, port, PLAN_KW, 5, w)) for k in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        ref = checkpoint(0)
+        for v in range(1, 6):
+            assert r.poll(300), "rank 1 reported nothing"
+            got_v, got = r.recv()
+            with torch.no_grad():  # what rank 0 did before pushing v (bf16 x 1.25 rounds the same on CPU and GPU)
+                for t in ref.values():
+                    t.mul_(1.25)
+            assert got_v == v and got == _cpu_digests(Plan.of(ref, **PLAN_KW), ref), v
+    finally:
+        for p in procs:
+            p.join(300)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
