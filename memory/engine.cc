@@ -268,9 +268,9 @@ ebt_status_t Engine::free(void* ptr, int* found) {
   EBT_CHECK(device(a->device, &d));
   ebt_status_t st = EBT_SUCCESS;
   bool va_free = true;
-  if (a->state == AllocState::kActive) {  // free of a paused allocation: nothing mapped (TMS #92)
+  if (a->state == AllocState::kActive) {  // a paused allocation has nothing mapped: no driver call
     CtxGuard ctx(drv, d->ctx);
-    CUresult r = drv->cuCtxSynchronize();  // kernels still using it must finish before unmap (TMS #58)
+    CUresult r = drv->cuCtxSynchronize();  // kernels still using it must finish before its memory goes
     if (r != CUDA_SUCCESS) st = ebt_cu_error(r, "cuCtxSynchronize (free)", __FILE__, __LINE__);
     // The last unmap frees the memory (its handle was released at map).
     const ebt_status_t ust = unmap_or_quarantine(drv, a->device, a->va, a->aligned, "free");

@@ -26,6 +26,7 @@
 #include "csrc/driver.h"
 #include "csrc/ebbtide.h"
 #include "csrc/log.h"
+#include "csrc/status.h"
 #include "memory/ebbtide_memory.h"
 #include "memory/engine.h"
 #include "memory/routing.h"
@@ -146,14 +147,15 @@ EBT_API int cudaFree(void* ptr) {
 
 /* Calls and bytes the shim forwarded to the real cudaMalloc (memory that bypassed ebbtide). */
 EBT_API ebt_status_t ebt_shim_forwarded(unsigned long long* allocs, unsigned long long* bytes) {
-  if (!allocs || !bytes) return EBT_ERROR_INVALID_ARGUMENT;
+  if (!allocs || !bytes) return ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "ebt_shim_forwarded: NULL out-pointer");
   *allocs = g_forwarded_allocs.load();
   *bytes = g_forwarded_bytes.load();
   return EBT_SUCCESS;
 }
 
 EBT_API ebt_status_t ebt_mem_shim_active(int* active) {
-  if (!active) return EBT_ERROR_INVALID_ARGUMENT;
+  if (!active) return ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "ebt_mem_shim_active: active is NULL");
+  EBT_CHECK(ebbtide::memory::load_settings());  // like every ebt_mem_* call: fails under a bad memory setting
   // Ask the global scope (the main program's handle: executable, preloads, RTLD_GLOBAL libraries) which
   // cudaMalloc a caller gets, and whether it lives in this library. Comparing with &cudaMalloc would not do:
   // taking the address of an exported function goes through the same interposable lookup, so both sides name

@@ -61,6 +61,7 @@ PROBE = """
         "memory_margin": N.memory_margin, "set_memory_margin": lambda: N.set_memory_margin(0),
         "coalescing": N.coalescing, "paused_ranges": N.paused_ranges, "tag_state": lambda: N.tag_state("t"),
         "release_host_memory": N.release_host_memory, "reset_for_testing": N.reset_for_testing,
+        "shim_active": N.shim_active,
     }
     seen = set()
     for name, call in calls.items():
