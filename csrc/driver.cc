@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 
+#include "csrc/param.h"
 #include "csrc/status.h"
 
 namespace {
@@ -37,9 +38,19 @@ void* resolve(void* lib, GetProcAddressV2 gpa2, GetProcAddressV1 gpa1, const cha
   return fn ? fn : dlsym(lib, name);
 }
 
+// EBBTIDE_LIBCUDA: a test hook (the CPU tests point it at a host-memory fake driver). It names a library to
+// load into the process, so it is read with secure_getenv: a set-user-ID or file-capability process ignores it.
+EBT_PARAM_STRING(libcuda_param, "EBBTIDE_LIBCUDA", "libcuda.so.1", nullptr, ebbtide::param::kSecure)
+
 void load() {
-  const char* env = getenv("EBBTIDE_LIBCUDA");
-  const char* path = (env && *env) ? env : "libcuda.so.1";
+  std::string chosen;
+  g_status = libcuda_param(&chosen);
+  if (g_status != EBT_SUCCESS) {
+    g_reason = ebt_last_error();
+    return;
+  }
+  g_status = EBT_ERROR_DRIVER_NOT_FOUND;
+  const char* path = chosen.c_str();
   void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* e = dlerror();

@@ -48,7 +48,8 @@ typedef enum {
   EBT_ERROR_CUDA_RUNTIME = 12,     /* a kernel launch or CUDA runtime call failed */
   EBT_ERROR_VERSION_MISMATCH = 13, /* components of different ebbtide versions were mixed */
   EBT_ERROR_TIMEOUT = 14,          /* a wait ran past its deadline */
-  EBT_STATUS_COUNT = 15            /* not a status: one past the last value */
+  EBT_ERROR_SETTING = 15,          /* an environment setting's value does not parse (the message names it) */
+  EBT_STATUS_COUNT = 16            /* not a status: one past the last value */
 } ebt_status_t;
 
 /* Text for a status: what it means and what to do next. Never NULL; static storage. */
@@ -107,16 +108,20 @@ typedef enum {
 
 /* Features the CPU and OS support (the OS must save the wider registers: xgetbv is checked). */
 EBT_API ebt_status_t ebt_cpu_features(unsigned* features);
-/* The best dispatch level for this process: "avx512_bf16", "avx512", "avx2", "neon" or "scalar",
- * lowered (never raised) by EBBTIDE_CPU_ISA. Static storage. */
+/* The dispatch level for this process: "avx512_bf16", "avx512", "avx2", "neon" or "scalar": the widest the CPU
+ * supports, capped on CPUs where a wider kernel measured slower (the rule table in cpu_features.cc), or any
+ * supported level named by EBBTIDE_CPU_ISA. Static storage. EBT_ERROR_SETTING when EBBTIDE_CPU_ISA is not one of
+ * those names (any case). */
 EBT_API ebt_status_t ebt_cpu_isa(const char** name);
+/* Why ebt_cpu_isa chose its level (one line of text, e.g. the rule that capped it). Static storage. */
+EBT_API ebt_status_t ebt_cpu_isa_reason(const char** reason);
 /* Logical CPUs this process may run on (sched_getaffinity). */
 EBT_API ebt_status_t ebt_cpu_affinity_count(int* count);
 
 /* ---- CUDA driver ------------------------------------------------------------------------------------------
  * libcuda.so.1 is opened on first use (dlopen, never linked); symbols resolved through cuGetProcAddress with
  * the driver's own version, so one binary serves CUDA 12 and 13 drivers. EBBTIDE_LIBCUDA names another
- * library (the test suite's host-memory fake uses this). */
+ * library: a test hook (the test suite's host-memory fake), read with secure_getenv. */
 /* EBT_SUCCESS if the driver loaded and cuInit succeeded; EBT_ERROR_DRIVER_NOT_FOUND otherwise (message says
  * why). Thread-safe; the outcome is cached. */
 EBT_API ebt_status_t ebt_driver_status(void);

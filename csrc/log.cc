@@ -2,13 +2,16 @@
  * log.cc — the logger. Configuration comes from EBBTIDE_DEBUG / EBBTIDE_DEBUG_SUBSYS / EBBTIDE_DEBUG_FILE on
  * first use (std::call_once) and can be changed at run time (ebt_log_configure). The level and mask are atomics
  * so the enabled check on hot paths is lock-free; writing a line takes the sink mutex.
- * Default: WARN for every subsystem, to stderr.
+ * Default: WARN for every subsystem, to stderr. The debug file is opened without following a symbolic link and
+ * created with mode 0600; its path is read with secure_getenv (ignored in set-user-ID processes).
  */
+#include <fcntl.h>
 #include <strings.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +20,7 @@
 #include <string>
 
 #include "csrc/ebbtide.h"
+#include "csrc/param.h"
 
 namespace {
 
@@ -43,37 +47,99 @@ const char* subsys_name(unsigned s) {
   return "ALL";
 }
 
-// "MEM,SHIM" enables those; "^COMM" enables everything but COMM.
-unsigned parse_mask(const char* spec) {
-  bool invert = spec[0] == '^';
-  if (invert) ++spec;
+// "MEM,SHIM" enables those; "^COMM" enables everything but COMM. False on an unknown or empty name.
+bool parse_mask(const std::string& text, unsigned* out) {
+  const bool invert = !text.empty() && text[0] == '^';
+  std::string s = invert ? text.substr(1) : text;
   unsigned mask = 0;
-  std::string s(spec);
   size_t pos = 0;
   while (pos <= s.size()) {
     size_t end = s.find(',', pos);
     if (end == std::string::npos) end = s.size();
     std::string tok = s.substr(pos, end - pos);
+    while (!tok.empty() && tok.back() == ' ') tok.pop_back();
+    while (!tok.empty() && tok.front() == ' ') tok.erase(0, 1);
+    bool known = false;
     for (const auto& e : kSubsys)
-      if (strcasecmp(tok.c_str(), e.name) == 0) mask |= e.bit;
+      if (strcasecmp(tok.c_str(), e.name) == 0) {
+        mask |= e.bit;
+        known = true;
+      }
+    if (!known) return false;
     pos = end + 1;
   }
-  return invert ? ~mask : mask;
+  *out = invert ? ~mask : mask;
+  return true;
 }
 
-void read_env() {
-  if (const char* lv = getenv("EBBTIDE_DEBUG")) {
-    if (!strcasecmp(lv, "NONE")) g_level = EBT_LOG_NONE;
-    else if (!strcasecmp(lv, "WARN")) g_level = EBT_LOG_WARN;
-    else if (!strcasecmp(lv, "INFO")) g_level = EBT_LOG_INFO;
-    else if (!strcasecmp(lv, "TRACE")) g_level = EBT_LOG_TRACE;
+std::string mask_accepted(const std::string& text) {
+  unsigned m;
+  return parse_mask(text, &m) ? "" : "a comma list of INIT, MEM, SHIM, COMM, QUANT, OPTIM, ALL (any case; a leading ^ "
+                                     "excludes them)";
+}
+
+// The debug file: created with mode 0600 (the log may hold addresses and paths), appended to, never through a
+// symbolic link (O_NOFOLLOW on the last component), close-on-exec. Null (with the reason) when it cannot be opened.
+FILE* open_debug_file(std::string path, std::string* why) {
+  size_t at = path.find("%p");
+  if (at != std::string::npos) path.replace(at, 2, std::to_string(getpid()));
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    *why = path + ": " + (err == ELOOP ? "is a symbolic link (refused)" : strerror(err));
+    return nullptr;
   }
-  if (const char* sub = getenv("EBBTIDE_DEBUG_SUBSYS")) g_mask = parse_mask(sub);
-  if (const char* path = getenv("EBBTIDE_DEBUG_FILE")) {
-    std::string p(path);
-    size_t at = p.find("%p");
-    if (at != std::string::npos) p.replace(at, 2, std::to_string(getpid()));
-    g_file = fopen(p.c_str(), "a");  // on failure lines go to stderr
+  FILE* f = fdopen(fd, "a");
+  if (!f) {
+    *why = path + ": " + strerror(errno);
+    close(fd);
+  }
+  return f;
+}
+
+constexpr const char* kLevels[] = {"NONE", "WARN", "INFO", "TRACE"};  // index = ebt_log_level_t
+
+// The logger's own settings (param.h readers, kQuiet: logging them from here would recurse). A bad value keeps
+// that setting's default, is reported on stderr once, and makes ebt_log_get fail with EBT_ERROR_SETTING: the
+// logger cannot fail the calls that log.
+using ebbtide::param::kNoCase;
+using ebbtide::param::kQuiet;
+using ebbtide::param::kSecure;
+// The first bad logging setting (written once, in read_env). A plain array, so it is constant-initialized: the
+// logger may be first used by another file's load-time constructor, before this file's dynamic initializers ran.
+char g_env_error[512] = "";
+
+void read_env() {
+  std::string errors;
+  auto note = [&errors] {
+    if (errors.empty()) errors = ebt_last_error();
+  };
+  int level = EBT_LOG_WARN;
+  if (ebbtide::param::read_choice("EBBTIDE_DEBUG", kLevels, 4, EBT_LOG_WARN, kQuiet | kNoCase, &level) ==
+      EBT_SUCCESS)
+    g_level = level;
+  else
+    note();
+  std::string sub;
+  unsigned mask = EBT_SUBSYS_ALL;
+  if (ebbtide::param::read_string("EBBTIDE_DEBUG_SUBSYS", "ALL", mask_accepted, kQuiet, &sub) == EBT_SUCCESS &&
+      parse_mask(sub, &mask))
+    g_mask = mask;
+  else
+    note();
+  std::string path;
+  if (ebbtide::param::read_string("EBBTIDE_DEBUG_FILE", "", nullptr, kQuiet | kSecure, &path) != EBT_SUCCESS) {
+    note();
+  } else if (!path.empty()) {
+    std::string why;
+    g_file = open_debug_file(path, &why);
+    if (!g_file) fprintf(stderr, "ebbtide %d WARN EBBTIDE_DEBUG_FILE=%s: cannot open (%s); logging to stderr\n",
+                         static_cast<int>(getpid()), path.c_str(), why.c_str());
+  }
+  if (!errors.empty()) {
+    snprintf(g_env_error, sizeof(g_env_error), "%s", errors.c_str());
+    fprintf(stderr, "ebbtide %d WARN %s (that setting keeps its default)\n", static_cast<int>(getpid()),
+            errors.c_str());
   }
 }
 
@@ -135,6 +201,7 @@ ebt_status_t ebt_log_configure(int level, unsigned subsys_mask) {
 ebt_status_t ebt_log_get(int* level, unsigned* subsys_mask) {
   std::call_once(g_env_once, read_env);
   if (!level || !subsys_mask) return EBT_ERROR_INVALID_ARGUMENT;
+  if (g_env_error[0]) return ebt_set_error_quiet(EBT_ERROR_SETTING, "%s", g_env_error);
   *level = g_level.load();
   *subsys_mask = g_mask.load();
   return EBT_SUCCESS;

@@ -3,6 +3,7 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 
 namespace {
 thread_local char g_last_error[1024] = "";
@@ -23,6 +24,7 @@ const char* const kStatusText[] = {
     /* CUDA_RUNTIME */ "kernel launch or CUDA runtime call failed",
     /* VERSION_MISMATCH */ "ebbtide components of different versions were mixed: reinstall ebbtide",
     /* TIMEOUT */ "a wait ran past its deadline",
+    /* SETTING */ "an environment setting has a value that does not parse: fix or unset the variable named",
 };
 static_assert(sizeof(kStatusText) / sizeof(kStatusText[0]) == EBT_STATUS_COUNT,
               "every status needs its text");
@@ -39,13 +41,27 @@ const char* ebt_last_error(void) { return g_last_error; }
 
 void ebt_clear_error(void) { g_last_error[0] = '\0'; }
 
+// Formatted into a local buffer first: callers may pass ebt_last_error() itself as an argument
+// (ebt_set_error(st, "%s", ebt_last_error()) re-types an error), and vsnprintf must not write into its own input.
 ebt_status_t ebt_set_error(ebt_status_t status, const char* fmt, ...) {
+  char buf[sizeof(g_last_error)];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
   va_end(ap);
+  memcpy(g_last_error, buf, sizeof(buf));
   EBT_INFO(EBT_SUBSYS_ALL, "error %d (%s): %s", static_cast<int>(status), ebt_status_string(status),
            g_last_error);
+  return status;
+}
+
+ebt_status_t ebt_set_error_quiet(ebt_status_t status, const char* fmt, ...) {
+  char buf[sizeof(g_last_error)];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  memcpy(g_last_error, buf, sizeof(buf));
   return status;
 }
 

@@ -18,6 +18,9 @@ extern "C" {
 /* Record `fmt` as this thread's last error and return `status` (so `return ebt_set_error(...)` reads well).
  * Exported so the Python extension's components share the runtime library's thread-local message. */
 EBT_API ebt_status_t ebt_set_error(ebt_status_t status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Same, without the INFO line: for the logger's own settings, read while the logger is being set up. */
+EBT_API ebt_status_t ebt_set_error_quiet(ebt_status_t status, const char* fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 /* Forget this thread's last error (called on entry of public calls that succeed). */
 EBT_API void ebt_clear_error(void);
 }

@@ -1,7 +1,7 @@
 /*
  * bindings.cc — ebbtide._C.memory: a thin pybind11 view of the exported ebt_mem_* C API (memory/ebbtide_memory.h).
  * The engine itself lives in libebbtide.so, which _C links, so Python, the LD_PRELOAD interposers and PyTorch's
- * pluggable allocator reach one engine (spec item 17). Blocking calls release the GIL. Reports and stats come back
+ * pluggable allocator reach one engine. Blocking calls release the GIL. Reports and stats come back
  * as dicts; failures raise the typed ebbtide exceptions (OutOfMemoryError with needed/free filled by Python).
  */
 #include <pybind11/pybind11.h>
@@ -263,6 +263,8 @@ void register_bindings(py::module_& m) {
     d["live_allocations"] = g.live_allocations;
     d["coalesced_mappings"] = g.coalesced_mappings;
     d["bytes_pending_free"] = g.bytes_pending_free;
+    d["quarantined_ranges"] = g.quarantined_ranges;
+    d["quarantined_bytes"] = g.quarantined_bytes;
     return d;
   });
   m.def("get_cpu_backup", [](uintptr_t ptr) {

@@ -94,6 +94,8 @@ typedef struct {
   size_t live_allocations;
   size_t coalesced_mappings; /* mappings now holding several allocations (coalesced resume) */
   size_t bytes_pending_free; /* freed allocations still mapped inside them (see ebt_mem_set_coalescing) */
+  size_t quarantined_ranges; /* freed ranges the driver refused to unmap (twice): never reused, may stay mapped */
+  size_t quarantined_bytes;
 } ebt_mem_global_stats_t;
 
 typedef struct ebt_mem_op* ebt_mem_op_t; /* an asynchronous pause or resume */
@@ -117,7 +119,8 @@ EBT_API ebt_status_t ebt_mem_current_region(char* tag, int* backup, int* disable
 EBT_API ebt_status_t ebt_mem_malloc(void** ptr, size_t size, int device, const char* tag, int backup);
 /* Free an engine allocation (active or paused). Synchronizes the allocation's device before unmapping an
  * active one. *found = 0 and SUCCESS when the pointer is not the engine's (the caller forwards it). Waits for a
- * pause/resume in flight on that allocation. */
+ * pause/resume in flight on that allocation. If the driver refuses the unmap twice, the allocation is gone all the
+ * same but its range is quarantined (never reused; counted in ebt_mem_global_stats_t) and DRIVER is returned. */
 EBT_API ebt_status_t ebt_mem_free(void* ptr, int* found);
 
 /* ---- pause / resume ----------------------------------------------------------------------------------------

@@ -179,6 +179,11 @@ class Engine {
   // The coalesced mappings a pause unmapped: detach their members, return the zombies' VA (takes mu_).
   void retire_segments(const std::vector<Allocation*>& allocs, const std::vector<const MapUnit*>& retired,
                        ebt_mem_report_t* r);
+  // free(): unmap [va, va + size) (the device's context current), once more if the driver refuses; if it refuses
+  // again the range is quarantined (never reused, counted in global stats) and the status is EBT_ERROR_DRIVER.
+  // Takes mu_.
+  ebt_status_t unmap_or_quarantine(const ebt_driver_table_t* drv, int device, CUdeviceptr va, size_t size,
+                                   const char* what);
   // free() of an ACTIVE member of a coalesced mapping (mu_ held via `lock`, a already unlisted).
   ebt_status_t free_member(Allocation* a, std::unique_lock<std::mutex>& lock);
   void commit(Plan& plan, ebt_status_t st, const ebt_mem_report_t& r);
@@ -198,6 +203,15 @@ class Engine {
   // An OOM status gets a hint when zombies hold memory (nothing else can give it back before their tag's pause).
   ebt_status_t oom_hint(ebt_status_t st);
 
+  // Ranges a free could not unmap (twice): their VA stays reserved and is never handed out again; their memory
+  // may stay mapped. Counted in global stats; reset() tries to unmap them once more and forgets them. mu_.
+  struct Quarantined {
+    CUdeviceptr va = 0;
+    size_t size = 0;
+    int device = -1;
+  };
+  std::vector<Quarantined> quarantine_;
+
   struct Import {
     CUmemGenericAllocationHandle handle = 0;
     size_t size = 0;
@@ -215,7 +229,7 @@ class Engine {
   std::vector<std::pair<CUdeviceptr, unsigned long long>> pin_queue_;  // (va, id) of allocations to pin for
   bool pin_busy_ = false;            // the worker is pinning a batch
   bool pin_thread_started_ = false;  // the worker thread exists (started on first use, lives for the process)
-  int pin_enabled_ = -1;             // -1: not read yet (EBBTIDE_MEM_PREPIN, default on); 0/1
+  int pin_enabled_ = -1;             // -1: not set yet (then EBBTIDE_MEM_PREPIN, default on); 0/1
 };
 
 // RAII: make `ctx` current on this thread for the scope (push/pop, so the caller's context is restored).

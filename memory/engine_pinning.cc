@@ -4,7 +4,7 @@
  * Why: pinning is the one slow part of a first CPU-backed pause (~2 GB/s for fresh cuMemHostAlloc, ~17 GB/s per
  * thread for cuMemHostRegister of touched memory), while the copies run at PCIe speed. A colocated RL job makes
  * its weights long before the first switch, so the engine pins their blocks then, on one runtime thread, and the
- * first pause only copies ("pinning ahead of time in the background", spec item 7).
+ * first pause only copies.
  *
  * Policy: Engine::malloc queues (va, id) of every CPU-backed allocation (EBBTIDE_MEM_PREPIN=0 or
  * set_background_pinning(false) turns this off). The worker takes the whole queue as one batch (one arena growth),
@@ -18,6 +18,7 @@
 
 #include "csrc/status.h"
 #include "memory/engine.h"
+#include "memory/settings.h"
 
 namespace ebbtide::memory {
 
@@ -34,10 +35,7 @@ void Engine::wait_background_pinning() {
 
 void Engine::enqueue_pinning(const Allocation* a) {
   std::lock_guard<std::mutex> lock(pin_mu_);
-  if (pin_enabled_ < 0) {
-    const char* env = getenv("EBBTIDE_MEM_PREPIN");
-    pin_enabled_ = (env && env[0] == '0') ? 0 : 1;
-  }
+  if (pin_enabled_ < 0) pin_enabled_ = settings().prepin ? 1 : 0;
   if (!pin_enabled_) return;
   pin_queue_.emplace_back(a->va, a->id);
   if (!pin_thread_started_) {

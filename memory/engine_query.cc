@@ -104,6 +104,8 @@ ebt_status_t Engine::global_stats(ebt_mem_global_stats_t* out) {
       out->coalesced_mappings += 1;
       out->bytes_pending_free += seg->zombie_bytes;
     }
+    out->quarantined_ranges = quarantine_.size();
+    for (const Quarantined& q : quarantine_) out->quarantined_bytes += q.size;
   }
   std::lock_guard<std::mutex> lock(dev_mu_);
   for (auto& kv : devices_) out->va_reserved += kv.second->va->reserved_bytes();
@@ -216,6 +218,8 @@ ebt_status_t Engine::reset() {
   std::vector<Allocation*> all;
   for (auto& kv : by_va_) all.push_back(kv.second);
   by_va_.clear();
+  std::vector<Quarantined> quarantined = std::move(quarantine_);
+  quarantine_.clear();
   tags_.clear();
   pending_free_ = 0;
   allocs_total_ = frees_total_ = 0;
@@ -236,6 +240,12 @@ ebt_status_t Engine::reset() {
       zombies.insert(zombies.end(), a->seg->zombies.begin(), a->seg->zombies.end());
       a->seg->zombies.clear();
     }
+  }
+  for (const Quarantined& q : quarantined) {  // one more try: the reservations below go back to the driver
+    auto it = devices_.find(q.device);
+    if (it == devices_.end()) continue;
+    CtxGuard ctx(drv, it->second->ctx);
+    drv->cuMemUnmap(q.va, q.size);
   }
   for (Allocation* a : all) delete a;  // after the loop: unmapped holds segment addresses until then
   for (Allocation* z : zombies) delete z;

@@ -8,28 +8,19 @@
 // cannot unmap a sub-range of a mapping). A member freed while active becomes a zombie of its Segment: unlisted at
 // once, its VA and memory held until the mapping goes (next pause of the tag, or the last live member's free).
 // Shareable allocations never join a run: an export must expose exactly one allocation's memory.
-#include <cstdlib>
 #include <memory>
 #include <string>
 
 #include "csrc/status.h"
 #include "memory/engine.h"
+#include "memory/settings.h"
 
 namespace ebbtide::memory {
 
 namespace {
 
-// Largest coalesced mapping (EBBTIDE_MEM_COALESCE_MAX_BYTES, default 4 GiB): a failed cuMemCreate of a run then
-// wastes little, and the pre-flight's free-memory figure stays meaningful for the runs that follow.
-size_t coalesce_max_bytes() {
-  static const size_t n = [] {
-    const char* v = getenv("EBBTIDE_MEM_COALESCE_MAX_BYTES");
-    char* end = nullptr;
-    unsigned long long x = v && *v ? strtoull(v, &end, 10) : 0;
-    return (end && *end == '\0' && x > 0) ? static_cast<size_t>(x) : (size_t(4) << 30);
-  }();
-  return n;
-}
+// Largest coalesced mapping (EBBTIDE_MEM_COALESCE_MAX_BYTES, memory/settings.h).
+size_t coalesce_max_bytes() { return settings().coalesce_max_bytes; }
 
 // The unit of allocs[i] mapped on its own (its own physical allocation).
 MapUnit single_unit(size_t i, const Allocation* a) {
@@ -164,12 +155,9 @@ ebt_status_t Engine::free_member(Allocation* a, std::unique_lock<std::mutex>& lo
     CtxGuard ctx(drv, d->ctx);
     CUresult res = drv->cuCtxSynchronize();  // kernels still using any member must finish before unmap
     if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuCtxSynchronize (free)", __FILE__, __LINE__);
-    res = drv->cuMemUnmap(s->va, s->size);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemUnmap (free of a coalesced mapping)", __FILE__, __LINE__);
-    } else {
-      for (Allocation* m : members) d->va->free(m->va, m->aligned);
-    }  // else still mapped: never hand these VAs out again
+    const ebt_status_t ust = unmap_or_quarantine(drv, s->device, s->va, s->size, "free of a coalesced mapping");
+    if (ust != EBT_SUCCESS) st = ust;  // quarantined: still mapped, these VAs are never handed out again
+    else for (Allocation* m : members) d->va->free(m->va, m->aligned);
   }
   for (Allocation* m : members) delete m;
   return st;

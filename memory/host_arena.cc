@@ -12,6 +12,7 @@
 #include "csrc/status.h"
 #include "memory/free_ranges.h"
 #include "csrc/thread_pool.h"
+#include "memory/settings.h"
 
 namespace ebbtide::memory {
 
@@ -22,8 +23,7 @@ constexpr size_t k2MiB = size_t(2) << 20;
 
 // Threads that touch and register a new segment: EBBTIDE_MEM_REGISTER_THREADS, else min(8, CPUs).
 int register_threads() {
-  const char* env = getenv("EBBTIDE_MEM_REGISTER_THREADS");
-  if (env && atoi(env) > 0) return atoi(env);
+  if (settings().register_threads > 0) return settings().register_threads;
   int n = 1;
   ebt_cpu_affinity_count(&n);
   return std::max(1, std::min(8, n));
@@ -42,7 +42,7 @@ ebt_status_t HostArena::add_segment(const ebt_driver_table_t* drv, CUcontext ctx
   madvise(p, seg->size, MADV_HUGEPAGE);  // best effort: fewer pages to pin
   seg->base = static_cast<char*>(p);
 
-  // Touch then register each piece, pieces spread over a private pool (first-cycle speed, spec item 7).
+  // Touch then register each piece, pieces spread over a private pool (first-cycle speed).
   const size_t pieces = (seg->size + kPieceBytes - 1) / kPieceBytes;
   std::vector<CUresult> results(pieces, CUDA_SUCCESS);
   const long page = sysconf(_SC_PAGESIZE);

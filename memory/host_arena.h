@@ -1,7 +1,7 @@
 /*
  * host_arena.h — the persistent pinned host arena that holds CPU backups.
  *
- * Policies (spec item 7):
+ * Policies:
  *  - Pinned once, reused every cycle: segments are anonymous mmap()s, pre-touched and registered with
  *    cuMemHostRegister(PORTABLE) by several threads at once (one registration per kPieceBytes piece), because
  *    pinning fresh memory (cuMemHostAlloc) runs at ~2 GB/s while registering touched memory runs at ~17 GB/s

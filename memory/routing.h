@@ -1,5 +1,5 @@
 /*
- * routing.h — what the interposers ask before taking an allocation (implemented in api.cc).
+ * routing.h — what the interposers ask before taking an allocation (implemented in routing.cc).
  */
 #ifndef EBBTIDE_MEMORY_ROUTING_H_
 #define EBBTIDE_MEMORY_ROUTING_H_

@@ -6,13 +6,16 @@
  * function and counted, so a report can say how much memory bypassed ebbtide. Loaded any other way (as _C's
  * dependency, RTLD_LOCAL) the library interposes nothing: only a preload puts it first in the global scope.
  *
- * Inside a region (memory/api.cc says which thread's allocations a region captures) cudaMalloc allocates from
+ * Inside a region (memory/routing.cc says which thread's allocations a region captures) cudaMalloc allocates from
  * the memory engine on the current device instead; cudaFree of an engine pointer frees it there (active or
  * paused), anything else is forwarded. In a forked child everything is forwarded.
  *
  * Policy: never throw, never exit; a missing real function returns cudaErrorInitializationError (3) with a
  * WARN line, so the caller sees a CUDA error rather than a crash. An engine OOM returns
- * cudaErrorMemoryAllocation (2), so PyTorch's caching allocator frees its cache and retries.
+ * cudaErrorMemoryAllocation (2), so PyTorch's caching allocator frees its cache and retries. Memory settings
+ * that do not parse (memory/settings.h) make every cudaMalloc return cudaErrorInitializationError, with the
+ * setting's error in a WARN line (the first time; INFO after): a preloaded process asked for capture, and
+ * forwarding its allocations past the engine would drop that request silently.
  */
 #include <dlfcn.h>
 
@@ -26,6 +29,7 @@
 #include "memory/ebbtide_memory.h"
 #include "memory/engine.h"
 #include "memory/routing.h"
+#include "memory/settings.h"
 
 namespace {
 
@@ -103,6 +107,12 @@ extern "C" {
 
 EBT_API int cudaMalloc(void** ptr, size_t size) {
   std::call_once(g_once, resolve_real);
+  if (!ebbtide::memory::forked_child() && ebbtide::memory::load_settings() != EBT_SUCCESS) {
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true)) EBT_WARN(EBT_SUBSYS_SHIM, "cudaMalloc(%zu) refused: %s", size, ebt_last_error());
+    else EBT_INFO(EBT_SUBSYS_SHIM, "cudaMalloc(%zu) refused: %s", size, ebt_last_error());
+    return kCudaErrorInitializationError;
+  }
   int engine_err = 0;
   if (ptr && engine_malloc(ptr, size, &engine_err)) return engine_err;
   if (!g_real_malloc) {

@@ -3,7 +3,7 @@
  *
  * Policy: VA is reserved from the driver in large reservations (kReservationBytes, or exactly the request when
  * larger) and sub-allocated first-fit at granularity-aligned offsets, so allocations made one after another are
- * VA-contiguous: resume can then grant access to a whole contiguous run with one cuMemSetAccess (spec item 8).
+ * VA-contiguous: resume can then grant access to a whole contiguous run with one cuMemSetAccess.
  * Reservations are kept until release_all() (VA is cheap; keeping it keeps addresses stable and avoids
  * driver calls). Thread-safe: mu_ guards reservations_.
  */

@@ -43,17 +43,22 @@ unsigned cpu_features() {
   return f;
 }
 
-// Maps ebt_cpu_isa()'s level (which EBBTIDE_CPU_ISA may lower) to the best kernel at or below it.
-const IsaEntry* default_isa() {
-  const char* level = "scalar";
-  if (ebt_cpu_isa(&level) != EBT_SUCCESS || level == nullptr) level = "scalar";
+// Maps ebt_cpu_isa()'s level (dispatch rules, or EBBTIDE_CPU_ISA) to the best kernel at or below it. A failed
+// lookup (an EBBTIDE_CPU_ISA value that does not parse) is the caller's error, never a quiet scalar kernel.
+ebt_status_t default_isa(const IsaEntry** out) {
+  const char* level = nullptr;
+  EBT_CHECK(ebt_cpu_isa(&level));
   const unsigned f = cpu_features();
   bool reached = false;
   for (const IsaEntry& e : kIsas) {
     if (std::strcmp(e.name, level) == 0) reached = true;
-    if (reached && (f & e.needs) == e.needs) return &e;
+    if (reached && (f & e.needs) == e.needs) {
+      *out = &e;
+      return EBT_SUCCESS;
+    }
   }
-  return &kIsas[sizeof(kIsas) / sizeof(kIsas[0]) - 1];  // "neon" or unknown: the portable kernel
+  *out = &kIsas[sizeof(kIsas) / sizeof(kIsas[0]) - 1];  // "neon": the portable kernel
+  return EBT_SUCCESS;
 }
 
 // Runs fn with IEEE-default MXCSR (round to nearest, no FTZ/DAZ, exceptions masked), restoring the caller's.
@@ -208,7 +213,7 @@ ebt_status_t AdamEngine::create(int threads, const std::string& isa, std::unique
   }
   const IsaEntry* chosen = nullptr;
   if (isa.empty()) {
-    chosen = default_isa();
+    EBT_CHECK(default_isa(&chosen));
   } else {
     for (const IsaEntry& e : kIsas)
       if (isa == e.name) chosen = &e;

@@ -13,7 +13,7 @@
  *  - Threads: the engine's own pool (csrc/thread_pool.h), size fixed at creation (default: the process's CPU
  *    affinity count), never OMP_NUM_THREADS. Static partition: the concatenated spans are cut into equal ranges
  *    aligned to 16 elements, range t always on worker t. Workers run with IEEE default FP state (no FTZ/DAZ).
- *  - ISA: chosen once per engine from ebt_cpu_isa() (EBBTIDE_CPU_ISA lowers it) or named explicitly for tests;
+ *  - ISA: chosen once per engine from ebt_cpu_isa() (dispatch rules, EBBTIDE_CPU_ISA) or named explicitly for tests;
  *    a name the CPU cannot run is refused, never silently downgraded.
  *  - Errors: bad input returns EBT_ERROR_INVALID_ARGUMENT before anything is touched. With skip_non_finite, a
  *    non-finite scaled gradient anywhere leaves every span (and step counter) unchanged and reports applied=false.

@@ -9,7 +9,7 @@
  *  - The launcher validates every argument and returns a status (EBT_ERROR_INVALID_ARGUMENT with
  *    ebt_last_error() saying why) before anything is launched; EBT_ERROR_CUDA_RUNTIME if the launch itself fails.
  *  - Asynchronous: the work is queued on `stream`; nothing blocks the host.
- *  - Numerics: exactly specs/quant.md and python/ebbtide/quant/reference.py (the oracle), including the
+ *  - Numerics: exactly docs/quant.md and python/ebbtide/quant/reference.py (the oracle), including the
  *    non-finite policy: a NaN/Inf poisons its block/group (scale NaN, e4m3 bytes 0x7F; INT4 scale bf16 NaN, q 0).
  */
 #ifndef EBBTIDE_QUANT_LAUNCHERS_H_

@@ -2,7 +2,7 @@
  * sm90_bf16_fp8_block_quant.cu — FP8 e4m3 128x128 block quant of bf16 weights, single matrix or MoE [E, N, K]
  * in one launch (grid = (K blocks, N blocks, experts): a block never straddles experts).
  *
- * Contract: launchers.h and specs/quant.md; the tile arithmetic lives in sm90_fp8_block_tile.cuh.
+ * Contract: launchers.h and docs/quant.md; the tile arithmetic lives in sm90_fp8_block_tile.cuh.
  * Bandwidth: each CTA reads its 32 KB tile once (8 x 16-byte loads per thread in flight) and writes 16 KB.
  */
 #include "quant/sm90_fp8_block_tile.cuh"

@@ -4,7 +4,7 @@
  * Because the trainer's forward and the exporter run the same instructions on the same bits, the contract
  * fake_quant(W) == RNbf16(unpack(pack(W)) * scale) holds by construction; tests/quant checks it anyway.
  *
- * Numerics (specs/quant.md): s = RNbf16(max(RN32(amax * RN32(1/D)), eps)) — the scale is rounded to its storage
+ * Numerics (docs/quant.md): s = RNbf16(max(RN32(amax * RN32(1/D)), eps)) — the scale is rounded to its storage
  * dtype BEFORE it is used; q = clamp(rint(RN32(x / s)), qmin, qmax) (computed exactly without a division, see
  * int4_round); out = RNbf16(q * s) (exact product).
  * Non-finite group: scale 0x7FC0, q = 0 (nibble 8), out 0x7FC0.

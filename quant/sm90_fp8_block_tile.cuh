@@ -87,7 +87,8 @@ __device__ __forceinline__ void store_chunk(uint8_t* q, uint2 b, int n) {
 }
 
 // The vector path. kNarrow = false: every chunk is 8 valid values and every output row 8-byte aligned (the common
-// case; exactly the v1 code). kNarrow = true: a ragged last chunk and any output alignment.
+// case; no run-time width or alignment checks in the hot loop, which cost 4% at 7168^2). kNarrow = true: a ragged
+// last chunk and any output alignment.
 template <bool kNarrow>
 __device__ __forceinline__ void fp8_block_tile_vec(const BlockTileArgs& a, uint32_t* red, bool ue8m0) {
   const int c = (threadIdx.x & 15) * 8;

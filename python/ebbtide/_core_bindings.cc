@@ -93,6 +93,11 @@ void register_core_bindings(py::module_& m) {
     EBT_PY_CHECK(ebt_cpu_isa(&n));
     return std::string(n);
   }, "The dispatch level CPU kernels use (after EBBTIDE_CPU_ISA).");
+  m.def("cpu_isa_reason", [] {
+    const char* r = nullptr;
+    EBT_PY_CHECK(ebt_cpu_isa_reason(&r));
+    return std::string(r ? r : "");
+  }, "Why cpu_isa() chose its level (the dispatch rule, or EBBTIDE_CPU_ISA).");
   m.def("cpu_affinity_count", [] {
     int n = 0;
     EBT_PY_CHECK(ebt_cpu_affinity_count(&n));

@@ -1,9 +1,17 @@
-"""Command line: `ebbtide info` and `ebbtide bench` (also `python -m ebbtide ...`)."""
+"""Command line: `ebbtide info` and `ebbtide bench` (also `python -m ebbtide ...`); docs/cli.md.
+
+Exit status: 0 success; 1 a failure while running (a suite failed, an output could not be written, the native
+library is missing or mismatched, an ebbtide error); 2 a usage error, reported before anything runs (bad
+arguments, an unknown suite, an output path that cannot be written, a chart without matplotlib, an unparseable
+EBBTIDE_* setting); 130 interrupted. Errors are one line on stderr, never a traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from .errors import EbbtideError, SettingError
 
 
 def _info(args) -> int:
@@ -23,7 +31,9 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ebbtide", description="ebbtide: GPU memory and communication runtime "
-                                "for colocated RL post-training")
+                                "for colocated RL post-training",
+                                epilog="exit status: 0 success, 1 failure while running, 2 usage error (nothing "
+                                "was run), 130 interrupted. See docs/cli.md.")
     sub = p.add_subparsers(dest="command", required=True)
     pi = sub.add_parser("info", help="what was built and what this machine has")
     pi.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -45,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except ImportError as e:  # the native extension is missing or mismatched: say so without a traceback
+    except SettingError as e:  # an EBBTIDE_* variable that does not parse: the user's input
+        print(f"ebbtide: {e}", file=sys.stderr)
+        return 2
+    except (ImportError, EbbtideError) as e:  # e.g. the native extension is missing or mismatched
         print(f"ebbtide: {e}", file=sys.stderr)
         return 1

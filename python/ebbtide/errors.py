@@ -7,6 +7,7 @@ matching class with the status text and the thread's last native message. The nu
 from __future__ import annotations
 
 import enum
+import re
 
 __all__ = [
     "Status",
@@ -47,6 +48,7 @@ class Status(enum.IntEnum):
     CUDA_RUNTIME = 12
     VERSION_MISMATCH = 13
     TIMEOUT = 14
+    SETTING = 15
 
 
 class EbbtideError(RuntimeError):
@@ -69,7 +71,10 @@ class InvalidArgumentError(EbbtideError, ValueError):
 
 class SettingError(InvalidArgumentError):
     """An environment setting whose value does not parse. ``name`` is the variable, ``value`` the text found; the
-    message says what is accepted. Raised where the setting is first read; nothing was changed."""
+    message says what is accepted. Raised where the setting is first read (Python), or by every call into the
+    native component that owns it (native status SETTING); nothing was changed."""
+
+    status = Status.SETTING
 
     def __init__(self, message: str = "", status: Status | None = None, *, name: str = "", value: str = ""):
         super().__init__(message, status)
@@ -178,7 +183,11 @@ _BY_STATUS: dict[Status, type[EbbtideError]] = {
     Status.CUDA_RUNTIME: CudaRuntimeError,
     Status.VERSION_MISMATCH: VersionMismatchError,
     Status.TIMEOUT: WaitTimeoutError,
+    Status.SETTING: SettingError,
 }
+
+# The native message for SETTING (csrc/param.cc): "NAME='value' is not a valid setting: expected ...".
+_NATIVE_SETTING = re.compile(r"\b([A-Z][A-Z0-9_]*)='(.*?)' is not a valid setting")
 
 
 def error_for(status: int, message: str = "") -> EbbtideError:
@@ -189,6 +198,9 @@ def error_for(status: int, message: str = "") -> EbbtideError:
         return InternalError(f"unknown native status {status}: {message}", Status.INTERNAL)
     if st is Status.SUCCESS:
         raise ValueError("error_for(SUCCESS): not an error")
+    if st is Status.SETTING:
+        m = _NATIVE_SETTING.search(message)
+        return SettingError(message, st, name=m.group(1) if m else "", value=m.group(2) if m else "")
     return _BY_STATUS[st](message, st)
 
 

@@ -21,6 +21,7 @@ def collect() -> dict:
     feats = C.cpu_features()
     info["cpu"] = {
         "isa": C.cpu_isa(),
+        "isa_reason": C.cpu_isa_reason(),
         "features": [k for k, v in feats.items() if v],
         "affinity_threads": C.cpu_affinity_count(),
         "model": _cpu_model(),
@@ -78,6 +79,7 @@ def render(info: dict) -> str:
     cpu = info["cpu"]
     lines.append(f"  CPU              : {cpu['model']}, {cpu['affinity_threads']} threads available")
     lines.append(f"  CPU ISA          : {cpu['isa']}  [{' '.join(cpu['features']) or 'baseline'}]")
+    lines.append(f"  CPU ISA because  : {cpu['isa_reason']}")
     d = info["driver"]
     if d["found"]:
         lines.append(f"  CUDA driver      : {d['path']} (CUDA {_driver_version_text(d['version'])}), "

@@ -57,6 +57,43 @@ def test_argument_errors(argv, msg):
         parse_args(argv)
 
 
+def test_store_listens_on_loopback_unless_asked(monkeypatch, tmp_path):
+    """The ranks' rendezvous store is served by the launcher on --store-bind (loopback by default); ranks only
+    connect to it. The variant's store address reaches the ranks through MASTER_ADDR/MASTER_PORT."""
+    import ebbtide.colocate.launcher as L
+    import ebbtide.comm
+
+    assert parse_args([]).store_bind == "127.0.0.1"
+    assert parse_args(["--store-bind", "0.0.0.0"]).store_bind == "0.0.0.0"
+    with pytest.raises(InvalidArgumentError, match="store_bind"):
+        RunConfig(store_bind=" ").validate()
+    binds, envs = [], []
+    real = ebbtide.comm.serve_store
+
+    def serve(**kw):
+        binds.append(kw["bind"])
+        return real(**kw)
+
+    class _Done:  # a rank that exits at once, recording its environment
+        def __init__(self, argv, env, **kw):
+            envs.append((env["MASTER_ADDR"], env["MASTER_PORT"]))
+            self.pid, self.returncode = -1, 0
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(ebbtide.comm, "serve_store", serve)
+    monkeypatch.setattr(L.subprocess, "Popen", _Done)
+    monkeypatch.setattr(L, "_reap_group", lambda pgid: None)
+    cfg = parse_args(["--device", "cpu", "--variants", "ebbtide", "--gpus", "2", "--out", str(tmp_path)])
+    L.run_variant(cfg, "ebbtide", log=lambda *a: None)
+    assert binds == ["127.0.0.1"] and [a for a, _p in envs] == ["127.0.0.1", "127.0.0.1"], (binds, envs)
+    assert len({p for _a, p in envs}) == 1
+
+
 def test_argument_error_exit_code_and_message():
     p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--steps", "1", "--warmup", "1"],
                        capture_output=True, text=True, timeout=120)

@@ -1,7 +1,7 @@
-"""The comm tests' spawn helper: ebbtide.comm._spawn with this folder on the ranks' sys.path."""
+"""The comm tests' spawn helper: ebbtide.bench._spawn with this folder on the ranks' sys.path."""
 import os
 
-from ebbtide.comm import _spawn
+from ebbtide.bench import _spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

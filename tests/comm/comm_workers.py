@@ -14,12 +14,13 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import ebbtide.comm as comm
+from ebbtide.bench._spawn import join_store
 from ebbtide.errors import StateError, WaitTimeoutError
 
 
 def _init(rank, world, init, **kw):
     comm.install(**kw)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
 
 
@@ -293,7 +294,7 @@ def install_after_init(rank, world, init):
     """install() after init_process_group adopts WORLD (releasable) and warns about earlier groups."""
     import warnings
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world)
     early = dist.new_group(list(range(world)))
     import os
 
@@ -347,7 +348,7 @@ def megatron(rank, world, init, cycles=2):
 
 
 def megatron_like_8(rank, world, init, cycles=3):
-    """Issue 9's topology on 8 Gloo ranks: TP=2, PP=4, DP=1 plus embedding, position-embedding, model-parallel
+    """The Megatron-like topology on 8 Gloo ranks: TP=2, PP=4, DP=1 plus embedding, position-embedding, model-parallel
     and singleton groups, all overlapping; release/reload cycles (WORLD included on odd cycles) with
     batch_isend_irecv as the first operation on every pipeline group after each reload."""
     _init(rank, world, init)
@@ -391,12 +392,12 @@ def nccl_split(rank, world, init, cycles=2):
     journaled (non-members' calls too) and rebuilt by splitting the rebuilt parent; the mesh hands back the same
     wrappers. (Gloo's own C++ split hangs or crashes intermittently in torch 2.13 even without ebbtide, so this
     path is tested on GPUs only.)"""
-    from ebbtide.comm._spawn import progress
+    from ebbtide.bench._spawn import progress
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     comm.install(timeout=60)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=dev,
+    dist.init_process_group("nccl", store=join_store(init), rank=rank, world_size=world, device_id=dev,
                             timeout=datetime.timedelta(seconds=60))
     progress(f"rank {rank}: WORLD bound to {dev}; splitting")
     pair = dist.split_group(split_ranks=[list(range(world))], group_desc="pair")
@@ -453,10 +454,10 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
     instead, and at reload every member agrees to rebuild that group (a resume would wait for it forever)."""
     import dataclasses
 
-    import ebbtide.comm._runtime as R
+    import ebbtide.comm._backend as B
 
     calls = []
-    real_facts = R._facts
+    real_facts = B.facts
 
     def facts(*a, **k):
         return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
@@ -468,9 +469,10 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
         if rank == fail_rank:
             raise RuntimeError("injected suspend failure")
 
-    R._facts, R._suspend_backend = facts, suspend
-    R._resume_backend = lambda inner: calls.append("resume")
-    _init(rank, world, init)
+    B.facts, B.suspend = facts, suspend
+    B.resume = lambda inner: calls.append("resume")
+    B.torch_version, B.nccl_version = (lambda: (2, 12)), (lambda: (2, 29, 7))  # install() checks them
+    _init(rank, world, init, strategy="suspend")
     g = dist.new_group(list(range(world)))
     _expect_sum(g, list(range(world)), rank)
     before = g.inner
@@ -496,10 +498,10 @@ def teardown_order(rank, world, init, concurrent=True):
     reverse journal order."""
     import threading
 
-    import ebbtide.comm._runtime as R
+    import ebbtide.comm._backend as B
 
     order = []  # (event, group name, thread name)
-    real = R._teardown
+    real = B.teardown
     lock = threading.Lock()
 
     def recording(inner, how):
@@ -510,7 +512,7 @@ def teardown_order(rank, world, init, concurrent=True):
         with lock:
             order.append(("end", name, threading.current_thread().name))
 
-    R._teardown = recording
+    B.teardown = recording
     _init(rank, world, init, concurrent_teardown=concurrent)
     names = [dist.group.WORLD.group_name]
     for _ in range(3):
@@ -530,7 +532,8 @@ def split_replay_guards(rank, world, init):
     """Rebuilding a split child checks ProcessGroupNCCL::split's preconditions first and raises StateError (a
     segfault or a hang inside native code otherwise); split options are journaled as a scalar snapshot, never as
     the native object split() writes into (Note [Split options are not replayed])."""
-    import ebbtide.comm._runtime as R
+    import ebbtide.comm._backend as B
+    import ebbtide.comm._journal as J
 
     _init(rank, world, init)
     w = dist.group.WORLD
@@ -538,33 +541,121 @@ def split_replay_guards(rank, world, init):
 
     def attempt(key, entry):
         try:
-            R.RUNTIME._split_parent_ready(entry)
+            B.split_parent_ready(entry.parent, entry.name, set(), set())
         except StateError as err:
             errors[key] = str(err)
         else:
             raise AssertionError(f"{key}: no StateError")
 
-    attempt("unknown", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=None))
-    attempt("unbound", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
+    attempt("unknown", J.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=None))
+    attempt("unbound", J.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
     inner, w._ebt_inner = w._ebt_inner, None
     try:
-        attempt("released", R.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
+        attempt("released", J.Entry("split", "child", (0,), {"args": (), "kwargs": {}}, None, parent=w))
     finally:
         w._ebt_inner = inner
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=7)
-    snap = R._OptionsSnapshot.take(opts)
+    snap = J.OptionsSnapshot.take(opts)
     fresh = dist.ProcessGroupGloo._Options()
     snap.apply(fresh)
     dist.destroy_process_group()
     return {"errors": errors, "snap_fields": sorted(snap.fields), "applied_timeout": fresh._timeout.total_seconds()}
 
 
+def suspend_policy(rank, world, init):
+    """Policy on this machine's torch/NCCL (no NCCL in the CPU build): "auto" destroys and rebuilds; asking for
+    native suspend raises UnsupportedError at install() and, should the strategy be set another way, at release()
+    before any group is detached (the group stays usable)."""
+    from ebbtide.errors import UnsupportedError
+
+    import ebbtide.comm._runtime as R
+
+    out = {}
+    try:
+        comm.install(strategy="suspend")
+    except UnsupportedError as e:
+        out["install"] = str(e)
+    else:
+        raise AssertionError("install(strategy='suspend') without NCCL >= 2.29.7 did not raise")
+    assert not comm.is_installed()  # nothing was hooked
+    _init(rank, world, init)
+    g = dist.new_group(list(range(world)))
+    _expect_sum(g, list(range(world)), rank)
+    rep = comm.release(include_cpu=True)
+    assert [x.strategy for x in rep.groups] == ["destroy"], rep.groups
+    comm.reload()
+    R.RUNTIME.strategy = "suspend"  # as if the versions had changed under a running process
+    facts = R.B.facts
+
+    def device_facts(*a, **k):
+        import dataclasses
+
+        return dataclasses.replace(facts(*a, **k), accelerator=True)
+
+    R.B.facts = device_facts
+    try:
+        comm.release()
+    except UnsupportedError as e:
+        out["release"] = str(e)
+    else:
+        raise AssertionError("release with strategy 'suspend' and no NCCL did not raise")
+    finally:
+        R.B.facts = facts
+    assert not comm.is_released() and not g.released
+    _expect_sum(g, list(range(world)), rank)
+    dist.destroy_process_group()
+    return out
+
+
 def nccl_baseline_handshake(rank, world, init):
     """The scenario's NCCL-loaded baseline either runs on every rank or on none: here (no NCCL in the CPU build)
     every rank reports it cannot, and no rank is left waiting for the others."""
-    from ebbtide.comm.scenarios import _nccl_process_state
+    from ebbtide.bench.comm_scenarios import _nccl_process_state
 
     lines = []
-    free = _nccl_process_state(rank, world, init, torch.device("cpu"), torch.zeros(4), lines.append)
+    free = _nccl_process_state(rank, world, join_store(init), torch.device("cpu"), torch.zeros(4), lines.append)
     return {"free": free, "lines": lines}
+
+
+def destroyed_while_released(rank, world, init):
+    """A group destroyed with dist.destroy_process_group while released stays destroyed across reload (on every
+    rank: `both` by all its members, `one` by rank 0 only), and every use of it afterwards is a StateError naming
+    it; the other groups and later cycles are unaffected."""
+    _init(rank, world, init)
+    ranks = list(range(world))
+    both, one, kept = (dist.new_group(ranks) for _ in range(3))
+    for g in (both, one, kept):
+        _expect_sum(g, ranks, rank)
+    comm.release(include_cpu=True)
+    dist.destroy_process_group(both)
+    if rank == 0:
+        dist.destroy_process_group(one)
+    rl = comm.reload()
+    assert not comm.is_released()
+    assert {x.name for x in rl.groups} == {kept.group_name}, rl.groups
+    out = {"errors": {}}
+    for label, g in (("both", both), ("one", one)):
+        assert g.inner is None and not g.released and "destroyed" in repr(g), (label, g)
+        try:
+            g.allreduce([torch.ones(1)])
+        except StateError as e:
+            out["errors"][label] = str(e)
+        else:
+            raise AssertionError(f"op on destroyed group {label} did not raise")
+    try:
+        dist.all_reduce(torch.ones(1), group=one)
+    except (StateError, ValueError) as e:
+        out["dist_error"] = f"{type(e).__name__}: {e}"
+    else:
+        raise AssertionError("dist.all_reduce on a group destroyed on a peer did not raise")
+    _expect_sum(kept, ranks, rank)
+    for _ in range(2):  # later cycles neither rebuild nor trip over the destroyed groups
+        rep = comm.release(include_cpu=True)
+        assert [x.name for x in rep.groups] == [kept.group_name], rep.groups
+        comm.reload()
+        _expect_sum(kept, ranks, rank)
+        assert both.inner is None and one.inner is None
+    out["names"] = {"both": both.group_name, "one": one.group_name}
+    dist.destroy_process_group()
+    return out

@@ -2,7 +2,7 @@
 helper reports a rank that fails and a rank that hangs."""
 import time
 
-from ebbtide.comm._spawn import progress
+from ebbtide.bench._spawn import progress
 
 
 def _stuck_in_a_collective():

@@ -60,6 +60,14 @@ def test_suspend_strategy_bookkeeping():
         assert r["same_inner"] and r["calls"] == ["suspend", "resume"], r
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check: needs a torch without NCCL >= 2.29.7")
+def test_suspend_is_opt_in_and_unsupported_here():
+    res = _spawn.run("suspend_policy", 2)
+    for r in res:
+        for where in ("install", "release"):
+            assert "needs torch >= 2.12 and NCCL >= 2.29.7" in r[where] and "no NCCL" in r[where], r
+
+
 def test_failed_suspend_makes_every_member_rebuild():
     res = _spawn.run("suspend_bookkeeping", 2, fail_rank=1)
     assert res[1]["release"] == ["destroy"]  # fell back locally
@@ -101,3 +109,14 @@ def test_nccl_baseline_all_or_none():
     res = _spawn.run("nccl_baseline_handshake", 2, timeout=60)
     for r in res:
         assert r["free"] is None and "not measured" in r["lines"][0], r
+
+
+def test_group_destroyed_while_released_stays_destroyed():
+    res = _spawn.run("destroyed_while_released", 2)
+    for r in res:
+        for label in ("both", "one"):
+            msg = r["errors"][label]
+            assert f"'{r['names'][label]}'" in msg and "destroyed" in msg, msg
+        assert "peer" in r["errors"]["one"] or "dist.destroy_process_group" in r["errors"]["one"]
+    assert "on a peer rank" in res[1]["errors"]["one"], res[1]
+    assert "StateError" in res[1]["dist_error"], res[1]  # rank 1 did not destroy it: c10d still knows it

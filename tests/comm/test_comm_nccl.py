@@ -1,6 +1,6 @@
 """ebbtide.comm on NCCL, one rank per GPU (``multigpu``), plus the same scenario code on Gloo for CI.
 
-The scenario (ebbtide.comm.scenarios.cycle_scenario) checks every collective's result exactly inside the ranks and
+The scenario (ebbtide.bench.comm_scenarios.cycle_scenario) checks every collective's result exactly inside the ranks and
 returns the memory and timing figures asserted here. Memory is cudaMemGetInfo on each rank's own GPU (it counts
 NCCL's allocations, which torch's caching allocator never sees).
 
@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ebbtide.comm import _spawn  # noqa: E402
+from ebbtide.bench import _spawn  # noqa: E402
 
 MiB = 1 << 20
 # Seconds per scenario (the spawn helper's deadline); conftest.py reads this for the pytest-timeout backstop.
@@ -26,7 +26,7 @@ DEADLINE_S = {"test_scenario_code_on_gloo": 100, "test_nccl_flat_bound_world": 1
 
 
 def _run(world, test, **kw):
-    return _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios", timeout=DEADLINE_S[test], **kw)
+    return _spawn.run("cycle_scenario", world, module="ebbtide.bench.comm_scenarios", timeout=DEADLINE_S[test], **kw)
 
 
 def test_scenario_code_on_gloo():
@@ -38,12 +38,12 @@ def test_scenario_code_on_gloo():
         assert r["cycles_world"][0]["strategies"] == {"destroy": 1 + 6 + 1}  # WORLD + 6 overlapping + own singleton
 
 
-# Share of communicator memory release(include_world=True) must free: the issue's goal. Communicator memory is
-# counted from a baseline with NCCL's process-wide state already loaded (device code, context stack reservation:
-# no API returns it while the process lives; see scenarios._nccl_process_state), measured by a throwaway 1-rank
-# communicator. Until run 11 the baseline was the bare CUDA context and the bar 90%; on 2 H200 that baseline put
-# ~418 MiB of NCCL process state per GPU into "communicator memory", and rank 0 measured before its peer had
-# unmapped rank 0's buffers (fixed: release() ends with a barrier). The process state is reported on its own.
+# Share of communicator memory release(include_world=True) must free (the goal). Communicator memory is counted
+# from a baseline with NCCL's process-wide state already loaded (device code, context stack reservation: no API
+# returns it while the process lives; see comm_scenarios._nccl_process_state), measured by a throwaway 1-rank
+# communicator; counted from the bare CUDA context instead, ~418 MiB of that state per GPU (2 H200) would count as
+# communicator memory. The process state is reported on its own. release() ends with a barrier, so no rank
+# measures before its peers have unmapped its buffers.
 FREED_SHARE = 0.95
 
 
@@ -98,7 +98,7 @@ def test_nccl_lazy_world():
 @pytest.mark.multigpu
 def test_nccl_megatron_topology_all_gpus():
     """TP=2 x PP=world/2 with embedding, position-embedding, model-parallel and singleton groups on every visible
-    GPU (2, 4 or 8), batch_isend_irecv first on the pipeline group after each reload (issue 9 on GPUs)."""
+    GPU (2, 4 or 8), batch_isend_irecv first on the pipeline group after each reload."""
     n = torch.cuda.device_count()
     world = n if n % 2 == 0 else n - 1
     res = _run(world, "test_nccl_megatron_topology_all_gpus", kind="megatron", cycles=2, soak=3, anchor=False)
@@ -111,7 +111,7 @@ def test_nccl_megatron_topology_all_gpus():
 @pytest.mark.multigpu
 def test_nccl_split_group_and_device_mesh():
     """split_group children (members and non-members) and a DeviceMesh survive cycles with WORLD kept and with
-    WORLD rebuilt (run 11 segfaulted there: Note [A rebuilt WORLD has no rank map]), and a split of the rebuilt
+    WORLD rebuilt (where split() needs the rank map: Note [A rebuilt WORLD has no rank map]), and a split of the rebuilt
     WORLD made afterwards survives one more cycle."""
     import comm_spawn  # tests/comm is on sys.path (conftest.py)
 

@@ -6,15 +6,18 @@ import dataclasses
 import pytest
 
 from ebbtide.comm import _strategy as S
+from ebbtide.errors import UnsupportedError
 
 GOOD = S.Facts(accelerator=True, torch_version=(2, 12), nccl_version=(2, 29, 7), backend_has_suspend=True,
                cumem=True, split_share=False, comm_initialized=True)
 
 
-def test_suspend_when_every_precondition_holds():
-    assert S.select_strategy(GOOD) == (S.SUSPEND, "native NCCL suspend available")
-    assert S.select_strategy(GOOD, "suspend")[0] == S.SUSPEND
-    assert S.select_strategy(dataclasses.replace(GOOD, torch_version=(3, 0), nccl_version=(2, 30, 7)))[0] == S.SUSPEND
+def test_auto_destroys_and_suspend_is_opt_in():
+    """The "auto" strategy selects only what has run on a GPU here (destroy-and-rebuild); suspend is opt-in."""
+    assert S.select_strategy(GOOD) == (S.DESTROY, S.AUTO_REASON)
+    assert S.select_strategy(GOOD, "suspend") == (S.SUSPEND, "native NCCL suspend (requested)")
+    assert S.select_strategy(dataclasses.replace(GOOD, torch_version=(3, 0), nccl_version=(2, 30, 7)),
+                             "suspend")[0] == S.SUSPEND
 
 
 @pytest.mark.parametrize("change, why", [
@@ -22,23 +25,33 @@ def test_suspend_when_every_precondition_holds():
     ({"nccl_version": (2, 29, 6)}, "NCCL 2.29.6 < 2.29.7"),
     ({"nccl_version": (2, 28, 9)}, "NCCL 2.28.9 < 2.29.7"),
     ({"nccl_version": None}, "no NCCL"),
+])
+def test_suspend_without_the_versions_is_unsupported(change, why):
+    f = dataclasses.replace(GOOD, **change)
+    assert S.select_strategy(f)[0] == S.DESTROY  # auto never asks
+    with pytest.raises(UnsupportedError, match=why):
+        S.select_strategy(f, "suspend")
+    with pytest.raises(UnsupportedError, match=why):
+        S.check_suspend_supported(f.torch_version, f.nccl_version)
+
+
+@pytest.mark.parametrize("change, why", [
     ({"backend_has_suspend": False}, "backend has no suspend()"),
     ({"cumem": False}, "cuMem off (NCCL_CUMEM_ENABLE=0)"),
     ({"cumem": None}, "cuMem state unknown"),
     ({"split_share": True}, "split-shared communicator"),
     ({"comm_initialized": False}, "communicator not created yet"),
 ])
-def test_each_blocker_falls_back_to_destroy_and_says_why(change, why):
+def test_each_group_blocker_falls_back_to_destroy_and_says_why(change, why):
     f = dataclasses.replace(GOOD, **change)
-    for requested in ("auto", "suspend"):
-        strategy, reason = S.select_strategy(f, requested)
-        assert strategy == S.DESTROY
-        assert reason == why
+    assert S.select_strategy(f, "suspend") == (S.DESTROY, why)
+    assert S.select_strategy(f) == (S.DESTROY, S.AUTO_REASON)
 
 
 def test_blockers_are_all_listed():
-    f = dataclasses.replace(GOOD, torch_version=(2, 11), nccl_version=(2, 28, 9), cumem=False)
-    assert S.select_strategy(f)[1] == "torch 2.11 < 2.12; NCCL 2.28.9 < 2.29.7; cuMem off (NCCL_CUMEM_ENABLE=0)"
+    f = dataclasses.replace(GOOD, cumem=False, split_share=True, comm_initialized=False)
+    assert S.select_strategy(f, "suspend")[1] == ("cuMem off (NCCL_CUMEM_ENABLE=0); split-shared communicator; "
+                                                  "communicator not created yet")
 
 
 def test_requested_destroy_and_cpu_groups():
@@ -70,16 +83,20 @@ def test_cumem_detection():
 
 def test_env_warnings():
     new, old = (2, 29, 7), (2, 28, 9)
-    assert S.env_warnings({"NCCL_NVLS_ENABLE": "0"}, new, (2, 12)) == []
+    sus = "suspend"
+    assert S.env_warnings({"NCCL_NVLS_ENABLE": "0"}, new, (2, 12), sus) == []
     assert S.env_warnings({}, old, (2, 11)) == []  # nothing defeats destroy-and-rebuild by default
-    names = lambda env, nv=new, tv=(2, 12): [v for v, _ in S.env_warnings(env, nv, tv)]  # noqa: E731
+    assert S.env_warnings({}, new, (2, 12)) == []  # auto never suspends: suspend-only settings are not noise
+    names = lambda env, nv=new, tv=(2, 12), req=sus: [v for v, _ in S.env_warnings(env, nv, tv, req)]  # noqa: E731
     assert names({"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}) == ["NCCL_CUMEM_ENABLE"]
+    assert names({"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0"}, req="auto") == []
     assert names({"NCCL_CUMEM_ENABLE": "0"}, old, (2, 11)) == []  # suspend impossible anyway: no noise
     assert names({}) == ["NCCL_NVLS_ENABLE"]
-    assert names({"NCCL_NVLS_ENABLE": "0", "NCCL_COMM_SPLIT_SHARE_RESOURCES": "1"}) == \
-        ["NCCL_COMM_SPLIT_SHARE_RESOURCES"]
-    assert names({"NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_REGISTER": "1"}) == ["NCCL_GRAPH_REGISTER"]
-    assert names({"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"}) == \
-        ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"]
-    for _var, msg in S.env_warnings({"NCCL_CUMEM_ENABLE": "0"}, new, (2, 12)):
+    for req in (sus, "auto"):
+        assert names({"NCCL_NVLS_ENABLE": "0", "NCCL_COMM_SPLIT_SHARE_RESOURCES": "1"}, req=req) == \
+            ["NCCL_COMM_SPLIT_SHARE_RESOURCES"]
+        assert names({"NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_REGISTER": "1"}, req=req) == ["NCCL_GRAPH_REGISTER"]
+        assert names({"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"}, req=req) == \
+            ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"]
+    for _var, msg in S.env_warnings({"NCCL_CUMEM_ENABLE": "0"}, new, (2, 12), sus):
         assert "NCCL" in msg and len(msg) > 40  # every warning says what to do

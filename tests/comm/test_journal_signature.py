@@ -1,11 +1,11 @@
 """The journal signature is what ranks compare before acting, so it must hold only rank-invariant facts.
-(Regression: on 2 GPUs each rank passes its own device_id, cuda:0 and cuda:1, and release was refused as a
-disagreement.)"""
+(On 2 GPUs each rank passes its own device_id, cuda:0 and cuda:1: a signature holding it would refuse every release
+as a disagreement.)"""
 import datetime
 
 import torch
 
-from ebbtide.comm._runtime import Entry
+from ebbtide.comm._journal import Entry
 
 
 def entry(device_id):
@@ -25,9 +25,9 @@ def test_replay_connects_exactly_once():
     communicator (the first leaks) and, for split children, a second ncclCommSplit on the parent that its
     non-members never join (the 2-GPU hang of the split_group test). The rule uses journal facts only, so every
     rank - member or not - decides the same way."""
-    from ebbtide.comm._runtime import _creation_connects
+    from ebbtide.comm._journal import creation_connects
 
-    assert _creation_connects(entry(torch.device("cuda", 1)))  # helper(device_id=...) connects (split of WORLD)
-    assert not _creation_connects(entry(None))  # lazy: reload's eager connect is the only one
+    assert creation_connects(entry(torch.device("cuda", 1)))  # helper(device_id=...) connects (split of WORLD)
+    assert not creation_connects(entry(None))  # lazy: reload's eager connect is the only one
     split = Entry(kind="split", name="h", ranks=(0,), call={"args": (), "kwargs": {}}, group=None)
-    assert _creation_connects(split)  # ProcessGroupNCCL::split connects eagerly
+    assert creation_connects(split)  # ProcessGroupNCCL::split connects eagerly

@@ -1,5 +1,5 @@
-"""_ensure_rank_map: the guard in front of ProcessGroupNCCL::split, which reads ``groupRanks()[rank]`` and
-crashes on a WORLD rebuilt by reload() (Note [A rebuilt WORLD has no rank map] in ebbtide/comm/_runtime.py).
+"""ensure_rank_map: the guard in front of ProcessGroupNCCL::split, which reads ``groupRanks()[rank]`` and
+crashes on a WORLD rebuilt by reload() (Note [A rebuilt WORLD has no rank map] in ebbtide/comm/_backend.py).
 NCCL is not in the CPU build, so the backend options are a minimal stand-in with the one attribute split() reads;
 the GPU tests (tests/comm/test_comm_nccl.py::test_nccl_split_group_and_device_mesh) run the real thing."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ebbtide.comm._runtime import _ensure_rank_map  # noqa: E402
+from ebbtide.comm._backend import ensure_rank_map  # noqa: E402
 from ebbtide.errors import StateError  # noqa: E402
 
 
@@ -40,13 +40,13 @@ class _Parent:
 
 def test_empty_map_gets_identity():
     b = _Backend(_Opts([]))
-    _ensure_rank_map(b, _Parent(4), "test")
+    ensure_rank_map(b, _Parent(4), "test")
     assert b.options.global_ranks_in_group == [0, 1, 2, 3]
 
 
 def test_full_map_is_left_alone():
     b = _Backend(_Opts([3, 5]))
-    _ensure_rank_map(b, _Parent(2), "test")
+    ensure_rank_map(b, _Parent(2), "test")
     assert b.options.global_ranks_in_group == [3, 5]
 
 
@@ -55,11 +55,11 @@ def test_other_size_is_left_to_torch(caplog):
     reported, not rewritten: it is not the empty-vector crash, and rewriting it could change torch's behaviour."""
     b = _Backend(_Opts([1]))
     with caplog.at_level("WARNING", logger="ebbtide.comm"):
-        _ensure_rank_map(b, _Parent(2), "test")
+        ensure_rank_map(b, _Parent(2), "test")
     assert b.options.global_ranks_in_group == [1]
     assert "maps 1 ranks" in caplog.text
 
 
 def test_unsettable_map_raises_instead_of_crashing():
     with pytest.raises(StateError, match="read past an empty vector"):
-        _ensure_rank_map(_Backend(_FrozenOpts()), _Parent(2), "test")
+        ensure_rank_map(_Backend(_FrozenOpts()), _Parent(2), "test")

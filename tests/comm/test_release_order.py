@@ -13,8 +13,10 @@ import pytest
 
 pytest.importorskip("torch")
 
+from ebbtide.comm import _backend as B  # noqa: E402
 from ebbtide.comm import _runtime as R  # noqa: E402
 from ebbtide.comm import _strategy as S  # noqa: E402
+from ebbtide.comm._journal import Entry  # noqa: E402
 
 
 class _Group:
@@ -22,13 +24,16 @@ class _Group:
         self._ebt_name, self._ebt_desc = name, name
         self._ebt_released_by = None
 
+    def _ebt_mark_released(self, plan):
+        self._ebt_released_by = plan
+
 
 def _setup(monkeypatch, concurrent, plans):
     """WORLD -> split child 'tp' -> split grandchild 'tp.sub', plus a new_group 'pp'; plans by name."""
     world, tp, sub, pp = (_Group(n) for n in ("world", "tp", "tp.sub", "pp"))
-    journal = [R.Entry("world", "world", (), {}, world), R.Entry("group", "pp", (0, 1), {}, pp),
-               R.Entry("split", "tp", (0, 1), {}, tp, parent=world),
-               R.Entry("split", "tp.sub", (0,), {}, sub, parent=tp)]
+    journal = [Entry("world", "world", (), {}, world), Entry("group", "pp", (0, 1), {}, pp),
+               Entry("split", "tp", (0, 1), {}, tp, parent=world),
+               Entry("split", "tp.sub", (0,), {}, sub, parent=tp)]
     for e in journal:
         e.plan = plans[e.name]
     rt = R.Runtime()
@@ -47,7 +52,7 @@ def _setup(monkeypatch, concurrent, plans):
         return 0.0
 
     monkeypatch.setattr(rt, "_release_one", release_one)
-    monkeypatch.setattr(R, "_timed_teardown", timed_teardown)
+    monkeypatch.setattr(B, "timed_teardown", timed_teardown)
     monkeypatch.setattr(R, "_global_ranks", lambda g: [])
     todo = list(reversed(journal))
     detached = {e: e.name for e in journal}  # the "inner" handed to the teardown: its name, for the record
@@ -83,7 +88,7 @@ def test_a_slow_teardown_is_named_in_the_log(monkeypatch, caplog):
         order.append((inner, "destroy"))
         return 0.0
 
-    monkeypatch.setattr(R, "_timed_teardown", slow_for_pp)
+    monkeypatch.setattr(B, "timed_teardown", slow_for_pp)
     with caplog.at_level(logging.ERROR, logger=R.log.name):
         rt._release_all(todo, detached, datetime.timedelta(seconds=0.1))
     slow = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]

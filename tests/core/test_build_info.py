@@ -59,11 +59,26 @@ def test_cpu_isa_can_be_lowered_but_not_raised():
     best = C.cpu_isa()
     p = run_python("import ebbtide._native as n; print(n.load().cpu_isa())", env={"EBBTIDE_CPU_ISA": "scalar"})
     assert p.stdout.strip() == "scalar"
-    p = run_python("import ebbtide._native as n; print(n.load().cpu_isa())", env={"EBBTIDE_CPU_ISA": "bogus"})
-    assert p.stdout.strip() == best and "unknown" in p.stderr
-    if best in ("avx2", "scalar"):
+    p = run_python("import ebbtide._native as n; print(n.load().cpu_isa())", env={"EBBTIDE_CPU_ISA": "SCALAR"})
+    assert p.stdout.strip() == "scalar"  # any case
+    if not C.cpu_features()["avx512f"]:
         p = run_python("import ebbtide._native as n; print(n.load().cpu_isa())", env={"EBBTIDE_CPU_ISA": "avx512"})
         assert p.stdout.strip() == best and "not supported" in p.stderr
+
+
+def test_unknown_cpu_isa_is_a_setting_error_not_a_fallback():
+    p = run_python("""
+        import ebbtide._native as n
+        from ebbtide.errors import SettingError
+        try:
+            n.load().cpu_isa()
+        except SettingError as e:
+            print(e.name, e.value)
+            print(e)
+    """, env={"EBBTIDE_CPU_ISA": "avx-512"})
+    first, message = p.stdout.splitlines()[:2]
+    assert first == "EBBTIDE_CPU_ISA avx-512"
+    assert "one of avx512_bf16, avx512, avx2, neon, scalar" in message
 
 
 def test_driver_missing_is_reported_not_raised_at_import(tmp_path):

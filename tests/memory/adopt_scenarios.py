@@ -9,41 +9,20 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import torch
 
 import ebbtide.memory as em
-from ebbtide.errors import OutOfMemoryError, StateError, UnsupportedError
+from ebbtide.errors import InvalidArgumentError, OutOfMemoryError, StateError, UnsupportedError
 
-GiB = 1 << 30
-MiB = 1 << 20
+import _scenario_runner
+from _scenario_runner import GiB, MiB, check_mode, free_bytes, main
+
 MODE = sys.argv[2] if len(sys.argv) > 2 else "?"
 
 
-class Skip(Exception):
-    pass
-
-
-def used() -> int:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-def free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
 def say(label: str) -> int:
-    u = used()
-    print(f"[{MODE}] {label}: device memory used {u / GiB:.3f} GiB", flush=True)
-    return u
-
-
-def check_mode(mode: str) -> None:
-    assert em.hook_mode() == mode, (em.hook_mode(), mode)
+    return _scenario_runner.say(label, f"[{MODE}]")
 
 
 def graph_replay(mode: str):
@@ -91,11 +70,11 @@ def graph_replay(mode: str):
 
 def _check_diagnostics(found: list) -> str:
     """What check() saw against what the pause recorded, around each reported block."""
-    from ebbtide.memory import _hooks  # noqa: PLC0415
+    from ebbtide.memory import _check  # noqa: PLC0415
 
     lines = [f"check() reported {found}"]
     for b in found[:4]:
-        near = sorted(a for a in _hooks._baseline if abs(a - b["address"]) < 4 * MiB)
+        near = sorted(a for a in _check._baseline if abs(a - b["address"]) < 4 * MiB)
         lines.append(f"  baseline near {b['address']:#x}: {[hex(a) for a in near]}")
         for seg in torch.cuda.memory_snapshot():
             if seg["address"] <= b["address"] < seg["address"] + seg["total_size"]:
@@ -259,7 +238,8 @@ def expandable_segments(mode: str):
 
 def shareable_ipc(mode: str):
     """A tensor of a shareable region exported as a POSIX fd, sent over a Unix socket to a second process, which
-    maps it, checks the bytes and writes; the writer's change is visible here. Then pause/resume still work."""
+    maps it, checks the bytes and writes; the writer's change is visible here (a handle claiming more than the
+    mapping is refused there first). Then pause/resume still work."""
     import pickle  # noqa: PLC0415
     import socket  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
@@ -287,12 +267,21 @@ def shareable_ipc(mode: str):
 
 
 def _ipc_child(mode: str, sock_fd: str):
+    import dataclasses  # noqa: PLC0415
     import pickle  # noqa: PLC0415
     import socket  # noqa: PLC0415
 
     sock = socket.socket(fileno=int(sock_fd))
     msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
     handle = pickle.loads(msg)
+    em.check_handle(handle)
+    # A handle whose tensor runs past the mapping is refused before anything is mapped.
+    lie = dataclasses.replace(handle, nbytes=handle.size, shape=(handle.size // 4,), offset=handle.offset + 4)
+    try:
+        em.import_tensor(lie, os.dup(fds[0]))
+        raise AssertionError("import_tensor accepted a handle beyond the mapping")
+    except InvalidArgumentError:
+        pass
     with em.import_tensor(handle, fds[0]) as imp:
         t = imp.tensor
         assert t.shape == (64 * MiB,) and t.dtype == torch.int32, (t.shape, t.dtype)
@@ -302,23 +291,6 @@ def _ipc_child(mode: str, sock_fd: str):
     sock.sendall(b"written")
 
 
-def _diagnostics() -> None:
-    try:
-        print("--- ebbtide stats:", em.stats(), sep="\n")
-        print("--- release report:", em.release_report(), sep="\n")
-    except Exception as e:  # noqa: BLE001
-        print(f"(diagnostics failed: {e})")
-
-
 if __name__ == "__main__":
     torch.cuda.init()
-    try:
-        globals()[sys.argv[1]](MODE, *sys.argv[3:])  # _ipc_child also takes its socket fd
-    except Skip as s:
-        print(f"SKIP: {s}")
-        sys.exit(0)
-    except BaseException:
-        traceback.print_exc()
-        _diagnostics()
-        sys.exit(1)
-    print("OK")
+    main(globals())  # _ipc_child also takes its socket fd

@@ -12,33 +12,21 @@ import ctypes
 import os
 import subprocess
 import sys
-import traceback
 
 import torch
 
 import torch_memory_saver as tms_module
 from torch_memory_saver import torch_memory_saver as tms
 
-GiB = 1 << 30
-MiB = 1 << 20
+import _scenario_runner
+from _scenario_runner import GiB, MiB, Skip, main
+
 IMPL = "ebbtide" if type(tms).__module__.startswith("ebbtide") else "tms"
 MODE = sys.argv[2] if len(sys.argv) > 2 else "?"
 
 
-class Skip(Exception):
-    pass
-
-
-def used() -> int:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
 def say(label: str) -> int:
-    u = used()
-    print(f"[{IMPL}/{MODE}] {label}: device memory used {u / GiB:.3f} GiB", flush=True)
-    return u
+    return _scenario_runner.say(label, f"[{IMPL}/{MODE}]")
 
 
 def drop(before: int, after: int, at_least: int, what: str) -> None:
@@ -290,29 +278,8 @@ def _preloaded_child(mode: str):
     assert torch.all(x == 9.0).item()
 
 
-def _diagnostics() -> None:
-    if IMPL != "ebbtide":
-        return
-    try:
-        import ebbtide.memory as em  # noqa: PLC0415
-
-        print("--- ebbtide stats:", em.stats(), sep="\n")
-        print("--- release report:", em.release_report(), sep="\n")
-    except Exception as e:  # noqa: BLE001
-        print(f"(diagnostics failed: {e})")
-
-
 if __name__ == "__main__":
     print(f"[{IMPL}/{MODE}] torch_memory_saver from {tms_module.__file__}; LD_PRELOAD={os.environ.get('LD_PRELOAD')}",
           flush=True)
     torch.cuda.init()
-    try:
-        globals()[sys.argv[1]](MODE)
-    except Skip as s:
-        print(f"SKIP: {s}")
-        sys.exit(0)
-    except BaseException:
-        traceback.print_exc()
-        _diagnostics()
-        sys.exit(1)
-    print("OK")
+    main(globals())

@@ -1,4 +1,26 @@
-"""Which fake-driver scenarios the tests run (kept apart from fake_scenarios.py, which loads the native engine)."""
+"""Which fake-driver scenarios the tests run, and which program (fake_<topic>.py) defines each. Kept apart from the
+programs, which load the native engine at import."""
+import ast
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _programs() -> dict:
+    """Scenario name -> file name, from the public top-level functions of every fake_*.py program."""
+    found = {}
+    for path in sorted(HERE.glob("fake_*.py")):
+        if path.name == Path(__file__).name:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                assert node.name not in found, f"scenario {node.name} in both {found[node.name]} and {path.name}"
+                found[node.name] = path.name
+    return found
+
+
+PROGRAM = _programs()
+
 SIMPLE = [
     "va_stability_and_roundtrip",
     "selective_tags_and_stats",
@@ -19,6 +41,7 @@ SIMPLE = [
     "memory_margin_and_tag_epochs",
     "release_report_without_torch",
     "shareable_ipc",
+    "import_handle_checks",
     "register_workers_keep_capture_mode",
     "cupy_allocator_routing",
     "versioned_stats",
@@ -51,3 +74,7 @@ COALESCE_FAULTS = {
     "resume": ["cuMemGetInfo:1", "cuMemCreate:1", "cuMemCreate:2", "cuMemMap:1", "cuMemMap:2", "cuMemRelease:2",
                "cuMemSetAccess:-1", "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
 }
+
+# Scenarios with tests of their own in test_engine_fake.py (a setting, arguments or a second device).
+OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "soak", "multi_device", "host_arena_exact_and_chunked",
+             "check_setting"]

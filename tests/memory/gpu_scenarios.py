@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -16,21 +15,7 @@ import torch
 import ebbtide.memory as em
 from ebbtide.errors import OutOfMemoryError
 
-GiB = 1 << 30
-MiB = 1 << 20
-
-
-def free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-def tag_bytes(tag: str, key: str) -> int:
-    return sum(r[key] for r in em.stats()["tags"] if r["tag"] == tag)
-
-
-def check_mode(mode: str) -> None:
-    assert em.hook_mode() == mode, (em.hook_mode(), mode)
+from _scenario_runner import GiB, MiB, check_mode, free_bytes, main, tag_bytes
 
 
 def basic(mode: str):
@@ -320,5 +305,4 @@ def coalesced_discard(mode: str):
 
 if __name__ == "__main__":
     torch.cuda.init()
-    globals()[sys.argv[1]](sys.argv[2])
-    print("OK")
+    main(globals())

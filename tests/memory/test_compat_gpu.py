@@ -5,7 +5,6 @@ unpacked, nothing installed), so the same scenario code proves the surfaces agre
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import _scenario_runner as runner  # noqa: E402
 import tms_reference  # noqa: E402
 
 BOTH = ("torch", "preload")
@@ -49,8 +49,7 @@ def _env(impl: str, mode: str, scenario: str, tms_root) -> dict:
     import ebbtide.compat  # noqa: PLC0415
     from ebbtide import _native  # noqa: PLC0415
 
-    env = {k: v for k, v in os.environ.items()
-           if k != "LD_PRELOAD" and not k.startswith(("TMS_", "EBBTIDE_MEM_", "PYTORCH_CUDA_ALLOC_CONF"))}
+    env = runner.clean_env()
     if impl == "tms":
         if tms_root is None:
             pytest.skip("torch_memory_saver wheel not found (EBBTIDE_TMS_WHEEL or <repo>/.whl)")
@@ -70,16 +69,11 @@ def _env(impl: str, mode: str, scenario: str, tms_root) -> dict:
 @pytest.mark.parametrize("impl", ["ebbtide", "tms"])
 @pytest.mark.parametrize("scenario,mode", [(s, m) for s, modes in SCENARIOS.items() for m in modes])
 def test_torch_memory_saver_scenario(impl, scenario, mode, tms_root):
-    p = subprocess.run([sys.executable, str(HERE / "compat_scenarios.py"), scenario, mode], capture_output=True,
-                       text=True, env=_env(impl, mode, scenario, tms_root), timeout=420)
-    out = p.stdout.strip()
-    if p.returncode == 0 and out.splitlines() and out.splitlines()[-1].startswith("SKIP:"):
-        pytest.skip(out.splitlines()[-1][5:].strip())
-    if (impl == "tms" and mode == "torch" and p.returncode != 0 and out.endswith("OK")
+    p = runner.start(HERE / "compat_scenarios.py", scenario, mode, env=_env(impl, mode, scenario, tms_root),
+                     timeout=420)
+    if (impl == "tms" and mode == "torch" and p.returncode != 0 and p.stdout.strip().endswith("OK")
             and TMS_EXIT_BUG in p.stderr):
         # The scenario passed; the anchor then fails at interpreter shutdown (observed with 0.0.10 on H200,
         # torch 2.11): torch frees a block its pluggable allocator never saw and tms_torch_free exits the process.
         pytest.xfail(f"torch_memory_saver's torch mode exits {p.returncode} at shutdown: {TMS_EXIT_BUG!r}")
-    assert p.returncode == 0 and out.endswith("OK"), (
-        f"{impl} {scenario} [{mode}] failed ({p.returncode})\n--- stdout\n{p.stdout[-6000:]}\n"
-        f"--- stderr\n{p.stderr[-8000:]}")
+    runner.check(p, f"{impl} {scenario} [{mode}]")

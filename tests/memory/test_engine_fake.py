@@ -1,12 +1,12 @@
 """The memory engine's logic on CPU, against the host-memory fake driver (libebbtide_fake_cuda.so).
 
-Each scenario runs in its own interpreter (tests/memory/fake_scenarios.py) with EBBTIDE_LIBCUDA pointing at the
-fake: the driver table is loaded once per process, and fault injection must not leak into other tests.
+Each scenario runs in its own interpreter (the fake_<topic>.py program that defines it) with EBBTIDE_LIBCUDA
+pointing at the fake: the driver table is loaded once per process, and fault injection must not leak into other
+tests.
 """
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +20,7 @@ FAKE = _native.PACKAGE_DIR / "libebbtide_fake_cuda.so"
 pytestmark = pytest.mark.skipif(not FAKE.exists(), reason=f"{FAKE.name} not built (EBBTIDE_TEST_FAKES=OFF)")
 
 sys.path.insert(0, str(HERE))
+import _scenario_runner as runner  # noqa: E402
 import fake_scenarios_spec as spec  # noqa: E402
 
 
@@ -28,10 +29,13 @@ def run(scenario: str, *args: str, env: dict | None = None) -> None:
     full.update({"EBBTIDE_LIBCUDA": str(FAKE), "EBT_FAKE_DEVICE_BYTES": str(64 << 20)})
     full.pop("LD_PRELOAD", None)
     full.update(env or {})
-    p = subprocess.run([sys.executable, str(HERE / "fake_scenarios.py"), scenario, *args], capture_output=True,
-                       text=True, env=full, timeout=120)
-    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (
-        f"{scenario} {args} failed ({p.returncode})\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
+    runner.run(HERE / spec.PROGRAM[scenario], scenario, *args, env=full, timeout=120, what=f"{scenario} {args}")
+
+
+def test_every_scenario_is_run():
+    # A scenario defined in a program but named by no test would never run.
+    run_by_tests = set(spec.SIMPLE) | set(spec.COALESCE) | set(spec.OWN_TESTS)
+    assert set(spec.PROGRAM) == run_by_tests, (set(spec.PROGRAM) ^ run_by_tests)
 
 
 @pytest.mark.parametrize("scenario", spec.SIMPLE)
@@ -41,6 +45,11 @@ def test_scenario(scenario):
 
 def test_poison_discarded_pages():
     run("va_stability_and_roundtrip", env={"EBBTIDE_MEM_POISON": "1"})
+
+
+@pytest.mark.parametrize("value,expect", [("1", "on"), ("on", "on"), ("2", "error"), ("maybe", "error")])
+def test_check_setting(value, expect):
+    run("check_setting", expect, env={"EBBTIDE_MEM_CHECK": value})
 
 
 def test_chunked_copies_exact_host_sizes():

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _scenario_runner as runner  # noqa: E402
+
 SCENARIOS = ["basic", "multi_tag", "caching_allocator", "oom_at_resume", "async_overlap", "backward_default_region",
              "unmap_runs"]
 
@@ -19,10 +21,8 @@ def run(scenario: str, mode: str, extra_env: dict | None = None) -> None:
 
     env = preload_env() if mode == "preload" else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env.update(extra_env or {})
-    p = subprocess.run([sys.executable, str(HERE / "gpu_scenarios.py"), scenario, mode], capture_output=True,
-                       text=True, env=env, timeout=300)
-    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (
-        f"{scenario} [{mode}] failed ({p.returncode})\n--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-8000:]}")
+    runner.run(HERE / "gpu_scenarios.py", scenario, mode, env=env, timeout=300, what=f"{scenario} [{mode}]",
+               out_tail=4000)
 
 
 @pytest.mark.gpu

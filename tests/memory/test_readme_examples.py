@@ -1,4 +1,4 @@
-"""The README's two memory examples run as written (each in its own interpreter, on a GPU)."""
+"""The two memory examples at the top of docs/memory.md run as written (each in its own interpreter, on a GPU)."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
 
 
 def example(mode: str) -> str:
-    m = re.search(rf"<!-- memory-example: {mode} -->\n```python\n(.*?)```", README.read_text(), re.S)
-    assert m, f"README lost its {mode} example"
+    m = re.search(rf"<!-- memory-example: {mode} -->\n```python\n(.*?)```", PAGE.read_text(), re.S)
+    assert m, f"docs/memory.md lost its {mode} example"
     return m.group(1)
 
 

@@ -58,8 +58,8 @@ def test_default_tag_from_environment(prog, tmp_path):
 
 
 def test_one_engine_per_process_under_preload():
-    """Preloaded into Python, the interposer and the Python API reach the same engine (spec item 17): a cudaMalloc
-    resolved through the process's global scope inside a region is visible to _C.memory, and pausable from it."""
+    """Preloaded into Python, the interposer and the Python API reach the same engine: a cudaMalloc resolved
+    through the process's global scope inside a region is visible to _C.memory, and pausable from it."""
     code = r"""
 import ctypes
 import ebbtide.memory as em
@@ -91,8 +91,8 @@ print("OK")
 @pytest.mark.parametrize("preloaded", [False, True])
 def test_hook_mode_detection_with_a_global_cuda_runtime(preloaded):
     """torch's CUDA build puts libcudart in the global scope before ebbtide loads: without a preload the mode must
-    still read "torch" (a regression seen on an H200: comparing dlsym(RTLD_DEFAULT) with &cudaMalloc named
-    libcudart's definition on both sides and reported "preload")."""
+    still read "torch". Comparing dlsym(RTLD_DEFAULT) with &cudaMalloc cannot tell: both name libcudart's
+    definition there, which would read as "preload"."""
     code = f"""
 import ctypes, os
 ctypes.CDLL({str(FAKE_CUDART)!r}, mode=os.RTLD_NOW | os.RTLD_GLOBAL)   # what importing torch does

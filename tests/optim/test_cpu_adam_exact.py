@@ -1,6 +1,6 @@
 """CPUAdam exact mode: bit-identical to torch.optim.AdamW / Adam (foreach=False, fp32) for p, m, v.
 
-Covers the issue's matrix: sizes {1, 15, 16, 17, 127, 128, 129, 2^20+37}, misaligned views, threads {1, 3, all},
+Covers the matrix: sizes {1, 15, 16, 17, 127, 128, 129, 2^20+37}, misaligned views, threads {1, 3, all},
 weight decay on/off, 100+ steps, amsgrad, maximize, NaN/Inf/subnormal gradients, float and tensor lr, bf16 grads,
 and every kernel ISA this CPU can run, each forced in turn. Comparison is bitwise (NaN positions must match).
 """

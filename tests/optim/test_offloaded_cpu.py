@@ -156,6 +156,7 @@ def test_skip_non_finite_and_bad_input():
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p.detach(), q)
     assert float(opt.state_dict()["state"][0]["step"]) == 1.0
+    opt.param_groups[0]["lr"] = 1e-2
     with pytest.raises(E, match="bfloat16"):
         OffloadedAdam([torch.zeros(4, requires_grad=True)])
     with pytest.raises(E):

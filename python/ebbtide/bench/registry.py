@@ -25,6 +25,7 @@ SUITE_MODULES: dict[str, str] = {
     "optim": "ebbtide.bench.suites.optim",
     "comm": "ebbtide.bench.suites.comm",
     "colocate": "ebbtide.bench.suites.colocate",
+    "megatron": "ebbtide.bench.suites.megatron",
     "sync": "ebbtide.bench.suites.sync",
 }
 

@@ -1,9 +1,16 @@
-"""`ebbtide bench`: resolve suites, run them with shared limit probes, print a table, write JSON and a chart."""
+"""`ebbtide bench`: resolve suites, run them with shared limit probes, print a table, write JSON and a chart.
+
+Every argument is checked before any suite runs (unknown suite names, an output path that cannot be written, a
+chart without matplotlib: exit status 2), so a long run never ends by losing its results. Exit status 1: a
+suite failed, or an output file could not be written after all (the JSON then goes to a temporary file, named).
+"""
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -28,6 +35,42 @@ def _load_suites() -> dict[str, str]:
         except Exception as e:  # a capability's missing dependency costs only its own suite
             broken[name] = f"{type(e).__name__}: {e}"
     return broken
+
+
+def output_problem(path: str) -> str:
+    """Why ``path`` cannot receive an output file ("" if it can), found by trying: an existing file is opened for
+    appending (not truncated), a new one is created and removed. Permission bits alone would mislead (root, or
+    file systems such as /proc that refuse new files)."""
+    if not path:
+        return "the path is empty"
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"its directory {parent} does not exist"
+    try:
+        if os.path.lexists(path):
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(path)
+    except OSError as e:
+        return f"cannot be written ({e.strerror or e})"
+    return ""
+
+
+def _write_json(doc: dict, path: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {path}")
+        return True
+    except OSError as e:
+        fd, spare = tempfile.mkstemp(prefix="ebbtide-bench-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2)
+        _err(f"ebbtide bench: could not write --json {path} ({e.strerror or e}); the results are in {spare}")
+        return False
 
 
 def _gpu_count() -> tuple[int, str]:
@@ -72,7 +115,7 @@ def main(names: list[str], *, quick: bool, json_path: str | None, plot_path: str
             else:
                 print(f"{n:10s} unavailable: {broken[n]}")
         return 0
-    wanted = known if not names or names == ["all"] else names
+    wanted = known if not names or "all" in names else list(dict.fromkeys(names))
     unknown = [n for n in wanted if n not in known]
     if unknown:
         _err(f"ebbtide bench: unknown suite(s) {', '.join(unknown)}; available: {', '.join(known)}")
@@ -82,6 +125,14 @@ def main(names: list[str], *, quick: bool, json_path: str | None, plot_path: str
         if problem:
             _err(f"ebbtide bench: --plot {plot_path}: {problem}")
             return 2
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        problem = output_problem(path) if path is not None else ""
+        if problem:
+            _err(f"ebbtide bench: {flag} {path}: {problem}; nothing was run")
+            return 2
+    if json_path and plot_path and os.path.abspath(json_path) == os.path.abspath(plot_path):
+        _err(f"ebbtide bench: --json and --plot name the same file ({json_path}); nothing was run")
+        return 2
 
     gpus, gpu_note = _gpu_count()
     limits = Limits(quick=quick, log=_err)
@@ -115,13 +166,16 @@ def main(names: list[str], *, quick: bool, json_path: str | None, plot_path: str
         print(f"skipped {name}: {why}")
     for name, why in failed:
         print(f"FAILED {name}: {why}")
-    if json_path:
+    ok = True
+    if json_path is not None:
         doc = {"environment": environment(), "quick": quick, "limits": limits.measured(),
                "rows": [r.to_json() for r in rows], "skipped": dict(skipped), "failed": dict(failed)}
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {json_path}")
+        ok = _write_json(doc, json_path)
     if plot_path and rows:
-        report.plot(rows, plot_path)
-        print(f"wrote {plot_path}")
-    return 1 if failed else 0
+        try:
+            report.plot(rows, plot_path)
+            print(f"wrote {plot_path}")
+        except OSError as e:
+            _err(f"ebbtide bench: could not write --plot {plot_path} ({e.strerror or e})")
+            ok = False
+    return 1 if failed or not ok else 0

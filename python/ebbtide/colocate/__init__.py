@@ -8,11 +8,11 @@ weight sync through a shared pinned buffer, by ``ebbtide.sync``), ``trainer`` / 
 NVML memory, checks, table, timeline), ``launcher`` (argument handling, processes, results). Importing this
 subpackage imports torch.
 """
-from .launcher import QUICK_MODEL, RunConfig, main, parse_args, run
+from .launcher import QUICK_MODEL, RunConfig, main, parse_args, run, run_loop
 from .measure import PHASES, format_report, growth_check, summarize
 from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 from .sync import RolloutSync, SharedHostBuffer, TrainerSync, sync_plan
 
-__all__ = ["RunConfig", "parse_args", "run", "main", "QUICK_MODEL", "PHASES", "format_report", "growth_check",
-           "summarize", "ModelConfig", "TinyLM", "KVCache", "greedy_decode", "GraphDecoder", "TrainerSync",
-           "RolloutSync", "SharedHostBuffer", "sync_plan"]
+__all__ = ["RunConfig", "parse_args", "run", "run_loop", "main", "QUICK_MODEL", "PHASES", "format_report",
+           "growth_check", "summarize", "ModelConfig", "TinyLM", "KVCache", "greedy_decode", "GraphDecoder",
+           "TrainerSync", "RolloutSync", "SharedHostBuffer", "sync_plan"]

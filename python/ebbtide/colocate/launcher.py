@@ -6,7 +6,9 @@ with its rollout process on the same GPU; collect their results, print the table
 
 Policies:
 - Every variant runs in fresh processes (neither inherits the other's pools, pinned memory or hooks); the trainer
-  ranks never carry LD_PRELOAD; each variant gets its own rendezvous port.
+  ranks never carry LD_PRELOAD; each variant gets its own rendezvous store, served by the launcher and listening on
+  loopback only (``--store-bind`` names another address, e.g. for ranks on several hosts).
+- ``run_loop`` is the entry point for other code (the bench suite): the example at its default or ``quick`` size.
 - Argument errors raise ``ebbtide.InvalidArgumentError`` before anything starts. A failing rank does not hide the
   others: every rank's result file, exit code and log tail are kept in the results.
 - The anchor variant runs where torch_memory_saver is installed; otherwise it is reported as "not installed".
@@ -23,16 +25,16 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 from ..errors import InvalidArgumentError
 from .measure import format_report, growth_check, nvml_all_pids, plot_timeline, summarize
 from .model import ModelConfig
 
-__all__ = ["RunConfig", "parse_args", "run", "main", "QUICK_MODEL"]
+__all__ = ["RunConfig", "parse_args", "run", "run_loop", "main", "QUICK_MODEL"]
 
 GiB = 1 << 30
 QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
@@ -64,6 +66,7 @@ class RunConfig:
     timeout_s: int = 900
     out: str = "colocate-out"
     device: str = "cuda"
+    store_bind: str = "127.0.0.1"  # where the ranks' rendezvous store listens (loopback unless asked)
 
     def validate(self) -> "RunConfig":
         self.model.validate()
@@ -97,6 +100,8 @@ class RunConfig:
                                        "pass --variants ebbtide")
         if self.scratch_backup not in ("cpu", "none"):
             raise InvalidArgumentError(f"scratch_backup must be 'cpu' or 'none', got {self.scratch_backup!r}")
+        if not isinstance(self.store_bind, str) or not self.store_bind.strip():
+            raise InvalidArgumentError(f"store_bind must be a host name or an IP address, got {self.store_bind!r}")
         if self.decode not in DECODE_MODES:
             raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
         return self
@@ -142,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                         "paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
     p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
     p.add_argument("--out", default=d.out, help="directory for results.json, timeline.png and logs")
+    p.add_argument("--store-bind", default=d.store_bind,
+                   help="address the ranks' rendezvous store listens on (default loopback: nothing off this host "
+                        "can reach it); 0.0.0.0 listens on every interface")
     p.add_argument("--device", default=d.device, choices=("cuda", "cpu"),
                    help="cpu: check the orchestration without a GPU (no pause/resume, no NVML; ranks use Gloo)")
     return p
@@ -158,7 +166,7 @@ def parse_args(argv=None) -> RunConfig:
                                      "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode",
                                      "timeout_s",
                                      "verify_batch", "verify_len",
-                                     "out", "device")}
+                                     "out", "device", "store_bind")}
     if a.quick:
         q = quick_overrides()
         for k, v in q.items():
@@ -171,12 +179,6 @@ def parse_args(argv=None) -> RunConfig:
 def quick_overrides() -> dict:
     return {"steps": 5, "warmup": 1, "batch": 4, "seq": 256, "gen_batch": 8, "prompt_len": 64, "new_tokens": 32,
             "kv_reserve_gb": 0.5}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: str, n: int = 30) -> str:
@@ -246,13 +248,16 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     spec["baseline_pids"].append(os.getpid())  # the launcher itself (the bench runner holds a context)
     spec["launcher_pid"] = os.getpid()  # ranks (and their rollouts) die with the launcher (PR_SET_PDEATHSIG)
     spec = json.dumps(spec)
-    port = _free_port()
+    from ebbtide.comm import serve_store  # noqa: PLC0415
+
+    # Served here for the variant's lifetime (ranks only connect): one listener, on store_bind only.
+    store = serve_store(bind=cfg.store_bind, timeout=timedelta(seconds=cfg.timeout_s + 60))
     procs = []
     base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     for r in range(cfg.gpus):
-        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(cfg.gpus), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(cfg.gpus), MASTER_ADDR=store.host,
+                   MASTER_PORT=str(store.port))
         res = os.path.join(cfg.out, f"{variant}-rank{r}.json")
         logp = os.path.join(cfg.out, f"{variant}-rank{r}.log")
         if os.path.exists(res):
@@ -269,6 +274,7 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
         for _, p, *_ in procs:
             if p.poll() is None:
                 _kill_group(p)
+        del store
     ranks, failed = [], []
     for r, p, res, logp, logf in procs:
         rc = p.wait()
@@ -354,6 +360,16 @@ def run(cfg: RunConfig, log=print) -> dict:
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     return results
+
+
+def run_loop(*, gpus: int = 1, out: str, quick: bool = False, log=print, **overrides) -> dict:
+    """Run the example at its default size (or the ``quick`` size: a 0.12 B-param model, 5 steps) on ``gpus``
+    GPUs, every variant, results and logs in ``out``; ``overrides``: other RunConfig fields. Returns the results
+    (``results["config"]`` is the configuration that ran). Bad values raise InvalidArgumentError before anything
+    starts."""
+    base = dict(quick_overrides(), model=QUICK_MODEL) if quick else {}
+    cfg = RunConfig(**{**base, "gpus": gpus, "out": out, **overrides})
+    return run(cfg, log=log)
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ import time
 __all__ = ["PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check", "format_report",
            "plot_timeline", "GROWTH_TOLERANCE"]
 
-# The order of one RL step (issue 8). "comm_*" only run with 2+ GPUs.
+# The order of one RL step. "comm_*" only run with 2+ GPUs.
 PHASES = ("train", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",
           "rollout_pause", "trainer_resume", "comm_reload")
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")

@@ -2,7 +2,7 @@
 launcher). It owns one GPU, starts its rollout process on the same GPU and drives the RL step.
 
 Policies:
-- The step (issue 8): train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
+- The step: train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
   (FP8 block quant + D2H into the shared pinned buffer, while the trainer still holds its weights) ->
   trainer_pause (weights backed up, grads and activations discarded) -> comm_release -> rollout_resume ->
   sync_load (H2D + dequant in the rollout) -> generate -> rollout_pause -> trainer_resume -> comm_reload.
@@ -42,7 +42,7 @@ from .model import ModelConfig, TinyLM
 from .rollout import die_with_parent, prompts, weight_digests
 from .sync import TrainerSync
 
-__all__ = ["main", "train_tokens", "retag_offloaded_adam", "without_expandable_segments"]
+__all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments"]
 
 # The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
 # pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
@@ -57,24 +57,16 @@ def train_tokens(cfg: ModelConfig, batch: int, seq: int, step: int, rank: int) -
     return (start + torch.arange(seq + 1)) % cfg.vocab
 
 
-def retag_offloaded_adam(opt, weights_region, grads_region) -> None:
-    """Move an OffloadedAdam's flat bf16 param buffer into ``weights_region()`` and its flat gradient buffer into
-    ``grads_region()`` (context managers), re-pointing every param and grad view. OffloadedAdam allocates both
-    at construction; this helper depends on its documented flat layout (``_pflat``/``_gflat`` and the views)."""
-    with weights_region():
-        pflat = opt._pflat.clone()
-    with grads_region():
-        gflat = torch.zeros_like(opt._gflat)
-    pviews, gviews = [], []
-    with torch.no_grad():
-        for p, o in zip(opt._params, opt._offsets):
-            pv = pflat[o:o + p.numel()].view_as(p)
-            gv = gflat[o:o + p.numel()].view_as(p)
-            p.data = pv
-            p.grad = gv
-            pviews.append(pv)
-            gviews.append(gv)
-    opt._pflat, opt._gflat, opt._pviews, opt._gviews = pflat, gflat, pviews, gviews
+def region_buffers(em):
+    """An OffloadedAdam ``buffer_factory`` placing the flat bf16 params in ebbtide.memory's "weights" tag (CPU
+    backup) and the flat gradient in its "grads" tag (discarded at pause)."""
+
+    def factory(kind, numel, dtype, device):
+        ctx = em.region("weights", backup="cpu") if kind == "params" else em.region("grads")
+        with ctx:
+            return torch.empty(numel, dtype=dtype, device=device)
+
+    return factory
 
 
 def without_expandable_segments(env: dict) -> dict:
@@ -153,13 +145,17 @@ class _Comm:
 
             self.comm = comm
             comm.install()
+        # The launcher serves the store (loopback unless it was told otherwise); ranks only connect.
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
+        if variant == "ebbtide":
             if dev.type == "cuda":
-                dist.init_process_group("nccl", device_id=dev, timeout=timedelta(minutes=10))
+                dist.init_process_group("nccl", store=self.store, rank=rank, world_size=world, device_id=dev,
+                                        timeout=timedelta(minutes=10))
             else:
-                dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+                dist.init_process_group("gloo", store=self.store, rank=rank, world_size=world,
+                                        timeout=timedelta(minutes=10))
         else:
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timedelta(minutes=10))
             self._init()
         self.all_reduce(torch.zeros(1, device=dev))  # communicator up before the first timed step
 
@@ -245,11 +241,10 @@ class _Trainer:
             self.model = TinyLM.random(self.cfg, seed=s["seed"], device=self.dev)
             # DP: grads are all-reduced before the step, so downloads may not start during backward
             self.opt = OffloadedAdam(self.model.parameters(), lr=s["lr"], weight_decay=0.1, mode="fast",
-                                     overlap_with_backward=self.world == 1)
+                                     overlap_with_backward=self.world == 1,
+                                     buffer_factory=region_buffers(em) if self.cuda else None)
             if self.cuda:
-                retag_offloaded_adam(self.opt, lambda: em.region("weights", backup="cpu"),
-                                     lambda: em.region("grads"))
-                torch.cuda.empty_cache()  # the construction-time buffers in the default pool go back
+                torch.cuda.empty_cache()  # the model's construction-time tensors in the default pool go back
             self.setup["optimizer"] = f"OffloadedAdam(isa={self.opt.isa}, threads={self.opt.threads})"
         else:
             from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
@@ -304,9 +299,9 @@ class _Trainer:
             loss = self.model.loss(tokens)
             loss.backward()
             if self.comm:
-                self.comm.all_reduce(self.opt._gflat)
+                self.comm.all_reduce(self.opt.flat_grad)
             self.opt.step(grad_scale=1.0 / self.world)
-            moved = 2 * 2 * self.opt._total  # grads down, params up (bf16)
+            moved = 2 * 2 * self.opt.numel  # grads down, params up (bf16)
         else:
             loss = self.model.loss(tokens)
             loss.backward()

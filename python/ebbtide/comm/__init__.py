@@ -21,9 +21,15 @@ Contract:
 - release(), reload() and released() are collective over WORLD: all ranks, same order, same arguments. They are
   idempotent (a repeated call returns a report with ``noop=True``), thread-safe (one lock) and fork-safe (a
   child starts empty).
-- Strategy per group, chosen at run time and reported: native NCCL suspend/resume where torch >= 2.12 and
-  NCCL >= 2.29.7 with cuMem on, destroy-and-rebuild otherwise; CPU-only (Gloo) groups are kept unless
-  ``include_cpu=True``. ``install(strategy="destroy")`` forces rebuilds.
+- Strategy per group, chosen at run time and reported: "auto" (the default) destroys and rebuilds every device
+  group, the strategy this project's GPU tests run. Native NCCL suspend/resume is opt-in
+  (``install(strategy="suspend")``): UnsupportedError where torch < 2.12 or NCCL < 2.29.7; where the versions have
+  it, a group whose other preconditions fail (cuMem off, split-shared, not created yet) is destroyed instead and
+  the report says why. CPU-only (Gloo) groups are kept unless ``include_cpu=True``.
+- A group destroyed with ``dist.destroy_process_group`` (also while released) stays destroyed; using it raises
+  StateError naming it.
+- The rendezvous store is the control plane: whoever reaches it can forge its keys. :func:`serve_store` serves one
+  that listens on loopback unless another address is named.
 - Creating groups while released raises StateError. CUDA graphs that captured collectives must be recaptured after
   a destroy-and-rebuild reload.
 """
@@ -31,24 +37,26 @@ from __future__ import annotations
 
 import contextlib
 
+from ._backend import DEFAULT_TEARDOWN, TEARDOWNS
 from ._group import ReloadableGroup
 from ._report import GroupReport, Report
-from ._runtime import DEFAULT_TEARDOWN, TEARDOWNS
 from ._runtime import RUNTIME as _RT
+from ._store import serve_store
 from ._strategy import DESTROY, KEEP, SUSPEND, Facts, env_warnings, select_strategy
 
 __all__ = [
     "install", "uninstall", "release", "reload", "released", "is_installed", "is_released", "generation",
     "ReloadableGroup", "Report", "GroupReport", "Facts", "select_strategy", "env_warnings",
-    "SUSPEND", "DESTROY", "KEEP", "TEARDOWNS", "DEFAULT_TEARDOWN",
+    "SUSPEND", "DESTROY", "KEEP", "TEARDOWNS", "DEFAULT_TEARDOWN", "serve_store",
 ]
 
 
 def install(*, strategy: str = "auto", teardown: str = DEFAULT_TEARDOWN, timeout: float | None = None,
             check_env: bool = True, concurrent_teardown: bool = True) -> list[str]:
     """Hook c10d group creation so every group becomes reloadable. Idempotent; call it before
-    ``init_process_group``. ``strategy``: "auto" (suspend where supported, else destroy), "destroy" or "suspend"
-    (falls back to destroy, with the reason, where unsupported). ``teardown``: how destroyed NCCL backends go,
+    ``init_process_group``. ``strategy``: "auto" (destroy-and-rebuild: what has run on GPUs), "destroy", or
+    "suspend" (opt-in native NCCL suspend; UnsupportedError where torch < 2.12 or NCCL < 2.29.7; a group whose
+    other preconditions fail is destroyed, with the reason). ``teardown``: how destroyed NCCL backends go,
     "shutdown" (default: ncclCommFinalize, then destroy; measured 2x faster than abort for a concurrent release on
     NCCL 2.28) or "abort" (local; safe because release() drains and barriers first).
     ``timeout``: seconds for control-plane barriers (default ``EBBTIDE_COMM_TIMEOUT`` or 300).

@@ -12,7 +12,11 @@ Contract:
 - While released, every operation raises :class:`~ebbtide.errors.StateError` naming the group and what to do, before
   anything reaches NCCL (a collective on a suspended or destroyed communicator would fault the GPU or hang).
 - A Python op never returns None to c10d (a None Work segfaults at ``wait()``): a completed Work stands in.
-- Not a lock holder: the runtime swaps ``_ebt_inner`` under its lock; an op reads it once (one attribute load).
+- It owns its state: its journal entry, its live inner (or the suspended one it holds), whether it is live,
+  released (and by which strategy) or destroyed. The runtime changes that state only through the ``_ebt_*``
+  transition methods below, under the runtime's lock; an op reads ``_ebt_inner`` once (one attribute load).
+- Destroyed is final: a group destroyed with ``dist.destroy_process_group`` (also while released, also on a peer
+  rank while released) is never rebuilt, and every op on it raises StateError naming it.
 """
 from __future__ import annotations
 
@@ -77,7 +81,9 @@ class ReloadableGroup(ProcessGroup):
         self._ebt_device_types = list(inner._device_types)
         self._ebt_used = False  # an op went through the wrapper since the last (re)build
         self._ebt_released_by: str | None = None  # strategy that released it; None while live
-        self._ebt_destroyed = False  # destroyed by the user (dist.destroy_process_group)
+        self._ebt_destroyed = False  # destroyed by the user (dist.destroy_process_group): final
+        self._ebt_destroyed_why = ""
+        self._ebt_entry = None  # its journal entry (set when the runtime journals it)
         if inner.bound_device_id is not None:
             self.bound_device_id = inner.bound_device_id
 
@@ -118,11 +124,41 @@ class ReloadableGroup(ProcessGroup):
     def _ebt_released_error(self, op: str) -> StateError:
         if self._ebt_destroyed:
             return StateError(f"process group '{self._ebt_name}' ({self._ebt_desc}) was destroyed "
-                              f"(dist.destroy_process_group); '{op}' cannot run on it")
+                              f"({self._ebt_destroyed_why}); '{op}' cannot run on it")
         return StateError(
             f"process group '{self._ebt_name}' ({self._ebt_desc}, size {self.size()}) is released by "
             f"ebbtide.comm.release() (strategy {self._ebt_released_by}); call ebbtide.comm.reload() before "
             f"'{op}'")
+
+    # ---- state transitions (the runtime calls these under its lock) ------------------------------------------
+    def _ebt_detach(self) -> ProcessGroup | None:
+        """Release starts: ops raise from now on. Returns the inner that was live."""
+        inner, self._ebt_inner, self._ebt_released_by = self._ebt_inner, None, "pending"
+        return inner
+
+    def _ebt_attach(self, inner: ProcessGroup, *, fresh: bool = False) -> None:
+        """``inner`` is live (again). ``fresh``: it was rebuilt or resumed, so no op has gone through it yet."""
+        self._ebt_inner, self._ebt_released_by = inner, None
+        if fresh:
+            self._ebt_used = False
+
+    def _ebt_mark_released(self, plan: str) -> None:
+        self._ebt_released_by = plan
+
+    def _ebt_hold(self, inner: ProcessGroup) -> None:
+        """Keep a suspended inner for resume."""
+        self._ebt_held = inner
+
+    def _ebt_take_held(self) -> ProcessGroup | None:
+        held, self._ebt_held = self._ebt_held, None
+        return held
+
+    def _ebt_destroy(self, why: str) -> ProcessGroup | None:
+        """Mark destroyed (final). Returns the inner (live or suspended) the caller must tear down, if any."""
+        inner = self._ebt_inner if self._ebt_inner is not None else self._ebt_held
+        self._ebt_inner, self._ebt_held, self._ebt_destroyed = None, None, True
+        self._ebt_destroyed_why = why
+        return inner
 
     # ---- creation and teardown hooks into the runtime -------------------------------------------------------
     def split_group(self, ranks, *args, **kwargs):

@@ -50,6 +50,22 @@ def _forget_registration(pg: ProcessGroup, name: str) -> None:
         c10d._unregister_process_group(name)
 
 
+def _world_creation_call(world: ProcessGroup) -> dict:
+    """The ``_new_process_group_helper`` arguments that would re-create an existing WORLD (install() after
+    init_process_group adopts it with this as its journal entry)."""
+    backend, prefix_store = c10d._world.pg_map[world]
+    store = getattr(prefix_store, "underlying_store", prefix_store)
+    timeout = None
+    for dev in world._device_types:
+        with contextlib.suppress(Exception):
+            timeout = world._get_backend(dev).options._timeout
+            break
+    return {"group_size": world.size(), "group_rank": world.rank(), "global_ranks_in_group": [],
+            "backend": backend, "store": store, "group_name": world.group_name,
+            "timeout": timeout or c10d._get_default_timeout(backend), "device_id": world.bound_device_id,
+            "group_desc": world.group_desc}
+
+
 def _register_native(name: str, pg: ProcessGroup) -> None:
     with contextlib.suppress(Exception):
         c10d._unregister_process_group(name)

@@ -1,11 +1,15 @@
 """Strategy selection and the NCCL environment check: pure functions over plain facts, unit-tested without GPUs.
 
 Policies:
+- ``auto`` selects only what has run on a GPU in this project's tests: ``destroy`` (tear the backend down, rebuild
+  it from the replay journal) for every device group.
 - ``suspend`` (native ``ncclCommSuspend``/``ncclCommResume`` through torch's ``Backend.suspend()/resume()``) is
-  chosen only where every precondition holds: torch >= 2.12 exposes the calls, the loaded NCCL is >= 2.29.7,
-  cuMem is on (without it NCCL's memory manager tracks nothing and suspend frees nothing), the communicator is not
-  split-shared (NCCL refuses those), and it exists already (suspending a lazily-uncreated comm raises).
-- ``destroy`` (tear the backend down, rebuild it from the replay journal) is the fallback everywhere else.
+  opt-in (``install(strategy="suspend")``) because it has not run on a GPU here. Asking for it where the versions
+  lack it (torch < 2.12, NCCL < 2.29.7 or no NCCL) is an :class:`~ebbtide.errors.UnsupportedError`, at install()
+  and at release() before anything is detached. Where the versions have it, a group takes it only where every other
+  precondition holds: cuMem is on (without it NCCL's memory manager tracks nothing and suspend frees nothing), the
+  communicator is not split-shared (NCCL refuses those), the backend exposes the calls, and the communicator exists
+  already (suspending a lazily-uncreated comm raises); otherwise that group is destroyed and the report says why.
 - ``keep`` leaves CPU-only (Gloo) groups untouched unless the caller asked for them.
 - Ranks agree before acting: the choice of a group is the weakest choice of any of its members
   (:func:`combine`), because suspend is collective over the group's ranks.
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Iterable, Mapping
+
+from ..errors import UnsupportedError
 
 SUSPEND = "suspend"
 DESTROY = "destroy"
@@ -39,17 +45,32 @@ class Facts:
     include_cpu: bool = False  # the caller asked to release CPU-only groups too
 
 
+def version_blockers(torch_version: tuple[int, int], nccl_version: tuple[int, int, int] | None) -> list[str]:
+    """Why this process's torch/NCCL cannot suspend at all (empty: the versions have it)."""
+    why = []
+    if torch_version < MIN_TORCH_SUSPEND:
+        why.append(f"torch {torch_version[0]}.{torch_version[1]} < 2.12")
+    if nccl_version is None:
+        why.append("no NCCL")
+    elif nccl_version < MIN_NCCL_SUSPEND:
+        why.append("NCCL {}.{}.{} < 2.29.7".format(*nccl_version))
+    return why
+
+
+def check_suspend_supported(torch_version: tuple[int, int], nccl_version: tuple[int, int, int] | None) -> None:
+    """Raise UnsupportedError where native suspend was asked for and the versions lack it."""
+    why = version_blockers(torch_version, nccl_version)
+    if why:
+        raise UnsupportedError("ebbtide.comm: strategy 'suspend' (native NCCL suspend/resume) needs torch >= 2.12 "
+                               f"and NCCL >= 2.29.7: {'; '.join(why)}. Use strategy='auto' or 'destroy'.")
+
+
 def suspend_blockers(f: Facts) -> list[str]:
     """Every reason native suspend cannot serve this group (empty: it can)."""
     why = []
     if not f.accelerator:
         why.append("CPU-only group")
-    if f.torch_version < MIN_TORCH_SUSPEND:
-        why.append(f"torch {f.torch_version[0]}.{f.torch_version[1]} < 2.12")
-    if f.nccl_version is None:
-        why.append("no NCCL")
-    elif f.nccl_version < MIN_NCCL_SUSPEND:
-        why.append("NCCL {}.{}.{} < 2.29.7".format(*f.nccl_version))
+    why += version_blockers(f.torch_version, f.nccl_version)
     if not f.backend_has_suspend:
         why.append("backend has no suspend()")
     if not f.cumem:
@@ -61,9 +82,13 @@ def suspend_blockers(f: Facts) -> list[str]:
     return why
 
 
+AUTO_REASON = "auto: destroy-and-rebuild (native suspend is opt-in: install(strategy='suspend'))"
+
+
 def select_strategy(f: Facts, requested: str = "auto") -> tuple[str, str]:
-    """(strategy, reason) for one group on one rank. ``requested`` is "auto", "suspend" or "destroy"; asking for
-    suspend where it cannot work falls back to destroy and says why (never a GPU fault)."""
+    """(strategy, reason) for one group on one rank. ``requested`` is "auto", "suspend" or "destroy". "auto" is
+    destroy for device groups. "suspend" raises UnsupportedError where the torch/NCCL versions lack it, and falls
+    back to destroy, saying why, where another precondition does not hold for this group (never a GPU fault)."""
     if requested not in REQUESTS:
         raise ValueError(f"strategy must be one of {REQUESTS}, not {requested!r}")
     if not f.accelerator:
@@ -72,9 +97,12 @@ def select_strategy(f: Facts, requested: str = "auto") -> tuple[str, str]:
         return DESTROY, "CPU-only group"
     if requested == DESTROY:
         return DESTROY, "requested"
+    if requested == "auto":
+        return DESTROY, AUTO_REASON
+    check_suspend_supported(f.torch_version, f.nccl_version)
     blockers = suspend_blockers(f)
     if not blockers:
-        return SUSPEND, "native NCCL suspend available"
+        return SUSPEND, "native NCCL suspend (requested)"
     return DESTROY, "; ".join(blockers)
 
 
@@ -103,11 +131,12 @@ def cumem_enabled(env: Mapping[str, str], nccl_version: tuple[int, int, int] | N
 
 
 def env_warnings(env: Mapping[str, str], nccl_version: tuple[int, int, int] | None,
-                 torch_version: tuple[int, int]) -> list[tuple[str, str]]:
-    """(variable, message) for every setting that defeats or weakens release. Checked once at install()."""
+                 torch_version: tuple[int, int], requested: str = "auto") -> list[tuple[str, str]]:
+    """(variable, message) for every setting that defeats or weakens release with strategy ``requested``.
+    Checked once at install(). Settings that matter to native suspend only are reported where it was asked for
+    and the versions have it."""
     out: list[tuple[str, str]] = []
-    suspend_possible = (torch_version >= MIN_TORCH_SUSPEND and nccl_version is not None
-                        and nccl_version >= MIN_NCCL_SUSPEND)
+    suspend_possible = requested == SUSPEND and not version_blockers(torch_version, nccl_version)
     if env.get("NCCL_CUMEM_ENABLE", "").strip() == "0" and suspend_possible:
         out.append(("NCCL_CUMEM_ENABLE",
                     "NCCL_CUMEM_ENABLE=0: NCCL's memory manager tracks nothing, so native suspend would free "

@@ -12,14 +12,15 @@ children with ``preload_env()`` / ``configure_subprocess()``). Architecture and 
 """
 from __future__ import annotations
 
-from ._engine import (Pending, Report, get_cpu_backup, get_cpu_backup_address, mark_clean, pause, pause_async, paused_ranges,
-                      release_host_memory, reserve_host_memory, resume, resume_async, set_background_pinning,
-                      set_memory_margin, memory_margin, stats, wait_background_pinning, set_coalescing,
-                      coalescing)
+from ._engine import (Pending, Report, coalescing, get_cpu_backup, get_cpu_backup_address, mark_clean,
+                      memory_margin, pause, pause_async, paused_ranges, release_host_memory, reserve_host_memory,
+                      resume, resume_async, set_background_pinning, set_coalescing, set_memory_margin, stats,
+                      wait_background_pinning)
+from ._check import check, check_paused_blocks, set_checking
 from ._cupy import cupy_allocator
-from ._hooks import (check, check_paused_blocks, configure_subprocess, disable, graph, hook_mode, preload_env,
-                     region, set_checking, set_default_region, set_hook_mode)
-from ._ipc import ImportedTensor, SharedHandle, export_tensor, import_tensor
+from ._hooks import (configure_subprocess, disable, graph, hook_mode, preload_env, region, set_default_region,
+                     set_hook_mode)
+from ._ipc import ImportedTensor, SharedHandle, check_handle, export_tensor, import_tensor
 from ._report import ReleaseReport, release_report
 
 __all__ = [
@@ -28,6 +29,6 @@ __all__ = [
     "check_paused_blocks", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
     "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
     "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
-    "export_tensor", "import_tensor", "SharedHandle", "ImportedTensor", "cupy_allocator", "set_coalescing",
-    "coalescing",
+    "export_tensor", "import_tensor", "check_handle", "SharedHandle", "ImportedTensor", "cupy_allocator",
+    "set_coalescing", "coalescing",
 ]

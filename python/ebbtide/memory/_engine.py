@@ -11,8 +11,9 @@ import dataclasses
 import warnings
 from typing import Optional
 
-from .. import _native
 from ..errors import InvalidArgumentError, OutOfMemoryError, WaitTimeoutError
+from ._check import record_pause_baseline
+from ._common import check_tag, mem as _mem
 
 __all__ = [
     "Report", "Pending", "pause", "resume", "pause_async", "resume_async", "mark_clean", "stats",
@@ -20,25 +21,6 @@ __all__ = [
     "set_background_pinning", "wait_background_pinning", "get_cpu_backup", "set_memory_margin", "memory_margin",
     "set_coalescing", "coalescing",
 ]
-
-BACKUPS = {"none": 0, "cpu": 1}
-
-
-def _mem():
-    return _native.load().memory
-
-
-def backup_code(backup: str) -> int:
-    if backup not in BACKUPS:
-        raise InvalidArgumentError(f"backup must be one of {sorted(BACKUPS)}, not {backup!r}")
-    return BACKUPS[backup]
-
-
-def check_tag(tag: Optional[str], *, allow_none: bool) -> None:
-    if tag is None and allow_none:
-        return
-    if not isinstance(tag, str) or not tag or len(tag.encode()) > 63 or "\0" in tag:
-        raise InvalidArgumentError(f"tag must be a non-empty string of at most 63 bytes, not {tag!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +64,6 @@ class Report:
         return self.driver_free_after - self.driver_free_before
 
 
-def _record_baseline() -> None:
-    from ._hooks import record_pause_baseline  # noqa: PLC0415 (the hooks module imports this one)
-
-    record_pause_baseline()
-
-
 def _holders(device: int) -> dict:
     held: dict = {}
     for row in _mem().stats():
@@ -126,7 +102,7 @@ def pause(tag: Optional[str] = None, *, wait: bool = True):
     if not wait:
         return pause_async(tag)
     check_tag(tag, allow_none=True)
-    _record_baseline()
+    record_pause_baseline()
     try:
         return _finish("pause", tag, _mem().pause(tag))
     except OutOfMemoryError as e:
@@ -192,7 +168,7 @@ def pause_async(tag: Optional[str] = None) -> Pending:
     """Start a pause on a runtime thread and return at once. A pause and a resume of different tags (or
     processes) overlap: D2H and H2D run on separate copy streams."""
     check_tag(tag, allow_none=True)
-    _record_baseline()
+    record_pause_baseline()
     return Pending(_mem().pause_async(tag), "pause", tag)
 
 

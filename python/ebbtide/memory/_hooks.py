@@ -18,25 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 from typing import Optional
 
 from .. import _native
 from ..errors import InvalidArgumentError, UnsupportedError
-from ._engine import backup_code, check_tag
+from ._common import backup_code, check_tag, expandable_segments_requested, mem as _mem, torch_cuda as _torch_cuda
 
 __all__ = ["region", "disable", "graph", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
-           "configure_subprocess", "check_paused_blocks", "check", "set_checking"]
+           "configure_subprocess"]
 
 _lock = threading.Lock()           # guards the state below
 _mode: Optional[str] = None        # "preload" | "torch", fixed at first use
-_pools: dict = {}                  # (kind, tag, device, epoch) -> MemPool; kept alive for the process (torch #146431)
+# (kind, tag, device, epoch) -> MemPool, kept alive for the process: a tensor that outlives its MemPool is freed
+# by PyTorch with the default allocator's cudaFree instead of the pool's allocator (ebt_torch_free).
+_pools: dict = {}
 _pluggable = None                  # the CUDAPluggableAllocator (torch mode), created once
-
-
-def _mem():
-    return _native.load().memory
 
 
 def hook_mode() -> str:
@@ -61,30 +58,16 @@ def set_hook_mode(mode: str) -> None:
         _mode = mode
 
 
-def _torch_cuda():
-    """torch, if the program imported it and it sees a GPU; else None (native routing only: a program that never
-    imported torch has no caching allocator to route, and importing it here would cost seconds)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def _expandable_segments_requested() -> bool:
-    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", ""))
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
-
-
 def pool_epoch(tag: str):
-    """Which pool generation a region of ``tag`` uses now (the paused-block guard, spec item 13).
+    """Which pool generation a region of ``tag`` uses now (the paused-block guard).
 
     A tag's pool caches free blocks inside the tag's segments; while the tag is paused those segments are unmapped,
-    and the caching allocator would hand such a block to a new allocation (a crash on first touch: miles #3207,
-    slime #1690). So while the tag is paused (or an op owns it), its regions use a pool of that pause's own:
-    ("paused", n) for the n-th pause, which holds no paused block until the tag is paused again, when n moves on.
-    n counts pauses begun, so a region opened while pause n+1 is still running (pause_async) already gets the
-    fresh pool n+1, never pool n whose blocks that pause is unmapping. An active tag uses its main pool ("main"),
-    whose blocks are all mapped again after the resume."""
+    and the caching allocator would hand such a block to a new allocation (a crash on first touch). So while the
+    tag is paused (or an op owns it), its regions use a pool of that pause's own: ("paused", n) for the n-th
+    pause, which holds no paused block until the tag is paused again, when n moves on. n counts pauses begun, so
+    a region opened while pause n+1 is still running (pause_async) already gets the fresh pool n+1, never pool n
+    whose blocks that pause is unmapping. An active tag uses its main pool ("main"), whose blocks are all mapped
+    again after the resume."""
     state, pauses = _mem().tag_state(tag)
     if state == "active":
         return "main"
@@ -144,7 +127,7 @@ def region(tag: str = "default", backup: str = "none", *, device: Optional[int] 
 
 
 def _refuse_expandable_segments(mode: str) -> None:
-    if mode == "preload" and _expandable_segments_requested():
+    if mode == "preload" and expandable_segments_requested():
         raise UnsupportedError(
             "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: its memory bypasses cudaMalloc, so the preload "
             "shim would silently miss it. Turn it off, or use the torch hook mode (ebbtide.memory.set_hook_mode).")
@@ -256,77 +239,3 @@ def configure_subprocess(**kwargs):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def check_paused_blocks() -> list:
-    """Live caching-allocator blocks that lie inside paused ranges (a bug: something allocated through a paused
-    pool). Walks torch.cuda.memory_snapshot(); returns dicts with address, size, state, segment pool id."""
-    torch = _torch_cuda()
-    if torch is None:
-        return []
-    ranges = sorted(_mem().paused_ranges())
-    if not ranges:
-        return []
-    import bisect  # noqa: PLC0415
-
-    starts = [r[0] for r in ranges]
-    bad = []
-    for seg, addr, blk in _live_blocks(torch):
-        i = bisect.bisect_right(starts, addr) - 1
-        if i >= 0 and addr < ranges[i][0] + ranges[i][1]:
-            bad.append({"address": addr, "size": blk["size"], "state": blk["state"],
-                        "segment_pool_id": seg.get("segment_pool_id")})
-    return bad
-
-
-def _live_blocks(torch):
-    """(segment, address, block) of every active_allocated block in torch.cuda.memory_snapshot(). A block's
-    address is its own "address" field where the snapshot has one, else the segment's plus the sizes before it."""
-    for seg in torch.cuda.memory_snapshot():
-        addr = seg["address"]
-        for blk in seg.get("blocks", []):
-            addr = blk.get("address", addr)
-            if blk.get("state") == "active_allocated":
-                yield seg, addr, blk
-            addr += blk["size"]
-
-
-_checking = os.environ.get("EBBTIDE_MEM_CHECK") == "1"  # record live blocks at each pause (debug)
-_baseline: set = set()             # addresses of blocks live when a pause was requested
-
-
-def set_checking(enabled: bool) -> None:
-    """Debug: from now on every ``pause()`` records the live PyTorch blocks (one memory_snapshot per pause), so
-    ``check()`` can tell a paused tensor (live at its pause: expected) from a block handed out after the pause
-    inside paused memory (the bug). EBBTIDE_MEM_CHECK=1 turns it on at import."""
-    global _checking
-    _checking = bool(enabled)
-
-
-def record_pause_baseline() -> None:
-    """Called by pause()/pause_async() before pausing (only while checking is on)."""
-    if not _checking:
-        return
-    torch = _torch_cuda()
-    if torch is None:
-        return
-    _baseline.update(addr for _, addr, _ in _live_blocks(torch))
-
-
-def check(*, raise_on_error: bool = False) -> list:
-    """The paused-block checker: live PyTorch blocks inside paused memory that were not live when their memory
-    was paused -- an allocation the caching allocator placed in a paused segment, which faults on first touch.
-    Each is a dict (address, size, state, segment_pool_id); empty when all is well. Needs checking on before the
-    pauses it judges (``set_checking(True)`` or EBBTIDE_MEM_CHECK=1); pauses made through the C API directly are
-    not recorded, so their tensors would be reported. ``raise_on_error=True`` raises StateError instead."""
-    from ..errors import StateError  # noqa: PLC0415
-
-    if not _checking:
-        raise StateError("ebbtide.memory.check() needs checking on before pausing: call "
-                         "ebbtide.memory.set_checking(True) (or set EBBTIDE_MEM_CHECK=1)")
-    live_now = check_paused_blocks()
-    bad = [b for b in live_now if b["address"] not in _baseline]
-    if bad and raise_on_error:
-        lines = ", ".join(f"{b['size']} B at {b['address']:#x}" for b in bad[:8])
-        raise StateError(f"{len(bad)} block(s) allocated inside paused memory: {lines}")
-    return bad

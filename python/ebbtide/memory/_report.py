@@ -14,13 +14,9 @@ import os
 import sys
 from typing import Optional
 
-from .. import _native
+from ._common import expandable_segments_requested, mem as _mem
 
 __all__ = ["ReleaseReport", "release_report"]
-
-
-def _mem():
-    return _native.load().memory
 
 
 @dataclasses.dataclass
@@ -43,6 +39,8 @@ class ReleaseReport:
     other_bytes: Optional[int]        # used - (active tags + PyTorch outside paused memory): context, libraries
     notes: list
     pending_free: int = 0             # freed allocations still mapped inside coalesced mappings (this device)
+    quarantined_ranges: int = 0       # freed ranges the driver refused to unmap: never reused (all devices)
+    quarantined_bytes: int = 0
 
     @property
     def missing(self) -> Optional[int]:
@@ -113,8 +111,6 @@ def _torch_segments(torch, device: int, paused: list) -> list:
 def release_report(report=None, *, device: Optional[int] = None) -> ReleaseReport:
     """Explain a pause's effect on the driver. ``report``: the Report ``pause()`` returned (its device and
     driver free-memory delta are used); without one, the current state of ``device`` (default 0)."""
-    from ._hooks import _expandable_segments_requested  # noqa: PLC0415
-
     mem = _mem()
     notes: list = []
     dev = report.device if report is not None and report.device >= 0 else (0 if device is None else device)
@@ -150,6 +146,11 @@ def release_report(report=None, *, device: Optional[int] = None) -> ReleaseRepor
     if pending:
         notes.append(f"{pending} bytes of freed allocations are still mapped inside coalesced mappings: they go back "
                      "at their tag's next pause, or when the mapping's last allocation is freed")
+    quarantined = int(g.get("quarantined_bytes", 0))
+    if quarantined:
+        notes.append(f"{quarantined} bytes in {g['quarantined_ranges']} freed ranges are quarantined: the driver "
+                     "refused to unmap them (twice), so their memory may still be held; their addresses are never "
+                     "reused")
     engine_active = sum(active.values()) + pending
     torch_reserved = sum(s["size"] for s in segs)
     # Engine allocations made through PyTorch are also PyTorch segments: count each byte once.
@@ -174,6 +175,7 @@ def release_report(report=None, *, device: Optional[int] = None) -> ReleaseRepor
         driver_total=total, nvml_process_used=nvml_used, active_tags=active, torch_unpaused_segments=segs,
         torch_cached_unpaused=sum(s["size"] - s["allocated"] for s in segs),
         torch_allocated_unpaused=sum(s["allocated"] for s in segs),
-        expandable_segments=_expandable_segments_requested(), forwarded_allocs=int(g["forwarded_allocs"]),
+        expandable_segments=expandable_segments_requested(), forwarded_allocs=int(g["forwarded_allocs"]),
         forwarded_bytes=int(g["forwarded_bytes"]), shim_active=bool(mem.shim_active()), nccl=nccl,
-        other_bytes=other, notes=notes, pending_free=pending)
+        other_bytes=other, notes=notes, pending_free=pending, quarantined_ranges=int(g.get("quarantined_ranges", 0)),
+        quarantined_bytes=quarantined)

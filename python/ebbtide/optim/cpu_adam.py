@@ -16,13 +16,13 @@ Contract:
 - ``step(grad_scale=s)`` multiplies gradients by ``s`` first (1/loss_scale, or a clip coefficient);
   ``skip_non_finite=True`` skips the whole step (no state, no step count changes) if any scaled gradient of a group
   is Inf/NaN; ``last_step_applied`` then reads False for that group.
-- Bad input (a CUDA or non-contiguous param, a grad of another dtype or shape) raises InvalidArgumentError before
-  any state changes.
+- Bad input (a CUDA or non-contiguous param, a param passed twice or overlapping another, a hyper-parameter of
+  the wrong type or range in any group, a grad of another dtype or shape, loaded state of another shape) raises
+  InvalidArgumentError before any state changes; the rules are listed in ``ebbtide.optim._validate``.
 """
 from __future__ import annotations
 
 import functools
-import math
 import threading
 import warnings
 
@@ -30,10 +30,12 @@ import torch
 
 from .. import _native
 from ..errors import InvalidArgumentError
+from ._validate import (MODES, STATE_TENSORS, check_distinct, check_grad_scale, check_group, check_groups,
+                        check_state_dict, scalar_value)
 
 __all__ = ["CPUAdam", "available_isas", "torch_sqrt_flavor", "probe_torch_sqrt_flavor"]
 
-_MODES = ("fast", "exact")
+_MODES = MODES
 
 
 def available_isas() -> list[str]:
@@ -113,46 +115,29 @@ def torch_bc2_sqrt_is_pow() -> bool:
     return "_dispatch_sqrt(bias_correction2)" not in src and "math.sqrt(bias_correction2)" not in src
 
 
-def _scalar(x, name: str) -> float:
-    if isinstance(x, torch.Tensor):
-        if x.numel() != 1:
-            raise InvalidArgumentError(f"{name} as a tensor must have one element (got {x.numel()})")
-        return float(x.item())
-    return float(x)
+def _check_hyper(lr, betas, eps, weight_decay, mode, where: str = "optimizer", **flags):
+    """The constructor's hyper-parameters (the rules of ebbtide.optim._validate)."""
+    check_group(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, mode=mode, **flags), where)
 
 
-def _check_hyper(lr, betas, eps, weight_decay, mode):
-    lr_v = _scalar(lr, "lr")
-    if not (math.isfinite(lr_v) and lr_v >= 0.0):
-        raise InvalidArgumentError(f"Invalid learning rate: {lr_v}")
-    if len(betas) != 2:
-        raise InvalidArgumentError(f"betas must be a pair (got {betas!r})")
-    for i, b in enumerate(betas):
-        bv = _scalar(b, f"betas[{i}]")
-        if not 0.0 <= bv < 1.0:
-            raise InvalidArgumentError(f"Invalid beta parameter at index {i}: {bv}")
-    if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
-        raise InvalidArgumentError(f"Invalid epsilon value: {eps}")
-    if not (math.isfinite(float(weight_decay)) and float(weight_decay) >= 0.0):
-        raise InvalidArgumentError(f"Invalid weight_decay value: {weight_decay}")
-    if mode not in _MODES:
-        raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {mode!r})")
+def _check_threads_isa(threads, isa) -> None:
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise InvalidArgumentError(f"threads must be a positive int or None (got {threads!r})")
+    if isa is not None and not isinstance(isa, str):
+        raise InvalidArgumentError(f"isa must be a name such as 'avx2', or None (got {isa!r})")
 
 
 def make_hyper(group: dict, *, grad_scale: float = 1.0, skip_non_finite: bool = False):
-    """The native hyper-parameter record of one param group (shared with OffloadedAdam)."""
+    """The native hyper-parameter record of one param group (shared with OffloadedAdam). The group has passed
+    ``check_group``."""
     C = _native.load()
     h = C.optim.AdamHyper()
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise InvalidArgumentError("lr as a tensor must have one element")
         h.lr_f32 = lr.dtype == torch.float32
-        h.lr = float(lr.item())
-    else:
-        h.lr = float(lr)
+    h.lr = scalar_value(lr, "lr")
     b1, b2 = group["betas"]
-    h.beta1, h.beta2 = _scalar(b1, "beta1"), _scalar(b2, "beta2")
+    h.beta1, h.beta2 = scalar_value(b1, "betas[0]"), scalar_value(b2, "betas[1]")
     h.eps = float(group["eps"])
     h.weight_decay = float(group["weight_decay"])
     h.adamw = bool(group.get("decoupled_weight_decay", True))
@@ -171,20 +156,22 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
                  amsgrad=False, maximize=False, mode="fast", threads=None, isa=None):
-        _check_hyper(lr, betas, eps, weight_decay, mode)
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise InvalidArgumentError(f"threads must be a positive int or None (got {threads!r})")
+        _check_hyper(lr, betas, eps, weight_decay, mode, "CPUAdam", amsgrad=amsgrad, maximize=maximize,
+                     decoupled_weight_decay=adamw)
+        _check_threads_isa(threads, isa)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
+        if isinstance(params, torch.Tensor):
+            raise InvalidArgumentError("params must be an iterable of tensors or of param group dicts, not a tensor")
+        params = list(params)
+        if not params:
+            raise InvalidArgumentError("CPUAdam got an empty parameter list")
         self._threads = threads
         self._isa = isa or ""
         self._engine = None
         self._copy_out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.last_step_applied: list[bool] = []
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._check_param(p)
+        super().__init__(params, defaults)  # every group passes through add_param_group's checks
         self.engine  # create the pool now: a bad isa/threads fails here, not at the first step
 
     # ---- torch.optim.Optimizer protocol ----------------------------------------------------------------------
@@ -201,12 +188,28 @@ class CPUAdam(torch.optim.Optimizer):
             self._copy_out, self.last_step_applied = {}, []
 
     def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        if g.get("mode", "fast") not in _MODES:
-            raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {g['mode']!r})")
-        for p in g["params"]:
+        """torch's add_param_group, after checking the group's params (tensors we can step, none already held,
+        none overlapping another) and hyper-parameters; a refused group is not added."""
+        if not isinstance(param_group, dict):
+            raise InvalidArgumentError(f"a param group must be a dict (got {type(param_group).__name__})")
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, (set, frozenset)) or params is None or isinstance(params, (str, bytes, dict)):
+            raise InvalidArgumentError("a param group's 'params' must be a tensor or an ordered collection of "
+                                       f"tensors (got {type(params).__name__})")
+        params = list(params)
+        check_distinct(params, [p for g in self.param_groups for p in g["params"]])
+        for p in params:
             self._check_param(p)
+        check_group(param_group, f"param_groups[{len(self.param_groups)}]")
+        super().add_param_group({**param_group, "params": params})
+
+    def load_state_dict(self, state_dict):
+        """torch's load_state_dict, after checking every group's hyper-parameters and every state tensor's shape
+        against its param (a mismatch is refused, never reshaped)."""
+        check_state_dict(state_dict, self.param_groups)
+        super().load_state_dict(state_dict)
 
     @property
     def engine(self):
@@ -275,10 +278,20 @@ class CPUAdam(torch.optim.Optimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             t = state.get(key)
-            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-                                  or t.shape != p.shape):
-                state[key] = t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(p.shape)
+            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()):
+                state[key] = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
         return state
+
+    def _check_state(self, p: torch.Tensor) -> None:
+        """State set behind our back (e.g. ``opt.state[p][...] = t``) must still have the param's shape."""
+        state = self.state.get(p)
+        if not state:
+            return
+        for key in STATE_TENSORS[:3]:
+            t = state.get(key)
+            if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape)):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InvalidArgumentError(f"state['{key}'] of a param of shape {tuple(p.shape)} is {got}")
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float | None = None, skip_non_finite: bool = False, grads=None):
@@ -290,15 +303,12 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scale = 1.0 if grad_scale is None else float(grad_scale)
-        if not math.isfinite(scale):
-            raise InvalidArgumentError(f"grad_scale must be finite (got {grad_scale})")
-        override = {id(k): v for k, v in grads.items()} if grads else {}
+        scale = check_grad_scale(grad_scale)
+        override = self._grad_overrides(grads)
         # Validate every group before touching any state (bad input changes nothing).
+        check_groups(self.param_groups)
         plans = []
         for group in self.param_groups:
-            if group.get("mode", "fast") not in _MODES:
-                raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {group['mode']!r})")
             hyper = make_hyper(group, grad_scale=scale, skip_non_finite=skip_non_finite)
             live, live_grads = [], []
             for p in group["params"]:
@@ -307,6 +317,7 @@ class CPUAdam(torch.optim.Optimizer):
                     continue
                 self._check_param(p)
                 self._check_grad(p, g)
+                self._check_state(p)
                 live.append(p)
                 live_grads.append(g)
             plans.append((group, hyper, live, live_grads))
@@ -336,3 +347,18 @@ class CPUAdam(torch.optim.Optimizer):
             applied_all.append(bool(applied))
         self.last_step_applied = applied_all
         return loss
+
+    def _grad_overrides(self, grads) -> dict:
+        if not grads:
+            return {}
+        if not hasattr(grads, "items"):
+            raise InvalidArgumentError(f"grads must map params to gradients (got {type(grads).__name__})")
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        out = {}
+        for k, v in grads.items():
+            if id(k) not in held:
+                raise InvalidArgumentError("grads has a key that is not a param of this optimizer")
+            if not isinstance(v, torch.Tensor):
+                raise InvalidArgumentError(f"grads values must be tensors (got {type(v).__name__})")
+            out[id(k)] = v
+        return out

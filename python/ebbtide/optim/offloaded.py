@@ -27,6 +27,15 @@ Policies:
   one with an empty ``state``: masters are taken from the model (not reset, not left stale), moments zeroed.
   Call ``sync_master_from_params()`` after loading model weights in place.
 - Params may also live on the CPU (bf16): the same pipeline with synchronous copies (used by the CPU tests).
+- Placement hooks. ``buffer_factory(kind, numel, dtype, device)`` allocates the two device buffers (kind "params"
+  or "grads"; default ``torch.zeros``), e.g. inside a memory region so the flat params can be paused with a CPU
+  backup and the flat gradient discarded; ``rebind_buffers(factory)`` moves them after construction (content
+  copied, every param and grad view re-pointed). ``flat_params``, ``flat_grad``, ``param_offsets`` and
+  ``grad_view``/``param_view`` expose the layout.
+- Gradients. ``attach_grads=True`` (default): each param's ``.grad`` is its view of the flat gradient, kept so
+  by the hooks above. ``attach_grads=False``: no ``.grad`` is touched and no hook installed; the caller writes the
+  gradient into ``flat_grad`` (or ``grad_view(p)``) before ``step`` -- how a trainer with its own gradient
+  buffers (Megatron-core's DDP ``main_grad``) feeds the pipeline.
 """
 from __future__ import annotations
 
@@ -36,7 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError, StateError
-from .cpu_adam import _MODES, _check_hyper, make_hyper, shared_engine
+from ._validate import check_distinct, check_grad_scale, check_group, check_groups, check_state_dict
+from .cpu_adam import _check_hyper, _check_threads_isa, make_hyper, shared_engine
 
 __all__ = ["OffloadedAdam"]
 
@@ -96,33 +106,53 @@ class _Transport:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
 
 
+def _zeros(kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _allocate(factory, kind: str, numel: int, device: torch.device) -> torch.Tensor:
+    t = factory(kind, numel, torch.bfloat16, device)
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.device != device or t.dim() != 1
+            or t.numel() != numel or not t.is_contiguous()):
+        got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
+        raise InvalidArgumentError(f"buffer_factory({kind!r}) must return a contiguous 1-D bfloat16 tensor of "
+                                   f"{numel} elements on {device} (got {got})")
+    return t
+
+
 class OffloadedAdam(torch.optim.Optimizer):
     """Adam/AdamW for bf16 params on one device with fp32 master weights and state in host memory."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
                  amsgrad=False, maximize=False, mode="fast", threads=None, bucket_numel=16 * 2**20, slots=3,
-                 overlap_with_backward=False, isa=None):
-        _check_hyper(lr, betas, eps, weight_decay, mode)
+                 overlap_with_backward=False, isa=None, buffer_factory=None, attach_grads=True):
+        _check_hyper(lr, betas, eps, weight_decay, mode, "OffloadedAdam", amsgrad=amsgrad, maximize=maximize,
+                     decoupled_weight_decay=adamw)
+        _check_threads_isa(threads, isa)
         if not isinstance(bucket_numel, int) or bucket_numel < _ALIGN:
             raise InvalidArgumentError(f"bucket_numel must be an int >= {_ALIGN} (got {bucket_numel!r})")
         if not isinstance(slots, int) or slots < 1:
             raise InvalidArgumentError(f"slots must be an int >= 1 (got {slots!r})")
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise InvalidArgumentError(f"threads must be a positive int or None (got {threads!r})")
+        if buffer_factory is not None and not callable(buffer_factory):
+            raise InvalidArgumentError(f"buffer_factory must be callable or None (got {buffer_factory!r})")
+        if not attach_grads and overlap_with_backward:
+            raise InvalidArgumentError("overlap_with_backward needs attach_grads=True (it is driven by .grad hooks)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
         super().__init__(params, defaults)
         self.overlap_with_backward = bool(overlap_with_backward)
+        self.attach_grads = bool(attach_grads)
         self._engine = shared_engine(threads, isa)
         self._bucket_numel = (bucket_numel // _ALIGN) * _ALIGN
         self._slots = slots
         self._step_count = 0
         self._build_layout()
-        self._build_buffers()
+        self._build_buffers(buffer_factory or _zeros)
         self._transport = _Transport(self._device)
         self._ready = [0] * len(self._buckets)
         self._pending = {}  # bucket -> download event launched by a hook, not yet consumed
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+                       if self.attach_grads else [])
         self.last_step_applied = True
 
     # ---- construction ------------------------------------------------------------------------------------------
@@ -166,11 +196,13 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._param_buckets.append([i for i, b in enumerate(self._buckets)
                                         if p.numel() > 0 and b.start < o + p.numel() and o < b.end])
 
-    def _build_buffers(self):
+    def _build_buffers(self, factory):
         dev, total = self._device, self._total
         pin = dev.type == "cuda"
-        self._pflat = torch.zeros(total, dtype=torch.bfloat16, device=dev)
-        self._gflat = torch.zeros(total, dtype=torch.bfloat16, device=dev)
+        self._pflat = _allocate(factory, "params", total, dev)
+        self._gflat = _allocate(factory, "grads", total, dev)
+        self._pflat.zero_()
+        self._gflat.zero_()
         self._master = torch.zeros(total, dtype=torch.float32)
         self._m = torch.zeros(total, dtype=torch.float32)
         self._v = torch.zeros(total, dtype=torch.float32)
@@ -179,21 +211,28 @@ class OffloadedAdam(torch.optim.Optimizer):
         slot = min(self._bucket_numel, total)
         self._gslots = [torch.empty(slot, dtype=torch.bfloat16, pin_memory=pin) for _ in range(self._slots)]
         self._oslots = [torch.empty(slot, dtype=torch.bfloat16, pin_memory=pin) for _ in range(self._slots)]
+        with torch.no_grad():
+            for p, o in zip(self._params, self._offsets):
+                self._pflat[o:o + p.numel()].view_as(p).copy_(p)
+                if self.attach_grads and p.grad is not None:
+                    self._gflat[o:o + p.numel()].view_as(p).copy_(p.grad)
+        self._bind_views()
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self.sync_master_from_params()
+        self._publish_state()
+
+    def _bind_views(self):
+        """Point every param (and, with attach_grads, its .grad) at its range of the flat buffers."""
         self._pviews, self._gviews = [], []
         with torch.no_grad():
             for p, o in zip(self._params, self._offsets):
                 pv = self._pflat[o:o + p.numel()].view_as(p)
-                pv.copy_(p)
-                p.data = pv
                 gv = self._gflat[o:o + p.numel()].view_as(p)
-                if p.grad is not None:
-                    gv.copy_(p.grad)
-                p.grad = gv
+                p.data = pv
+                if self.attach_grads:
+                    p.grad = gv
                 self._pviews.append(pv)
                 self._gviews.append(gv)
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self.sync_master_from_params()
-        self._publish_state()
 
     def _publish_state(self):
         """self.state[p] holds views of the flat host buffers (torch's keys, plus master_param)."""
@@ -221,6 +260,55 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Flat element ranges of the buckets, in pipeline order."""
         return [(b.start, b.end) for b in self._buckets]
 
+    @property
+    def flat_params(self) -> torch.Tensor:
+        """The flat bf16 param buffer on the params' device (every param is a view of it; padding between)."""
+        return self._pflat
+
+    @property
+    def flat_grad(self) -> torch.Tensor:
+        """The flat bf16 gradient buffer ``step`` reads (same layout as ``flat_params``)."""
+        return self._gflat
+
+    @property
+    def numel(self) -> int:
+        """Elements of each flat buffer, alignment padding included."""
+        return self._total
+
+    @property
+    def param_offsets(self) -> list[tuple[torch.Tensor, int]]:
+        """(param, element offset into the flat buffers) in layout order."""
+        return list(zip(self._params, self._offsets))
+
+    def param_view(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s range of ``flat_params``, shaped like ``p``."""
+        return self._pviews[self._position(p)]
+
+    def grad_view(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s range of ``flat_grad``, shaped like ``p`` (where to write its gradient with attach_grads=False)."""
+        return self._gviews[self._position(p)]
+
+    def _position(self, p) -> int:
+        i = self._index.get(id(p))
+        if i is None:
+            raise InvalidArgumentError("the tensor is not a param of this optimizer")
+        return i
+
+    @torch.no_grad()
+    def rebind_buffers(self, buffer_factory) -> None:
+        """Move the flat param and gradient buffers into new tensors from ``buffer_factory(kind, numel, dtype,
+        device)`` (kind "params" or "grads"); content is copied and every param/grad view re-pointed. Nothing
+        changes if the factory fails or returns a tensor of the wrong size, dtype or device."""
+        if not callable(buffer_factory):
+            raise InvalidArgumentError(f"buffer_factory must be callable (got {buffer_factory!r})")
+        self._reset_overlap()
+        pflat = _allocate(buffer_factory, "params", self._total, self._device)
+        gflat = _allocate(buffer_factory, "grads", self._total, self._device)
+        pflat.copy_(self._pflat)
+        gflat.copy_(self._gflat)
+        self._pflat, self._gflat = pflat, gflat
+        self._bind_views()
+
     @torch.no_grad()
     def sync_master_from_params(self):
         """Set every fp32 master to the model's current (bf16) param value, e.g. after loading model weights."""
@@ -230,6 +318,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         """Zero the flat gradient buffer (grads stay views of it whatever set_to_none says)."""
         self._gflat.zero_()
+        if not self.attach_grads:
+            return
         for p, gv in zip(self._params, self._gviews):
             if p.grad is None or p.grad.data_ptr() != gv.data_ptr():
                 p.grad = gv
@@ -237,7 +327,13 @@ class OffloadedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if getattr(self, "_buckets", None) is not None:
             raise StateError("OffloadedAdam lays out its buffers at construction: pass every param group there")
-        super().add_param_group(param_group)
+        if not isinstance(param_group, dict):
+            raise InvalidArgumentError(f"a param group must be a dict (got {type(param_group).__name__})")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        check_distinct(params, [p for g in self.param_groups for p in g["params"]])
+        check_group(param_group, f"param_groups[{len(self.param_groups)}]")
+        super().add_param_group({**param_group, "params": params})
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def _on_grad_ready(self, p):
@@ -270,12 +366,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scale = 1.0 if grad_scale is None else float(grad_scale)
-        if not math.isfinite(scale):
-            raise InvalidArgumentError(f"grad_scale must be finite (got {grad_scale})")
-        for g in self.param_groups:
-            if g.get("mode", "fast") not in _MODES:
-                raise InvalidArgumentError(f"mode must be 'fast' or 'exact' (got {g['mode']!r})")
+        scale = check_grad_scale(grad_scale)
+        check_groups(self.param_groups)  # every group before any bucket is stepped
         hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
         if self._repair_grad_views():
             self._reset_overlap()  # a hook-started download may predate the repaired gradient: download again
@@ -294,6 +386,8 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _repair_grad_views(self) -> bool:
         """Grads replaced behind our back (e.g. assigned by the user) are copied into the flat buffer."""
         repaired = False
+        if not self.attach_grads:
+            return repaired
         for p, gv in zip(self._params, self._gviews):
             g = p.grad
             if g is None:
@@ -348,6 +442,7 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict):
+        check_state_dict(state_dict, self.param_groups)  # hyper-parameters, sizes, exact state shapes
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise InvalidArgumentError("loaded state dict has a different number of parameter groups")

@@ -1,7 +1,7 @@
 """ebbtide.quant — FP8 block/group and INT4 QAT kernels under one pinned numerics contract.
 
 CPU tensors run the reference (``ebbtide.quant.reference``, the oracle); CUDA tensors run the sm90 kernels, which
-match it bit for bit. See api.py for the policies and specs/quant.md for the contract.
+match it bit for bit. See api.py for the policies and docs/quant.md for the contract.
 """
 from __future__ import annotations
 

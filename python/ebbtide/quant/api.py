@@ -1,69 +1,34 @@
 """ebbtide.quant — FP8 (e4m3, 128x128 block / 1x128 group, fp32 or UE8M0 scales) and INT4 (W4A16 symmetric group,
-QAT fake-quant bitwise identical to the served weight) under one pinned numerics contract (specs/quant.md).
+QAT fake-quant bitwise identical to the served weight) under one pinned numerics contract (docs/quant.md).
 
 Policies:
 - One contract, several implementations: CPU tensors run the reference (ebbtide.quant.reference, the oracle);
   CUDA tensors run the sm90 kernels, which match it with zero mismatching bytes and scales (tests/quant).
 - Inputs are bf16 — the exact values being exported, never an fp32 master (quantizing the master is a known
   cause of train/serve drift). Any row stride is accepted; the last dimension must be contiguous.
-- Bad input raises InvalidArgumentError (a ValueError) before anything runs; nothing is modified in place.
+- Bad input raises InvalidArgumentError (a ValueError) naming the argument and the value passed, before anything
+  runs; nothing is modified in place. The rules are listed in ``ebbtide.quant._checks``.
 - CUDA calls are asynchronous on torch's current stream of the input's device, like any torch op.
 - Non-finite inputs poison their block/group (NaN scale, e4m3 0x7F; INT4: NaN scale, q 0, NaN output); see
   reference.py, Note [Non-finite inputs].
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..errors import InvalidArgumentError
-from . import _cuda
+from . import _checks, _cuda
 from . import reference as _ref
 from .layout import Fp8BucketLayout
 
 __all__ = ["fp8_block_quant", "fp8_block_quant_list", "fp8_block_quant_into", "fp8_group_quant", "fp8_block_dequant", "int4_fake_quant",
            "int4_pack", "int4_unpack", "Fp8Bucket"]
 
-_SCALES = ("fp32", "ue8m0", "ue8m0_packed")
-
-
-# ---- validation ----------------------------------------------------------------------------------------------
-def _check_tensor(t, name: str, dims: tuple[int, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.bfloat16:
-        raise InvalidArgumentError(f"{name} must be bfloat16 (the exact values being exported), got {t.dtype}; "
-                                   f"cast with .to(torch.bfloat16)")
-    if t.dim() not in dims:
-        raise InvalidArgumentError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape "
-                                   f"{tuple(t.shape)}")
-    if t.device.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
-    if t.device.type == "cuda" and t.numel() > 0:
-        if t.stride(-1) != 1:
-            raise InvalidArgumentError(f"{name} must have a contiguous last dimension (stride {t.stride()}); "
-                                       f"call .contiguous()")
-        if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) < (t.shape[1] - 1) * t.stride(1) + t.shape[2]:
-            raise InvalidArgumentError(f"{name}: expert slices overlap (strides {t.stride()}); call .contiguous()")
-
-
-def _check_eps(eps) -> float:
-    # [1e-30, 1e30]: every scale stays a normal fp32 number and every multiplier finite
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 1e-30 <= eps <= 1e30:
-        raise InvalidArgumentError(f"eps must be a number in [1e-30, 1e30], got {eps!r}")
-    return float(eps)
-
-
-def _check_scale(scale) -> str:
-    if scale not in _SCALES:
-        raise InvalidArgumentError(f"scale must be one of {_SCALES}, got {scale!r}")
-    return scale
-
-
-def _check_fixed(value, name: str, allowed: tuple) -> None:
-    if value not in allowed:
-        raise InvalidArgumentError(f"{name} must be {' or '.join(map(str, allowed))}, got {value!r}")
+# ---- validation: the rules live in _checks.py (these names are kept for callers inside the package) ---------
+_check_tensor = _checks.tensor
+_check_eps = _checks.eps
+_check_scale = _checks.scale
+_check_fixed = _checks.choice
 
 
 # ---- FP8 -----------------------------------------------------------------------------------------------------
@@ -76,7 +41,7 @@ def fp8_block_quant(w: torch.Tensor, block: int = 128, scale: str = "fp32", eps:
       "ue8m0_packed":   int32 [(E,) N, ceil(K/512)] DeepGEMM SFB layout (per-row, MN-major, TMA-aligned).
     """
     _check_tensor(w, "w", (2, 3))
-    _check_fixed(block, "block", (128,))
+    block = _checks.int_choice(block, "block", (128,))
     scale, eps = _check_scale(scale), _check_eps(eps)
     if w.device.type == "cpu":
         return _ref.fp8_block_quant(w, block, scale, eps)
@@ -120,6 +85,8 @@ class Fp8Bucket:
 
 
 def _check_list(tensors) -> list:
+    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise InvalidArgumentError(f"tensors must be a list of bf16 2-D tensors, got {_checks.shown(tensors)}")
     tensors = list(tensors)
     if not tensors:
         raise InvalidArgumentError("fp8_block_quant_list needs at least one tensor")
@@ -207,12 +174,13 @@ def fp8_group_quant(x: torch.Tensor, group: int = 128, scale_layout: str = "row"
       scale "ue8m0_packed" (needs "mn_major"): int32 [M, ceil(K/512)], strides (1, align(M, 4)).
     """
     _check_tensor(x, "x", tuple(range(2, 9)))
-    _check_fixed(group, "group", (128,))
+    group = _checks.int_choice(group, "group", (128,))
     _check_fixed(scale_layout, "scale_layout", ("row", "mn_major"))
     scale, eps = _check_scale(scale), _check_eps(eps)
     K = x.shape[-1]
-    if K % group:
-        raise InvalidArgumentError(f"K={K} (the last dimension) is not a multiple of the group size {group}")
+    if K == 0 or K % group:
+        raise InvalidArgumentError(f"x has shape {tuple(x.shape)}: its last dimension must be a positive multiple "
+                                   f"of the group size {group}")
     if scale == "ue8m0_packed" and scale_layout != "mn_major":
         raise InvalidArgumentError("packed UE8M0 scales are MN-major by definition: pass scale_layout='mn_major'")
     x2 = x.reshape(-1, K)
@@ -226,9 +194,8 @@ def fp8_group_quant(x: torch.Tensor, group: int = 128, scale_layout: str = "row"
 def fp8_block_dequant(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
     """bf16 = RNbf16(RN32(float(q) * s)) for block-quantized weights: q float8_e4m3fn [(E,) N, K], scale float32
     [(E,) ceil(N/128), ceil(K/128)] (fp32 or UE8M0 values; unpack packed UE8M0 with reference.ue8m0_unpack)."""
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn or q.dim() not in (2, 3):
-        raise InvalidArgumentError("q must be a float8_e4m3fn tensor [N, K] or [E, N, K]")
-    _check_fixed(block, "block", (128,))
+    _checks.tensor(q, "q", (2, 3), torch.float8_e4m3fn, why="fp8_block_quant's q [N, K] or [E, N, K]")
+    block = _checks.int_choice(block, "block", (128,))
     want = (*q.shape[:-2], -(-q.shape[-2] // 128), -(-q.shape[-1] // 128))
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != want:
         got = (scale.dtype, tuple(scale.shape)) if isinstance(scale, torch.Tensor) else type(scale).__name__
@@ -243,10 +210,11 @@ def fp8_block_dequant(q: torch.Tensor, scale: torch.Tensor, block: int = 128) ->
 # ---- INT4 ----------------------------------------------------------------------------------------------------
 def _check_int4(w, group, divisor, eps) -> float:
     _check_tensor(w, "w", (2,))
-    _check_fixed(group, "group", (32, 64, 128))
+    _checks.int_choice(group, "group", (32, 64, 128))
     _check_fixed(divisor, "divisor", (7, 7.5))
     if w.shape[1] % group:
-        raise InvalidArgumentError(f"K={w.shape[1]} is not a multiple of the group size {group}")
+        raise InvalidArgumentError(f"w has shape {tuple(w.shape)}: its last dimension (K) must be a multiple of "
+                                   f"the group size {group}")
     return _check_eps(eps)
 
 
@@ -287,7 +255,7 @@ def int4_fake_quant(w: torch.Tensor, group: int = 128, divisor: float = 7, eps: 
     bitwise equal to the weight the server dequantizes from int4_pack(w). Backward: straight-through (identity),
     or with clip_ste=True zero where x/s falls outside [qmin - 0.5, qmax + 0.5]; never changes forward bits."""
     eps = _check_int4(w, group, divisor, eps)
-    return _Int4FakeQuant.apply(w, group, divisor, eps, bool(clip_ste))
+    return _Int4FakeQuant.apply(w, int(group), divisor, eps, _checks.flag(clip_ste, "clip_ste"))
 
 
 def int4_pack(w: torch.Tensor, group: int = 128, divisor: float = 7, eps: float = 1e-5) -> dict:
@@ -295,7 +263,7 @@ def int4_pack(w: torch.Tensor, group: int = 128, divisor: float = 7, eps: float 
     through Marlin): {"weight_packed": int32 [N, K/8] (element 8j+i in bits 4i..4i+3 of word j, stored q + 8),
     "weight_scale": bf16 [N, K/group], "weight_shape": int32 [2] (on the CPU)}. Same kernel as int4_fake_quant."""
     eps = _check_int4(w, group, divisor, eps)
-    _, packed, s = _int4_quant(w, group, divisor, eps, fake_quant=False, pack=True)
+    _, packed, s = _int4_quant(w, int(group), divisor, eps, fake_quant=False, pack=True)
     return {"weight_packed": packed, "weight_scale": s,
             "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32)}
 
@@ -304,23 +272,8 @@ def int4_unpack(weight_packed, weight_scale: torch.Tensor | None = None, weight_
                 return_q: bool = False):
     """The served weight RNbf16(q * s) (Marlin's dequant) from int4_pack's output (a dict, or its three entries).
     With return_q=True returns (weight, q int8 [N, K])."""
-    if isinstance(weight_packed, dict):
-        weight_packed, weight_scale, weight_shape = (weight_packed["weight_packed"], weight_packed["weight_scale"],
-                                                     weight_packed["weight_shape"])
-    if not isinstance(weight_packed, torch.Tensor) or weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
-        raise InvalidArgumentError("weight_packed must be an int32 tensor [N, K/8]")
-    if not isinstance(weight_scale, torch.Tensor) or weight_scale.dtype != torch.bfloat16 or weight_scale.dim() != 2:
-        raise InvalidArgumentError("weight_scale must be a bfloat16 tensor [N, K/group]")
-    N, K = (int(v) for v in (weight_shape.tolist() if isinstance(weight_shape, torch.Tensor) else weight_shape))
-    if tuple(weight_packed.shape) != (N, K // 8) or K % 8 or weight_scale.shape[0] != N or weight_scale.shape[1] == 0:
-        raise InvalidArgumentError(f"shapes disagree: weight_shape {(N, K)}, weight_packed "
-                                   f"{tuple(weight_packed.shape)}, weight_scale {tuple(weight_scale.shape)}")
-    group = K // weight_scale.shape[1]
-    if group not in (32, 64, 128) or group * weight_scale.shape[1] != K:
-        raise InvalidArgumentError(f"weight_scale {tuple(weight_scale.shape)} implies group {K}/"
-                                   f"{weight_scale.shape[1]}, not one of 32, 64, 128")
-    if weight_scale.device != weight_packed.device:
-        raise InvalidArgumentError("weight_packed and weight_scale are on different devices")
+    weight_packed, weight_scale, N, K, group = _checks.int4_unpack_args(weight_packed, weight_scale, weight_shape)
+    _checks.flag(return_q, "return_q")
     if weight_packed.device.type == "cpu":
         q = _ref.int4_unpack_q(weight_packed, K)
         out = _ref.int4_dequant(q, _ref.bf16_bits(weight_scale), group)

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..errors import InvalidArgumentError
+from . import _checks
 from .api import _check_fixed, _int4_quant, _check_int4, fp8_block_quant_list
 
 __all__ = ["DEFAULT_IGNORE", "export_fp8", "export_int4", "check_int4_config", "fp8_quantization_config",
@@ -22,7 +23,12 @@ DEFAULT_IGNORE = ("embed", "lm_head", "norm", "mlp.gate.", "router")
 
 
 def _targets(state_dict: Mapping[str, torch.Tensor], ignore: Iterable[str]) -> tuple[list[str], list[str]]:
+    _checks.mapping(state_dict, "state_dict")
+    if isinstance(ignore, (str, bytes)) or not hasattr(ignore, "__iter__"):
+        raise InvalidArgumentError(f"ignore must be a list of name substrings, got {_checks.shown(ignore)}")
     ignore = tuple(ignore)
+    if not all(isinstance(s, str) for s in ignore):
+        raise InvalidArgumentError(f"ignore must hold strings, got {_checks.shown(ignore)}")
     quant, skipped = [], []
     for name, t in state_dict.items():
         if not name.endswith(".weight") or not isinstance(t, torch.Tensor):
@@ -35,6 +41,7 @@ def _targets(state_dict: Mapping[str, torch.Tensor], ignore: Iterable[str]) -> t
 
 
 def fp8_quantization_config(scale: str = "fp32", ignore: Iterable[str] = ()) -> dict:
+    _check_fixed(scale, "scale", ("fp32", "ue8m0"))
     cfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     if scale == "ue8m0":
         cfg["scale_fmt"] = "ue8m0"
@@ -63,6 +70,7 @@ def export_fp8(state_dict: Mapping[str, torch.Tensor], *, scale: str = "fp32", e
 
 
 def int4_quantization_config(group: int = 128, ignore: Iterable[str] = ()) -> dict:
+    _checks.int_choice(group, "group", (32, 64, 128))
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -85,6 +93,8 @@ def export_int4(state_dict: Mapping[str, torch.Tensor], *, group: int = 128, div
     """Returns (tensors, quantization_config): each quantized `<m>.weight` becomes `<m>.weight_packed` (int32
     [N, K/8]), `<m>.weight_scale` (bf16 [N, K/group]) and `<m>.weight_shape` (int32 [2]). The packing runs the
     INT4 kernel int4_fake_quant runs, so the served weights equal the QAT forward bit for bit."""
+    _checks.int_choice(group, "group", (32, 64, 128))
+    _check_fixed(divisor, "divisor", (7, 7.5))
     names, skipped = _targets(state_dict, ignore)
     out = {k: v for k, v in state_dict.items() if k not in set(names)}
     for n in names:
@@ -104,15 +114,19 @@ def check_int4_config(config: Mapping, group: int, divisor: float = 7) -> None:
     7.5: q in [-8, 7]) is a trainer convention compressed-tensors does not record; it is validated here and must
     be the one the checkpoint was exported with."""
     _check_fixed(divisor, "divisor", (7, 7.5))
-    qc = config.get("quantization_config", config)
+    _checks.int_choice(group, "group", (32, 64, 128))
+    qc = _checks.mapping(_checks.mapping(config, "config").get("quantization_config", config), "quantization_config")
     if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
         raise InvalidArgumentError(f"not a compressed-tensors pack-quantized config: {qc.get('quant_method')!r} / "
                                    f"{qc.get('format')!r}")
     groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise InvalidArgumentError(f"config_groups must be a mapping, got {_checks.shown(groups)}")
     if not groups:
         raise InvalidArgumentError("compressed-tensors config has no config_groups")
     for gname, g in groups.items():
-        w = g.get("weights") or {}
+        w = _checks.mapping(g, f"config_groups[{gname!r}]").get("weights") or {}
+        _checks.mapping(w, f"config_groups[{gname!r}]['weights']")
         want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
         bad = {k: (w.get(k), v) for k, v in want.items() if w.get(k) != v}
         if bad:

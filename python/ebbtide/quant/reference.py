@@ -1,4 +1,4 @@
-"""CPU reference of the quant numerics contract (/shared/specs/quant.md) — the oracle every kernel must match bit
+"""CPU reference of the quant numerics contract (docs/quant.md) — the oracle every kernel must match bit
 for bit.
 
 Policies (the contract, restated where the code applies it):
@@ -7,7 +7,7 @@ Policies (the contract, restated where the code applies it):
   torch's division or float8 cast: torch's `/` is a reciprocal-multiply on CUDA and its e4m3 cast turned |v| >= 464
   into NaN before 2.12; both are exactly the platform semantics the contract refuses to depend on.
 - Constants are pinned as fp32 bit patterns: C448 = RN32(1/448), INV7 = RN32(1/7), INV7_5 = RN32(1/7.5)
-  (tests/quant/test_constants.py re-derives each from exact rationals). A user eps is rounded once to fp32.
+  (tests/quant/test_quant_reference_fp8.py re-derives each from exact rationals). A user eps is rounded once to fp32.
 - FP8 e4m3 (fn): E4M3(v) is an integer round-to-nearest-even encoder (`e4m3_encode`); callers always clamp to
   [-448, 448] first, so the overflow branch is never taken.
 - FP8 scale: s = RN32(max(amax, eps) * C448); multiplier m = RN32(1 / s); q = E4M3(clamp(RN32(x * m), +-448)).

@@ -1,4 +1,4 @@
-"""Suite `colocate`: a short colocated RL loop (issue 8's example, ``python -m ebbtide.colocate``) beside the same
+"""Suite `colocate`: a short colocated RL loop (the colocation example, ``python -m ebbtide.colocate``) beside the same
 loop on today's tools (torch_memory_saver retain_cpu_backup, destroy + re-create process groups, torch fused AdamW
 on CPU with plain copies, the torch quant formula), each variant in fresh processes of the same run.
 
@@ -8,10 +8,10 @@ its CUDA context). --quick: the 0.12 B-param model, 5 steps; otherwise the examp
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 
+from ... import settings
 from ..registry import Row, Skip, suite
 
 
@@ -65,24 +65,21 @@ def run(ctx):
 
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # earlier in-process suites' cached blocks would crowd the two processes
-    from ebbtide.colocate.launcher import QUICK_MODEL, RunConfig, quick_overrides  # noqa: PLC0415
+    from ebbtide.colocate import run_loop  # noqa: PLC0415
+
+    from .._spawn import TEST_ARTIFACTS  # noqa: PLC0415
 
     runs = [1] + ([2] if ctx.gpus >= 2 else [])
     for gpus in runs:
-        art = os.environ.get("EBBTIDE_TEST_ARTIFACTS")  # scripts/gpu-check packs this folder into logs.tgz
+        art = settings.get(TEST_ARTIFACTS)  # scripts/gpu-check packs this folder into logs.tgz
         if art:
             out = os.path.join(art, f"colocate-bench-{gpus}gpu")
             os.makedirs(out, exist_ok=True)
         else:
             out = tempfile.mkdtemp(prefix=f"ebbtide-colocate-{gpus}gpu-")
-        if ctx.quick:
-            cfg = RunConfig(model=QUICK_MODEL, gpus=gpus, out=out, timeout_s=300, **quick_overrides())
-        else:
-            cfg = RunConfig(gpus=gpus, out=out, timeout_s=1200)
-        ctx.progress(f"colocate: {gpus} GPU(s), model {cfg.model}, {cfg.steps} steps (out: {out})")
-        from ebbtide.colocate.launcher import run as run_loop  # noqa: PLC0415
-
-        res = run_loop(cfg, log=ctx.progress)
+        ctx.progress(f"colocate: {gpus} GPU(s), {'quick' if ctx.quick else 'default'} size (out: {out})")
+        res = run_loop(gpus=gpus, out=out, quick=ctx.quick, timeout_s=300 if ctx.quick else 1200, log=ctx.progress)
+        cfg = res["config"]
         ours = res["variants"].get("ebbtide", {})
         if not ours.get("summary"):
             why = f"the ebbtide loop failed on {gpus} GPU(s): {ours.get('why', 'no result')} (logs in {out})"
@@ -90,6 +87,5 @@ def run(ctx):
                 raise Skip(why)
             ctx.note_skip(f"colocate {gpus} GPUs", why)
             continue
-        params = {"gpus": gpus, "steps": cfg.steps, "warmup": cfg.warmup, "model": dataclasses.asdict(cfg.model),
-                  "out": out}
+        params = {"gpus": gpus, "steps": cfg["steps"], "warmup": cfg["warmup"], "model": cfg["model"], "out": out}
         yield from _rows(res, gpus, params)

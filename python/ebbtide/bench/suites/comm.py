@@ -1,10 +1,10 @@
 """Suite `comm`: release/reload of NCCL process groups beside plain ``destroy_process_group`` + ``new_group``.
 
-Both run in the same processes on the same WORLD (ebbtide.comm.scenarios.cycle_scenario, one rank per GPU):
+Both run in the same processes on the same WORLD (ebbtide.bench.comm_scenarios.cycle_scenario, one rank per GPU):
 the anchor first (plain torch groups created, used, destroyed, re-created and used), then ebbtide.comm adopts WORLD
 and the same groups go through release/reload cycles and a soak. Memory is cudaMemGetInfo per GPU; times are
 wall-clock on each rank (the slowest rank is reported), each followed by a device sync.
-2 GPUs: WORLD + 6 overlapping groups + a singleton per rank (the spec's case). 4 or 8 GPUs: additionally the
+2 GPUs: WORLD + 6 overlapping groups + a singleton per rank. 4 or 8 GPUs: additionally the
 Megatron-like topology (TP=2 x PP=world/2, embedding, position-embedding, model-parallel, singleton DP groups).
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ def run(ctx):
         raise Skip(f"torch.distributed unavailable: {e}") from e
     if not dist.is_nccl_available():
         raise Skip("torch was built without NCCL")
-    from ebbtide.comm import _spawn  # noqa: PLC0415
+    from .. import _spawn  # noqa: PLC0415
 
     soak = 10 if ctx.quick else 50
     runs = [(2, "flat")]
@@ -126,7 +126,7 @@ def run(ctx):
     for world, kind in runs:
         ctx.progress(f"comm: {kind} topology on {world} GPUs, {soak}-cycle soak")
         # A deadline inside one 10-minute device command; a failing rank stops its peers within seconds, and
-        # hung ranks' stacks land in $EBBTIDE_COMM_LOGDIR (see ebbtide.comm._spawn).
-        res = _spawn.run("cycle_scenario", world, module="ebbtide.comm.scenarios",
+        # hung ranks' stacks land in $EBBTIDE_COMM_LOGDIR (see ebbtide.bench._spawn).
+        res = _spawn.run("cycle_scenario", world, module="ebbtide.bench.comm_scenarios",
                          timeout=240 if ctx.quick else 540, kind=kind, cycles=3, soak=soak)
         yield from _rows(res, f"{world} GPUs {kind}", soak)

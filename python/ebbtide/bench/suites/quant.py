@@ -73,7 +73,7 @@ def torch_int4(torch, w, group=128, pack=False):
 
 # ---- cases -----------------------------------------------------------------------------------------------------
 def _cases(quick: bool):
-    """(name, kind, params, bytes moved). Shapes per the issue: 7168^2 and >= 256 MB weights, 16384x7168
+    """(name, kind, params, bytes moved). Shapes: 7168^2 and >= 256 MB weights, 16384x7168
     activations, a 100-tensor list, a MoE batch, UE8M0 variants, INT4 fake-quant and pack."""
     if quick:
         W, BIG, ACT, MOE = (1024, 1024), (2048, 2048), (2048, 1024), (4, 512, 1024)

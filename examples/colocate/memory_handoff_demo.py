@@ -1,12 +1,16 @@
-"""Colocation example: a "trainer" and a "rollout engine" take turns on one GPU through pause/resume.
+#!/usr/bin/env python3
+"""Memory hand-off demo: a "trainer" and a "rollout engine" take turns on one GPU through pause/resume alone.
 
-    python -m ebbtide.memory.colocate [--steps 2] [--weights-gib 2] [--fraction 0.55]
+    python examples/colocate/memory_handoff_demo.py [--steps 2] [--weights-gib 2] [--fraction 0.55]
 
 Two spawned processes. Each holds CPU-backed weights (``--weights-gib``) and a discardable working set (trainer:
 activations, rollout: KV cache) of ``--fraction`` of the GPU's free memory, so the two working sets never fit at
 once: the processes can only run because each pauses before the other resumes. Every phase prints the free device
 memory it sees after resuming and after pausing, and checks that its weights survived. Host memory used: the two
 weight copies (pinned) only. Exit status 0 when every phase checked out.
+
+Nothing but ``ebbtide.memory`` is involved (no model, optimizer or weight sync): run.py beside it is the full
+colocated RL loop.
 """
 from __future__ import annotations
 
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
     while not out.empty():  # whatever a failing worker said last
         print(out.get(), flush=True)
     ok = done == 2 and all(p.exitcode == 0 for p in procs)
-    print("colocation: OK" if ok else f"colocation FAILED: exit codes {[p.exitcode for p in procs]}")
+    print("memory hand-off: OK" if ok else f"memory hand-off FAILED: exit codes {[p.exitcode for p in procs]}")
     return 0 if ok else 1
 
 

@@ -10,7 +10,7 @@
 It also runs on Gloo/CPU (``backend="gloo"``) so the scenario code itself is exercised in CI; memory figures are
 then None.
 
-Topologies: "flat" is WORLD + 6 overlapping groups over all ranks + one singleton per rank (the spec's 2-GPU case);
+Topologies: "flat" is WORLD + 6 overlapping groups over all ranks + one singleton per rank (the 2-GPU case);
 "megatron" is TP=2 x PP=world/2 with embedding, position-embedding, model-parallel and singleton DP groups.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     import ebbtide.comm as comm
     from ebbtide.errors import StateError
 
-    from ._spawn import progress
+    from ._spawn import join_store, progress
 
     gpu = backend == "nccl"
     if gpu:
@@ -82,9 +82,10 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     free_ctx = free()
     # Baseline with NCCL's process-wide state loaded (see _nccl_process_state): what no communicator API returns.
     progress(f"rank {rank}: CUDA context up; free {_mib(free_ctx)}; CUDA stack limit {_stack_limit()}")
-    free_nccl = _nccl_process_state(rank, world, init, dev, bufs["x"], progress) if gpu else None
+    store = join_store(init, timeout=pg_timeout)
+    free_nccl = _nccl_process_state(rank, world, store, dev, bufs["x"], progress) if gpu else None
     progress(f"rank {rank}: init_process_group({backend}, bound={bound}) kind={kind} cycles={cycles} soak={soak}")
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             device_id=dev if (gpu and bound) else None,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     spec = topology(kind, world)
@@ -252,7 +253,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     return out
 
 
-def _nccl_process_state(rank: int, world: int, init: str, dev, buf, progress) -> int | None:
+def _nccl_process_state(rank: int, world: int, store, dev, buf, progress) -> int | None:
     """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway NCCL communicator over
     the same ranks (created, used for one all_reduce, destroyed on every rank) before WORLD exists.
 
@@ -265,25 +266,19 @@ def _nccl_process_state(rank: int, world: int, init: str, dev, buf, progress) ->
 
     The communicator is made through ctypes on the libnccl instance torch already loaded, *not* as a torch
     ProcessGroupNCCL: the first ProcessGroupNCCL of a process takes ``local_id_`` 0 and initialises torch's
-    process-wide ``static globalRank`` (see Note [A rebuilt WORLD has no rank map] in ``_runtime.py``), so a
-    throwaway one would change how the real WORLD behaves. The unique id travels through a FileStore (one host).
+    process-wide ``static globalRank`` (see Note [A rebuilt WORLD has no rank map] in ``ebbtide/comm/_backend.py``),
+    so a throwaway one would change how the real WORLD behaves. The unique id travels through the launcher's store
+    (``store``: this run's rendezvous, under a prefix of its own, so nothing from another run can be read).
     Every rank first says whether it is ready, so either all ranks make the communicator or none does (a lone rank
     would wait in ncclCommInitRank forever). Returns None where it cannot be done (the figures then fall back to
     the bare context)."""
     import ctypes
-    import hashlib
-    import tempfile
 
     import torch
     import torch.distributed as dist
 
     tmo = datetime.timedelta(seconds=60)
-    store = None
-    if world > 1:
-        # Salted with the launcher's pid (every rank of one spawn shares it): a crashed earlier run on the same port
-        # must not leave a stale unique id that a rank would read and then wait on in ncclCommInitRank forever.
-        name = "ebt-nccl-baseline-" + hashlib.sha1(f"{init}/{os.getppid()}".encode()).hexdigest()[:16]
-        store = dist.FileStore(os.path.join(tempfile.gettempdir(), name), world)
+    store = dist.PrefixStore("ebt-nccl-baseline", store) if world > 1 else None
     try:
         try:
             lib = _loaded_nccl()
@@ -339,8 +334,6 @@ def _nccl_process_state(rank: int, world: int, init: str, dev, buf, progress) ->
     except Exception as e:  # the baseline is a measurement aid; never fail the scenario for it
         progress(f"rank {rank}: NCCL-loaded baseline not measured ({type(e).__name__}: {e}); using the bare context")
         return None
-    finally:
-        del store
     progress(f"rank {rank}: NCCL process state loaded by a throwaway {world}-rank communicator (ctypes); "
              f"free {_mib(free)}; CUDA stack limit {_stack_limit()}")
     return free

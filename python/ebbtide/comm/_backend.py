@@ -1,0 +1,371 @@
+"""Backend handling for ebbtide.comm: what a group's torch backend is (NCCL or Gloo), and how its communicators are
+drained, suspended, resumed, torn down, connected and split. Functions over one inner torch ``ProcessGroup`` (or a
+list of them); they know nothing of the journal's order or of the runtime's state.
+
+What holds:
+- Nothing here creates a CUDA context: device probes look only where CUDA is initialised already.
+- A teardown frees the inner group's communicators now (not at garbage collection) and never raises: after the
+  drain and the barrier nothing is in flight, so ``abort`` (local, immediate) and ``shutdown`` (``ncclCommFinalize``
+  then destroy) are both safe; whichever was asked for is tried first, then the other.
+- Teardowns of one split level may run concurrently (:func:`teardown_concurrently`, Note [Concurrent teardown]); a
+  teardown still running after the timeout is logged by group name every period while it lasts.
+- Before ``ProcessGroupNCCL::split`` runs on a parent, the parent has a rank map of its size
+  (:func:`ensure_rank_map`, Note [A rebuilt WORLD has no rank map]).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import logging
+import os
+import re
+import time
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import ProcessGroup
+
+from ..errors import StateError
+from . import _strategy as S
+from ._registry import _global_ranks
+
+log = logging.getLogger("ebbtide.comm")
+
+# How a destroyed NCCL backend is torn down. "shutdown" (ncclCommFinalize, then destroy) is the default: a
+# concurrent release of WORLD's 7 subgroups on 2 H200 (NCCL 2.28.9) takes ~0.51 s with it against ~1.0 s with
+# "abort", whose cost is the proxy thread noticing the abort on its poll period, not work. "abort" stays available
+# (local, needs no peer progress).
+TEARDOWNS = ("shutdown", "abort")
+DEFAULT_TEARDOWN = "shutdown"
+
+
+def torch_version() -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    try:
+        if not torch.cuda.is_available():
+            return None
+        v = torch.cuda.nccl.version()
+        return tuple(int(x) for x in v[:3]) if isinstance(v, tuple) else (v // 1000, v % 1000 // 100, v % 100)
+    except Exception:
+        return None
+
+
+def has_accelerator(g) -> bool:
+    """The group has a device-collective backend (NCCL, XCCL, a plugin). Gloo also serves CUDA tensors, so device
+    types alone do not tell; the backend configuration does ("cpu:gloo,cuda:nccl", "cuda:gloo", ...)."""
+    if g is None:
+        return False
+    config = str(c10d._world.pg_backend_config.get(g, ""))
+    backends = {part.split(":")[-1].strip().lower() for part in config.split(",") if part.strip()}
+    return bool(backends - {"gloo", "mpi", "undefined", ""})
+
+
+def facts(g, tv, nv, cumem, split_share_env: bool, include_cpu: bool) -> S.Facts:
+    """What strategy selection needs to know about live group ``g`` (a ReloadableGroup) on this rank."""
+    accel = has_accelerator(g)
+    backend = None
+    if accel:
+        with contextlib.suppress(Exception):
+            backend = g._ebt_inner._get_backend(torch.device("cuda"))
+    has_suspend = backend is not None and type(backend).__name__ == "ProcessGroupNCCL" and hasattr(backend, "suspend")
+    initialized = g._ebt_used  # an op went through the wrapper; memory_stats() tells exactly where it exists
+    split_share = split_share_env
+    if backend is not None:
+        with contextlib.suppress(Exception):
+            split_share = split_share or bool(backend.options.config.split_share)
+        if has_suspend:
+            try:
+                backend.memory_stats()  # raises while the communicator is lazily pending
+                initialized = True
+            except Exception:
+                initialized = False
+    return S.Facts(accelerator=accel, torch_version=tv, nccl_version=nv, backend_has_suspend=has_suspend,
+                   cumem=cumem, split_share=split_share, comm_initialized=initialized, include_cpu=include_cpu)
+
+
+def local_choices(journal: list, requested: str, include_world: bool, include_cpu: bool) -> list:
+    """(entry, strategy, reason) for every live group of ``journal`` this rank would release, from its own facts
+    (peers may choose differently; release() combines the choices). Sets ``entry.initialized`` where the group's
+    communicator exists. Raises UnsupportedError before anything changes where ``requested`` is "suspend" and the
+    versions lack it."""
+    tv, nv = torch_version(), nccl_version()
+    cumem = S.cumem_enabled(os.environ, nv)
+    split_share_env = os.environ.get("NCCL_COMM_SPLIT_SHARE_RESOURCES", "").strip() == "1"
+    out = []
+    for e in journal:
+        g = e.group
+        if g is None or g._ebt_destroyed or g._ebt_inner is None:
+            continue
+        if e.kind == "world" and not include_world:
+            continue
+        f = facts(g, tv, nv, cumem, split_share_env, include_cpu)
+        choice, reason = S.select_strategy(f, requested)
+        if e.local_sync and choice == S.SUSPEND:  # members of local groups cannot be agreed on: destroy
+            choice, reason = S.DESTROY, "local-synchronization group"
+        if choice == S.KEEP:
+            continue
+        e.initialized = f.comm_initialized or g._ebt_used
+        out.append((e, choice, reason))
+    return out
+
+
+def drain(groups: list) -> None:
+    """Wait for the device work of these groups: a synchronize of every device they are bound to, and of the
+    current device (where unbound groups run). A bare ``torch.cuda.synchronize()`` covers the current device
+    only, so a group bound to another device would still have kernels running while it is torn down."""
+    if not groups:
+        return
+    devices = {g.bound_device_id for g in groups if g.bound_device_id is not None}
+    with contextlib.suppress(Exception):
+        devices.add(torch.device("cuda", torch.cuda.current_device()))
+    for dev in devices:
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(dev)
+
+
+def suspend(inner: ProcessGroup) -> None:
+    """Native suspend (torch >= 2.12: ``ncclCommSuspend(NCCL_SUSPEND_MEM)``): collective over the group's ranks,
+    keeps connections and virtual addresses, frees the dynamic buffers."""
+    inner._get_backend(torch.device("cuda")).suspend()
+
+
+def resume(inner: ProcessGroup) -> None:
+    inner._get_backend(torch.device("cuda")).resume()
+
+
+def teardown(inner: ProcessGroup, how: str) -> None:
+    """Free the inner group's communicators now (not at garbage collection). After the drain and the barrier
+    nothing is in flight, so abort (local, immediate) is safe; shutdown also flushes (ncclCommFinalize)."""
+    other = "shutdown" if how == "abort" else "abort"
+    try:
+        for method in (how, other):
+            try:
+                getattr(inner, method)()
+                return
+            except Exception as e:  # Gloo has no abort on some versions: try the other, then let GC free it
+                log.debug("ebbtide.comm: %s failed on %s: %s", method, inner, e)
+    finally:
+        sever_split_from(inner)
+
+
+def timed_teardown(inner: ProcessGroup, how: str, device: int | None = None) -> float:
+    """``teardown`` timed. ``device``: make it this thread's CUDA device first, as on the one-at-a-time path (the
+    caller's thread). A new thread starts on device 0; teardown code that saves and restores the current device
+    around its own cudaSetDevice, unguarded by torch (torch guards the communicators it keys by device, not every
+    path), would restore device 0, and since CUDA 12 cudaSetDevice creates that device's primary context: a
+    context of every rank of a node on GPU 0. Defensive: not observed, and not checkable without GPUs."""
+    if device is not None:
+        with contextlib.suppress(Exception):
+            torch.cuda.set_device(device)
+    t = time.perf_counter()
+    teardown(inner, how)
+    return time.perf_counter() - t
+
+
+# Note [Concurrent teardown]
+#     One group's abort takes 0.05-0.9 s, mostly ~0.51 s, with the phase of a 0.5 s period (2 H200, NCCL 2.28.9):
+#     consistent with NCCL's proxy service thread noticing the abort flag only when its idle poll() times out
+#     (500 ms); finalize+destroy takes ~0.3 s. One after another that is ~0.5 s per group (4 s for WORLD + 7
+#     groups). Aborts of different communicators are independent, local operations (NCCL is thread-safe across
+#     communicators; torch's abort/shutdown bindings drop the GIL), so one release runs them concurrently, one
+#     thread per group, in waves by split level: every child is gone before the parent it was split from
+#     (split-share children may use their parent's resources), WORLD last. All ranks derive the same waves from the
+#     agreed journal. An abort is local; a shutdown's ncclCommFinalize waits for the communicator to be globally
+#     quiescent, i.e. for the same group's other members, who run the same wave (or, one at a time, the same
+#     reverse journal order restricted to their groups: Note [Ordering and deadlock freedom] in comm/NOTES.md), so
+#     neither can deadlock overlapping groups. Concurrent finalizes take ~0.51 s for WORLD's 7 subgroups against
+#     ~1 s of concurrent aborts (one poll period per wave), hence DEFAULT_TEARDOWN.
+#     ``install(concurrent_teardown=False)`` restores one-at-a-time, reverse journal order.
+def teardown_concurrently(work: dict, how: str, tmo: datetime.timedelta, names: dict) -> dict:
+    """Tear down ``work`` (key -> inner group) concurrently, one thread per group, on this thread's CUDA device (see
+    :func:`timed_teardown`). ``names``: key -> group name for the log. Returns key -> seconds. A teardown still
+    running after ``tmo`` is logged as an error, naming the groups, every ``tmo`` while it lasts: an abort cannot be
+    interrupted, so this keeps waiting, but a hang is never silent."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    if len(work) == 1:
+        ((key, inner),) = work.items()
+        return {key: timed_teardown(inner, how)}
+    dev = current_cuda_device()
+    with ThreadPoolExecutor(max_workers=min(len(work), 64), thread_name_prefix="ebt-teardown") as pool:
+        futs = {k: pool.submit(timed_teardown, inner, how, dev) for k, inner in work.items()}
+        pending = set(futs.values())
+        waited = 0.0
+        step = max(tmo.total_seconds(), 0.001)
+        while pending:
+            _done, pending = wait(pending, timeout=step)
+            if pending:
+                waited += step
+                slow = [names[k] for k, f in futs.items() if f in pending]
+                log.error("ebbtide.comm: release: teardown of group(s) %s still running after %.0f s (a hung NCCL "
+                          "abort/shutdown?); release cannot interrupt it and keeps waiting", slow, waited)
+    return {k: f.result() for k, f in futs.items()}
+
+
+def sever_split_from(inner: ProcessGroup) -> None:
+    """Clear ``split_from`` in the options of a torn-down group's device backends (an owning pointer to the parent
+    backend; with dist.split_group's default options it points at the group itself, a cycle that would keep the
+    aborted backend alive forever)."""
+    with contextlib.suppress(Exception):
+        inner._get_backend(torch.device("cuda")).options.split_from = None
+
+
+def replay_split_options(parent_inner: ProcessGroup, snap, parent_group):
+    """Fresh options for replaying a split on the live parent (Note [Split options are not replayed] in
+    ``_journal.py``): a copy of the live parent's, with the journaled scalar snapshot ``snap`` applied."""
+    from ._journal import OptionsSnapshot
+
+    dev = parent_inner.bound_device_id or (parent_group.bound_device_id if parent_group is not None else None)
+    live = parent_inner._get_backend(dev).options
+    try:
+        fresh = copy.deepcopy(live)
+    except Exception as err:  # older torch without Options.__deepcopy__: a default-constructed object
+        log.debug("ebbtide.comm: cannot copy the parent's options (%s); using defaults", err)
+        fresh = type(live)()
+        OptionsSnapshot.take(live).apply(fresh)
+    with contextlib.suppress(Exception):
+        fresh.split_from = None  # split() sets it to the live parent; never carry an older one in
+    if isinstance(snap, OptionsSnapshot):
+        snap.apply(fresh)
+    return fresh
+
+
+# Note [A rebuilt WORLD has no rank map]
+#     ProcessGroupNCCL::split maps the requested group ranks to global ranks with ``groupRanks()[rank]``.
+#     ``groupRanks()`` returns ``options.global_ranks_in_group``, except for the *first* ProcessGroupNCCL of the
+#     process (``local_id_ == 0``) when that list is empty: then a static 0..size-1 list. c10d creates WORLD with an
+#     empty list, which works only because WORLD is normally the first NCCL group of the process. A WORLD rebuilt by
+#     reload() is not (local ids count up for the life of the process), so its groupRanks() is empty and split()
+#     would read past the end of an empty vector (a segfault). new_group children of a rebuilt WORLD never call
+#     split() (they pass ``split_from`` + color from Python), so only dist.split_group children are exposed. The
+#     rebuilt WORLD gets the identity map (what the static list holds, :func:`give_world_rank_map`), and every split
+#     parent is checked before split() runs (:func:`ensure_rank_map`).
+def ensure_rank_map(backend, parent, where: str) -> None:
+    """Make sure ProcessGroupNCCL::split will find the parent's rank map (Note [A rebuilt WORLD has no rank
+    map]); raise StateError where it cannot be given one."""
+    opts = getattr(backend, "options", None)
+    if opts is None or not hasattr(opts, "global_ranks_in_group"):
+        return  # not a ProcessGroupNCCL-like backend: nothing to check
+    size = parent.size()
+    current = list(opts.global_ranks_in_group)
+    if len(current) == size:
+        return
+    if current:
+        # Not the crash this guards against (an empty map); torches whose dist.split_group hands split() the
+        # parent's own options (no deepcopy) leave the last child's ranks here. Say so and let torch decide.
+        log.warning("ebbtide.comm: %s: parent '%s' maps %d ranks (%s) but has %d; ProcessGroupNCCL::split reads "
+                    "this map", where, parent._ebt_name, len(current), current, size)
+        return
+    wanted = _global_ranks(parent) or list(range(size))
+    try:
+        opts.global_ranks_in_group = wanted
+        ok = list(opts.global_ranks_in_group) == wanted
+    except Exception:
+        ok = False
+    if not ok:
+        raise StateError(f"{where}: parent '{parent._ebt_name}' has no global rank map and none can be set; "
+                         "ProcessGroupNCCL::split would read past an empty vector")
+    log.debug("ebbtide.comm: gave split parent %s the rank map %s", parent._ebt_name, wanted)
+
+
+def split_parent_ready(parent, name: str, rebuilt: set, connected: set) -> ProcessGroup:
+    """The live inner of split group ``name``'s parent (a ReloadableGroup, None where unknown), checked against
+    ProcessGroupNCCL::split's preconditions, so an unmet one is a StateError here and never a crash or a hang inside
+    native code: the parent is live, has a splitting backend on the device and a bound device (ncclCommSplit needs
+    the parent's communicator on it), and - when the parent was itself rebuilt by this reload (in ``rebuilt``) - its
+    communicator exists on every parent rank (otherwise members would fall back to ncclCommInitRank while
+    non-members' no-color split initialises the parent: the two never meet). ``connected``: rebuilt parents whose
+    communicator exists; updated here."""
+    where = f"ebbtide.comm.reload(): cannot rebuild split group '{name}'"
+    if parent is None:
+        raise StateError(f"{where}: its parent group is unknown on this rank")
+    inner = parent._ebt_inner
+    if inner is None:
+        raise StateError(f"{where}: its parent '{parent._ebt_name}' is not live (released or destroyed)")
+    dev = inner.bound_device_id or parent.bound_device_id
+    if dev is None:
+        raise StateError(f"{where}: its parent '{parent._ebt_name}' has no bound device; ncclCommSplit needs "
+                         "one (init_process_group(device_id=...))")
+    try:
+        backend = inner._get_backend(dev)
+    except Exception as err:
+        raise StateError(f"{where}: parent '{parent._ebt_name}' has no backend on {dev}: {err}") from err
+    if not getattr(backend, "supports_splitting", False):
+        raise StateError(f"{where}: the backend of parent '{parent._ebt_name}' on {dev} cannot split")
+    ensure_rank_map(backend, parent, where)
+    if parent in rebuilt and parent not in connected:
+        log.debug("ebbtide.comm: reload: connecting rebuilt parent %s before splitting it", parent._ebt_name)
+        backend.eager_connect_single_device(dev)
+        connected.add(parent)
+    return inner
+
+
+def give_world_rank_map(pg: ProcessGroup) -> None:
+    """A rebuilt WORLD's NCCL backend gets the identity rank map (Note [A rebuilt WORLD has no rank map])."""
+    with contextlib.suppress(Exception):
+        dev = pg.bound_device_id or torch.device("cuda", torch.cuda.current_device())
+        backend = pg._get_backend(dev)
+        if not list(backend.options.global_ranks_in_group):
+            backend.options.global_ranks_in_group = list(range(pg.size()))
+
+
+def splitting_backend(inner: ProcessGroup, dev):
+    """The inner group's backend on ``dev`` where it can split (NCCL), else None."""
+    try:
+        backend = inner._get_backend(dev)
+    except Exception:
+        return None  # c10d raises its own error for a group that cannot split
+    return backend if getattr(backend, "supports_splitting", False) else None
+
+
+def connect(inner: ProcessGroup, g) -> bool:
+    """Create the NCCL communicator of ``inner`` (the live inner of wrapper ``g``) now: collective over the group's
+    ranks, every member reaches this entry in journal order. Returns True when a connect was issued."""
+    if not has_accelerator(g):
+        return False  # Gloo connects its full mesh while it is constructed
+    dev = g.bound_device_id
+    if dev is None:
+        if not torch.cuda.is_available():
+            return False
+        dev = torch.device("cuda", torch.cuda.current_device())
+    try:
+        backend = inner._get_backend(dev)
+    except Exception:
+        return False
+    if not getattr(backend, "supports_splitting", False) or not hasattr(backend, "eager_connect_single_device"):
+        return False
+    try:
+        backend.eager_connect_single_device(dev)
+    except Exception as e:  # an optimisation only: the communicator is then created on first use
+        log.warning("ebbtide.comm: eager connect of group %s failed (%s); it connects on first use", g._ebt_name, e)
+        return False
+    return True
+
+
+def set_split_sequence_number(child: ProcessGroup, dev) -> None:
+    with contextlib.suppress(Exception):
+        child._get_backend(dev or torch.device("cuda"))._set_sequence_number_for_group()
+
+
+def current_cuda_device() -> int | None:
+    """The calling thread's CUDA device where CUDA is initialised (never initialises it)."""
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+    except Exception:
+        pass
+    return None
+
+
+def reserved_mib() -> str:
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return f"{torch.cuda.memory_reserved() / 2**20:.0f}"
+    except Exception:
+        pass
+    return "n/a"

@@ -1,0 +1,26 @@
+"""ebbtide.integrations.megatron — a Megatron-core trainer on ebbtide in a few lines.
+
+    import ebbtide.integrations.megatron as ebt
+    ebt.install_groups()                                  # before initialize_model_parallel
+    parallel_state.initialize_model_parallel(...)
+    model = [DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), m)]
+    opt = ebt.get_optimizer(OptimizerConfig(bf16=True, lr=...), model)   # OffloadedAdam under Megatron's API
+    state = ebt.TrainingState(model, opt)
+    ...train a step...
+    state.offload(); ebt.release_groups()                 # rollout runs here
+    ebt.reload_groups(); state.restore()
+
+Groups (``install_groups``, ``release_groups``, ``reload_groups``, ``check_groups``), memory (``TrainingState``) and
+the optimizer (``get_optimizer``, ``EbbtideOptimizer``) are independent: each works with Megatron's own versions of
+the other two. What each supports and refuses is in its module's doc and in docs/megatron.md.
+"""
+from __future__ import annotations
+
+from ._groups import check_groups, install_groups, megatron_groups, release_groups, reload_groups
+from ._memory import OffloadReport, TrainingState
+from ._optimizer import EbbtideOptimizer, check_config, get_optimizer
+
+__all__ = [
+    "install_groups", "release_groups", "reload_groups", "check_groups", "megatron_groups",
+    "TrainingState", "OffloadReport", "get_optimizer", "EbbtideOptimizer", "check_config",
+]

@@ -1,0 +1,225 @@
+"""The trainer's GPU memory of a Megatron-core model, offloaded for the rollout and restored after it, through
+ebbtide.memory.
+
+Policies:
+- Adoption (``TrainingState(model_chunks, optimizer)``, once, on the GPU): every tensor of the training state is
+  moved into an ebbtide.memory tag by re-allocating its *storage* inside a region (``storage.resize_(0)``, then
+  ``resize_(nbytes)`` in the region, content copied back), so every view -- ``param.main_grad``, bucket slices,
+  the params themselves -- stays valid at its new address, as Megatron's own ``offload_grad_buffers`` relies on.
+  Tags: ``<prefix>_weights`` (CPU backup): the params (OffloadedAdam's flat param buffer, a DDP ``param_data``
+  buffer, or each standalone param); ``<prefix>_grads`` (discarded): the DDP grad buffers and OffloadedAdam's flat
+  gradient; ``<prefix>_optimizer`` (CPU backup): CUDA tensors of a Megatron optimizer's state and fp32 main params
+  (GPU-resident optimizers; new state tensors made by later steps are adopted at the next ``offload``).
+  After adoption each tag's engine bytes are checked against what was moved: a storage that did not land in the
+  engine is an error, never a silent partial offload.
+- ``offload()``: empty the caching allocator (activations and other scratch of the default pool), then pause
+  grads (discard), optimizer and weights (copy to pinned host memory); the report has seconds and bytes per tag, and the memory left:
+  torch's reserved bytes outside the tags and the device's used bytes (driver view: CUDA context, NCCL, other
+  processes included). ``restore()``: resume weights, optimizer, grads (same addresses), zero the DDP grad
+  buffers (``zero_grad_buffer``: the state Megatron expects at the start of a step).
+- Errors: offload twice or restore without offload -> StateError; a model chunk that is not Megatron's DDP, or a
+  trainable param without ``main_grad`` (held outside the DDP buffers) -> InvalidArgumentError naming it; no GPU
+  -> UnsupportedError. Checks happen before anything is paused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from itertools import chain
+
+import torch
+
+from ...errors import InvalidArgumentError, StateError, UnsupportedError
+
+__all__ = ["TrainingState", "OffloadReport"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadReport:
+    """One offload or restore. ``tags``: per tag {"bytes": released/mapped, "bytes_copied": ..., "s": ...};
+    ``residual_reserved``: torch-reserved bytes outside the tags after the call; ``device_used``: the driver's used
+    bytes on the device (everything on it); ``seconds``: wall time of the call."""
+
+    kind: str
+    seconds: float
+    tags: dict
+    residual_reserved: int
+    device_used: int
+
+    @property
+    def bytes(self) -> int:
+        return sum(t["bytes"] for t in self.tags.values())
+
+    @property
+    def bytes_copied(self) -> int:
+        return sum(t["bytes_copied"] for t in self.tags.values())
+
+    def summary(self) -> str:
+        per = ", ".join(f"{k} {v['bytes'] / 2**20:.0f} MiB ({v['s'] * 1e3:.1f} ms)" for k, v in self.tags.items())
+        return (f"{self.kind}: {self.seconds * 1e3:.1f} ms; {per}; torch reserved outside the tags "
+                f"{self.residual_reserved / 2**20:.0f} MiB; device used {self.device_used / 2**20:.0f} MiB")
+
+
+def _inner_optimizers(optimizer):
+    """The torch optimizers inside a Megatron optimizer (ChainedOptimizer included)."""
+    if optimizer is None:
+        return []
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if subs is not None:
+        return list(chain.from_iterable(_inner_optimizers(o) for o in subs))
+    inner = getattr(optimizer, "optimizer", None)
+    return [optimizer if inner is None else inner]
+
+
+class TrainingState:
+    """Offload/restore of a Megatron-core trainer's GPU state (params, DDP grad buffers, optimizer state)."""
+
+    def __init__(self, model_chunks, optimizer=None, *, tag_prefix: str = "megatron"):
+        from ...optim import OffloadedAdam  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            raise UnsupportedError("TrainingState pauses CUDA memory: it needs a GPU (Megatron's DDP buffers are "
+                                   "CUDA tensors)")
+        import ebbtide.memory as em  # noqa: PLC0415
+
+        self._em = em
+        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        if not chunks:
+            raise InvalidArgumentError("model_chunks is empty")
+        for i, c in enumerate(chunks):
+            if not hasattr(c, "buffers") or not hasattr(c, "zero_grad_buffer"):
+                raise InvalidArgumentError(f"model chunk {i} ({type(c).__name__}) is not Megatron's "
+                                           "DistributedDataParallel (it has no grad buffers)")
+            for name, p in c.named_parameters():
+                if p.requires_grad and getattr(p, "main_grad", None) is None:
+                    raise InvalidArgumentError(f"param {name!r} of chunk {i} is trainable but outside Megatron's "
+                                               "DDP grad buffers (no main_grad): it would not be offloaded")
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.tags = {k: f"{tag_prefix}_{k}" for k in ("weights", "grads", "optimizer")}
+        self._moved: set = set()  # storage data_ptrs already in a tag
+        self._expected = {t: 0 for t in self.tags.values()}
+        self._offloaded = False
+        self._offadams = [o for o in _inner_optimizers(optimizer) if isinstance(o, OffloadedAdam)]
+        torch.cuda.synchronize()
+        self._adopt_model()
+        self._adopt_optimizer_state()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the storages' previous homes go back
+        self._verify()
+
+    # ---- adoption --------------------------------------------------------------------------------------------
+    def _move_storage(self, t: torch.Tensor, kind: str, *, keep: bool = True) -> None:
+        st = t.untyped_storage()
+        ptr, n = st.data_ptr(), st.nbytes()
+        if n == 0 or ptr in self._moved:
+            return
+        backup = "none" if kind == "grads" else "cpu"
+        saved = None
+        if keep:
+            saved = torch.empty(n, dtype=torch.uint8, device=t.device)
+            saved.copy_(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st))
+        st.resize_(0)
+        with self._em.region(self.tags[kind], backup=backup, device=t.device.index):
+            st.resize_(n)
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        if saved is not None:
+            whole.copy_(saved)
+        else:
+            whole.zero_()
+        self._moved.add(st.data_ptr())
+        self._expected[self.tags[kind]] += n
+
+    def _adopt_model(self) -> None:
+        em = self._em
+        for opt in self._offadams:
+            def factory(kind, numel, dtype, device, _em=em):
+                tag = self.tags["weights"] if kind == "params" else self.tags["grads"]
+                with _em.region(tag, backup="cpu" if kind == "params" else "none"):
+                    return torch.empty(numel, dtype=dtype, device=device)
+
+            opt.rebind_buffers(factory)
+            self._moved.update((opt.flat_params.untyped_storage().data_ptr(),
+                                opt.flat_grad.untyped_storage().data_ptr()))
+            self._expected[self.tags["weights"]] += opt.flat_params.untyped_storage().nbytes()
+            self._expected[self.tags["grads"]] += opt.flat_grad.untyped_storage().nbytes()
+        for c in self.chunks:
+            for buf in list(c.buffers) + list(getattr(c, "expert_parallel_buffers", [])):
+                self._move_storage(buf.grad_data, "grads", keep=False)
+                if buf.param_data is not None:
+                    self._move_storage(buf.param_data, "weights")
+            for p in c.parameters():
+                self._move_storage(p, "weights")  # standalone params (no-op for the buffers moved above)
+
+    def _adopt_optimizer_state(self) -> None:
+        for inner in _inner_optimizers(self.optimizer):
+            if inner in self._offadams:
+                continue  # its state is in host memory; its device buffers were adopted with the model
+            tensors = [p for g in inner.param_groups for p in g["params"]]
+            for st in inner.state.values():
+                tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+            for t in tensors:
+                if t.is_cuda:
+                    self._move_storage(t, "optimizer")
+
+    def _tag_bytes(self) -> dict:
+        out = {}
+        for row in self._em.stats()["tags"]:
+            out[row["tag"]] = out.get(row["tag"], 0) + row["bytes_active"] + row["bytes_paused"]
+        return out
+
+    def _verify(self) -> None:
+        have = self._tag_bytes()
+        short = {t: (n, have.get(t, 0)) for t, n in self._expected.items() if n and have.get(t, 0) < n}
+        if short:
+            raise StateError("training state did not land in ebbtide.memory: " + ", ".join(
+                f"{t} expected >= {n} bytes, engine holds {h}" for t, (n, h) in short.items()))
+
+    # ---- offload / restore -----------------------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def _residual(self) -> tuple[int, int]:
+        tagged = sum(row["bytes_active"] + row["bytes_paused"] for row in self._em.stats()["tags"])
+        free, total = torch.cuda.mem_get_info()
+        return max(0, torch.cuda.memory_reserved() - tagged), total - free
+
+    def _tags_present(self) -> list[str]:
+        return [t for t in (self.tags["grads"], self.tags["optimizer"], self.tags["weights"]) if self._expected[t]]
+
+    def offload(self) -> OffloadReport:
+        """Release the training state's GPU memory (grads discarded, weights and optimizer state kept in pinned
+        host memory) and the caching allocator's free blocks. StateError if already offloaded."""
+        if self._offloaded:
+            raise StateError("offload() called twice: the training state is already offloaded (call restore())")
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        self._adopt_optimizer_state()  # state tensors a GPU optimizer created since the last call
+        torch.cuda.empty_cache()
+        tags = {}
+        for tag in self._tags_present():
+            rep = self._em.pause(tag)
+            tags[tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
+        self._offloaded = True
+        residual, used = self._residual()
+        return OffloadReport("offload", time.perf_counter() - t0, tags, residual, used)
+
+    def restore(self) -> OffloadReport:
+        """Map the training state back at the same addresses, restore weights and optimizer state, zero the DDP
+        grad buffers. StateError without a previous offload()."""
+        if not self._offloaded:
+            raise StateError("restore() without offload(): the training state is resident")
+        t0 = time.perf_counter()
+        tags = {}
+        for tag in reversed(self._tags_present()):
+            rep = self._em.resume(tag)
+            tags[tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
+        self._offloaded = False
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        for opt in self._offadams:
+            opt.flat_grad.zero_()
+        torch.cuda.synchronize()
+        residual, used = self._residual()
+        return OffloadReport("restore", time.perf_counter() - t0, tags, residual, used)

@@ -1,0 +1,302 @@
+"""A Megatron-core optimizer backed by :class:`ebbtide.optim.OffloadedAdam`.
+
+Policies:
+- What it is. :class:`EbbtideOptimizer` is a ``MegatronOptimizer`` (Megatron's training loop calls ``step()`` and
+  reads ``(update_successful, grad_norm, num_zeros_in_grad)``; its param scheduler writes ``lr`` and
+  ``weight_decay`` into ``param_groups``; checkpoints go through ``state_dict``/``load_state_dict`` and
+  ``sharded_state_dict``). The inner optimizer is one OffloadedAdam over the model's own bf16 params: they become
+  views of its flat bf16 buffer on the GPU; fp32 master, exp_avg and exp_avg_sq live in host memory.
+- Gradients. Megatron's DDP accumulates into ``param.main_grad`` (its grad buffer, fp32 or bf16) and all-reduces
+  there. ``prepare_grads`` copies every ``main_grad`` into OffloadedAdam's flat bf16 gradient (one device copy per
+  param; fp32 main grads are rounded to bf16, so 2 bytes per param cross PCIe, not 4) and sets ``param.grad`` to
+  None as Megatron's mixed-precision optimizers do. OffloadedAdam runs with ``attach_grads=False``: it touches no
+  ``.grad`` and installs no hooks, so Megatron's own gradient hooks are the only ones.
+- Scaling and clipping. A loss scaler (``config.loss_scale``) is honoured: non-finite scaled gradients skip the
+  step (and update the scaler) exactly as Megatron's MixedPrecisionOptimizer; the unscale factor and the clip
+  coefficient (``clip_grad / (norm + 1e-6)`` when below 1, Megatron's formula) are not written into the gradient
+  but passed to the CPU kernel as one ``grad_scale``. The norm is the fp32 2-norm of the gradients Megatron counts
+  (not shared, not a tensor-parallel duplicate), summed over the grad-stats group (the model-parallel group).
+- Checkpoints. ``state_dict`` has the layout of Megatron's ``Float16OptimizerWithFloat16Params`` (the non-distributed
+  bf16 optimizer): ``{"optimizer": torch Adam state (step, exp_avg, exp_avg_sq per param), "fp32_from_fp16_params":
+  fp32 masters per group[, "grad_scaler"]}``, so each loads into the other. The distributed optimizer's sharded
+  parameter state (``get_parameter_state_dp_zero`` and friends) is not produced or read.
+- Refused (UnsupportedError, before anything is built): the distributed optimizer, Megatron-FSDP, fp16, fp32
+  params, SGD/Muon, Megatron's own CPU offload flags, expert-parallel params, and the precision-aware dtypes other
+  than fp32 (the CPU kernel keeps fp32 master and moments).
+"""
+from __future__ import annotations
+
+import math
+from itertools import chain
+
+import torch
+
+from ...errors import InvalidArgumentError, UnsupportedError
+from ...optim import OffloadedAdam
+
+try:
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+except ImportError as e:  # the package is usable without Megatron; this module is not
+    raise ImportError(f"ebbtide.integrations.megatron needs megatron-core (tested with 0.16.1): {e}") from e
+
+__all__ = ["EbbtideOptimizer", "get_optimizer", "check_config"]
+
+
+def check_config(config) -> None:
+    """Raise UnsupportedError naming every setting of Megatron's ``OptimizerConfig`` this optimizer cannot honour
+    (what is refused, and why, is in the module doc)."""
+    bad = []
+    if getattr(config, "optimizer", "adam") != "adam":
+        bad.append(f"optimizer={config.optimizer!r} (only 'adam': Adam/AdamW)")
+    if config.use_distributed_optimizer:
+        bad.append("use_distributed_optimizer=True (the host state is not sharded across data-parallel ranks; "
+                   "build DDP and the optimizer with use_distributed_optimizer=False)")
+    if config.fp16:
+        bad.append("fp16=True (params must be bf16)")
+    if not config.bf16:
+        bad.append("bf16=False (params must be bf16: wrap the model in Float16Module with bf16=True)")
+    if config.optimizer_cpu_offload:
+        bad.append("optimizer_cpu_offload=True (Megatron's HybridDeviceOptimizer; this optimizer offloads by itself)")
+    for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        dt = getattr(config, name, torch.float32)
+        if dt != torch.float32:
+            bad.append(f"{name}={dt} (the CPU Adam kernel keeps fp32 master weights and moments)")
+    if getattr(config, "use_precision_aware_optimizer", False) and not bad:
+        bad.append("use_precision_aware_optimizer=True (it requires Megatron's distributed optimizer)")
+    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
+        bad.append("overlap_param_gather_with_optimizer_step=True (a distributed-optimizer feature)")
+    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        bad.append("reuse_grad_buf_for_mxfp8_param_ag=True (FP8 params)")
+    if bad:
+        raise UnsupportedError("ebbtide's Megatron optimizer does not support: " + "; ".join(bad))
+
+
+def _float32(t) -> float:
+    return float(t.item()) if isinstance(t, torch.Tensor) else float(t)
+
+
+class EbbtideOptimizer(MegatronOptimizer):
+    """Megatron's optimizer interface over one :class:`~ebbtide.optim.OffloadedAdam` (build it with
+    :func:`get_optimizer`)."""
+
+    def __init__(self, inner: OffloadedAdam, config, grad_scaler=None, *, grad_stats_parallel_group=None,
+                 tp_group=None):
+        super().__init__(inner, config, init_state_fn=lambda *a, **k: None)
+        self.is_stub_optimizer = False
+        self.grad_scaler = grad_scaler
+        self.grad_stats_parallel_group = grad_stats_parallel_group
+        self.tp_group = tp_group
+        # Megatron's helpers (sharded_state_dict) read the model params per group under this name.
+        self.float16_groups = [list(g["params"]) for g in inner.param_groups]
+        self._clip_coeff = 1.0
+        self._device = inner.flat_grad.device
+
+    # ---- gradients -----------------------------------------------------------------------------------------
+    def _params(self):
+        return chain.from_iterable(self.float16_groups)
+
+    @torch.no_grad()
+    def _copy_model_grads_to_main_grads(self) -> None:
+        opt = self.optimizer
+        for p in self._params():
+            src = getattr(p, "main_grad", None)
+            if src is None:
+                src = p.grad
+            view = opt.grad_view(p)
+            if src is None:
+                view.zero_()  # a param without a gradient this step steps with zero (Megatron's behaviour)
+            else:
+                view.copy_(src)
+            p.grad = None
+
+    def _grads_for_norm(self) -> list:
+        return [self.optimizer.grad_view(p) for p in self._params()
+                if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, self.tp_group)]
+
+    def get_main_grads_for_grad_norm(self) -> list:
+        return self._grads_for_norm()
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        group = self.get_grad_stats_parallel_group()
+        if torch.distributed.is_initialized() and group is not None:
+            torch.distributed.all_reduce(t, op=op, group=group)
+        return t
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Copy the main grads into the flat bf16 gradient; with a loss scaler, report (and book) non-finite
+        scaled gradients across the grad-stats group."""
+        self._copy_model_grads_to_main_grads()
+        self._clip_coeff = 1.0
+        if not self.grad_scaler:
+            return False
+        flat = self.optimizer.flat_grad
+        bad = torch.zeros(1, dtype=torch.float32, device=self._device)
+        if flat.numel():
+            bad += (~torch.isfinite(flat)).any().float()
+        found_inf = _float32(self._all_reduce(bad, torch.distributed.ReduceOp.MAX)) > 0
+        self.grad_scaler.update(found_inf)
+        return found_inf
+
+    def _loss_unscale(self) -> float:
+        return _float32(self.grad_scaler.inv_scale) if self.grad_scaler else 1.0
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        total = torch.zeros(1, dtype=torch.float32, device=self._device)
+        for g in self._grads_for_norm():
+            total += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        total = _float32(self._all_reduce(total, torch.distributed.ReduceOp.SUM))
+        return math.sqrt(total) * self._loss_unscale()
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """The norm of the (unscaled) gradients; the clip coefficient goes to the CPU kernel, not into the grads."""
+        norm = self.get_grad_norm()
+        coeff = clip_grad / (norm + 1.0e-6)
+        self._clip_coeff = coeff if coeff < 1.0 else 1.0
+        return norm
+
+    @torch.no_grad()
+    def count_zeros(self) -> float:
+        n = torch.zeros(1, dtype=torch.float32, device=self._device)
+        for g in self._grads_for_norm():
+            n += g.numel() - torch.count_nonzero(g)
+        return _float32(self._all_reduce(n, torch.distributed.ReduceOp.SUM))
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Model ``.grad`` to None (Megatron's DDP zeroes its own buffer in ``zero_grad_buffer``)."""
+        for p in self._params():
+            p.grad = None
+
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler:
+            return self.grad_scaler.scale
+        return torch.ones(1, dtype=torch.float32, device=self._device)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        scale = self._loss_unscale() * self._clip_coeff
+        self.optimizer.step(grad_scale=None if scale == 1.0 else scale)
+        self._clip_coeff = 1.0
+        return True
+
+    @torch.no_grad()
+    def step(self):
+        found_inf = self.prepare_grads()
+        if found_inf:
+            return False, None, None
+        grad_norm = 0.0
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    def reload_model_params(self, state_dict=None):
+        """Masters from the model's current params (after loading weights without the optimizer)."""
+        if state_dict is not None:
+            raise UnsupportedError("reload_model_params(state_dict=...) is not supported (nor by Megatron's "
+                                   "Float16OptimizerWithFloat16Params); load the optimizer's state_dict instead")
+        self.optimizer.sync_master_from_params()
+
+    def offload_to_cpu(self):
+        """No-op: the optimizer state already lives in host memory; the flat params and gradient on the GPU are
+        offloaded by :class:`ebbtide.integrations.megatron.TrainingState`."""
+
+    def restore_from_cpu(self):
+        """No-op (see :meth:`offload_to_cpu`)."""
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self, is_loading: bool = False):
+        inner = self.optimizer.state_dict()
+        inner["state"] = {i: dict(st) for i, st in inner["state"].items()}  # torch hands out the live dicts
+        masters = [[inner["state"][i].pop("master_param") for i in g["params"]] for g in inner["param_groups"]]
+        out = {"optimizer": inner, "fp32_from_fp16_params": masters}
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Load our own state_dict or one of Megatron's ``Float16OptimizerWithFloat16Params`` (the same layout).
+        Everything is validated before anything changes."""
+        key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
+        if key not in state_dict:
+            raise InvalidArgumentError(f"not a Megatron optimizer state dict (keys {sorted(state_dict)})")
+        inner = dict(state_dict[key])
+        inner["state"] = {k: dict(v) for k, v in inner.get("state", {}).items()}
+        common = inner["state"].pop("common_step", None)
+        if common is not None:
+            for st in inner["state"].values():
+                st["step"] = common
+        inner["param_groups"] = self._filter_and_reorder_param_groups(
+            self.optimizer.param_groups, [dict(g) for g in inner["param_groups"]])
+        mkey = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
+        masters = state_dict.get(mkey)
+        if masters is not None:
+            if len(masters) != len(self.float16_groups):
+                raise InvalidArgumentError(f"{mkey} has {len(masters)} groups, the optimizer "
+                                           f"{len(self.float16_groups)}")
+            for g, ms in zip(self.float16_groups, masters):
+                if len(ms) != len(g) or any(tuple(m.shape) != tuple(p.shape) for p, m in zip(g, ms)):
+                    raise InvalidArgumentError(f"{mkey}: a group's masters do not match its params' count or shapes")
+        for st in inner["state"].values():
+            st.pop("master_param", None)  # masters come from the fp32 list (Megatron's place for them)
+        self.optimizer.load_state_dict(inner)  # validates, then applies (masters from the model meanwhile)
+        if masters is not None:
+            with torch.no_grad():
+                for g, ms in zip(self.float16_groups, masters):
+                    for p, m in zip(g, ms):
+                        self.optimizer.state[p]["master_param"].copy_(m.detach().reshape(p.shape))
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        """Megatron's distributed-checkpoint form of :meth:`state_dict` (built by Megatron's Float16 optimizer code,
+        which reads the same layout)."""
+        return Float16OptimizerWithFloat16Params.sharded_state_dict(self, model_sharded_state_dict, is_loading,
+                                                                    metadata)
+
+
+def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "fast", threads: int | None = None,
+                  bucket_numel: int = 16 * 2**20, slots: int = 3, buffer_factory=None) -> EbbtideOptimizer:
+    """Megatron's ``get_megatron_optimizer`` for ebbtide: the same ``OptimizerConfig`` and model chunks (Megatron
+    DDP with ``use_distributed_optimizer=False``, bf16 params), param groups formed by Megatron (weight-decay and
+    lr multipliers, ``config_overrides``), an :class:`EbbtideOptimizer` back. ``mode``: "fast" or "exact"
+    (fp32 master bit-identical to torch's CPU AdamW). ``threads``/``bucket_numel``/``slots``/``buffer_factory``
+    go to OffloadedAdam. Collective over WORLD (Megatron aligns param groups across ranks)."""
+    check_config(config)
+    if not isinstance(model_chunks, (list, tuple)):
+        model_chunks = [model_chunks]
+    if not model_chunks:
+        raise InvalidArgumentError("model_chunks is empty")
+    for chunk in model_chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and (ddp_config.use_distributed_optimizer or
+                                       getattr(ddp_config, "use_megatron_fsdp", False)):
+            raise UnsupportedError("the model's DDP was built with use_distributed_optimizer/use_megatron_fsdp; "
+                                   "ebbtide's Megatron optimizer needs plain DDP (use_distributed_optimizer=False)")
+    groups = _get_param_groups(list(model_chunks), config, config_overrides)
+    if any(g["is_expert_parallel"] and g["params"] for g in groups):
+        raise UnsupportedError("expert-parallel (MoE) params are not supported by ebbtide's Megatron optimizer")
+    groups = [g for g in groups if not g["is_expert_parallel"]]
+    for g in groups:
+        for p in g["params"]:
+            if p.dtype != torch.bfloat16:
+                raise UnsupportedError(f"param of dtype {p.dtype}: ebbtide's Megatron optimizer needs bf16 params "
+                                       "(Float16Module with bf16=True)")
+    grad_scaler = None
+    if config.loss_scale:
+        from megatron.core.optimizer.grad_scaler import ConstantGradScaler  # noqa: PLC0415
+
+        grad_scaler = ConstantGradScaler(config.loss_scale)
+    inner = OffloadedAdam(groups, lr=config.lr if config.lr is not None else 1e-3,
+                          betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                          weight_decay=config.weight_decay, adamw=config.decoupled_weight_decay, mode=mode,
+                          threads=threads, bucket_numel=bucket_numel, slots=slots, buffer_factory=buffer_factory,
+                          attach_grads=False)
+    return EbbtideOptimizer(inner, config, grad_scaler,
+                            grad_stats_parallel_group=parallel_state.get_model_parallel_group(),
+                            tp_group=parallel_state.get_tensor_model_parallel_group())

@@ -1,0 +1,50 @@
+"""What every module of ebbtide.memory shares: the native engine, argument checks, and whether torch is in play.
+
+Nothing here imports another module of this package, so every other module can import it (the package's modules
+form no import cycle; tests/core/test_import_cycles.py checks that).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+from .. import _native
+from ..errors import InvalidArgumentError
+
+__all__ = ["BACKUPS", "mem", "backup_code", "check_tag", "torch_cuda", "expandable_segments_requested"]
+
+BACKUPS = {"none": 0, "cpu": 1}
+
+
+def mem():
+    """The native memory engine (``ebbtide._C.memory``): one per process, inside libebbtide.so."""
+    return _native.load().memory
+
+
+def backup_code(backup: str) -> int:
+    if backup not in BACKUPS:
+        raise InvalidArgumentError(f"backup must be one of {sorted(BACKUPS)}, not {backup!r}")
+    return BACKUPS[backup]
+
+
+def check_tag(tag: Optional[str], *, allow_none: bool) -> None:
+    if tag is None and allow_none:
+        return
+    if not isinstance(tag, str) or not tag or len(tag.encode()) > 63 or "\0" in tag:
+        raise InvalidArgumentError(f"tag must be a non-empty string of at most 63 bytes, not {tag!r}")
+
+
+def torch_cuda():
+    """torch, if the program imported it and it sees a GPU; else None (native routing only: a program that never
+    imported torch has no caching allocator to route, and importing it here would cost seconds)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def expandable_segments_requested() -> bool:
+    """Whether PyTorch's allocator is configured for expandable segments (their memory bypasses cudaMalloc)."""
+    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", ""))
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
