@@ -83,3 +83,23 @@ def nccl_rank(rank: int, port: int, plan_kw: dict, versions: int, results) -> No
                 results.send((v, digests(params)))
     finally:
         dist.destroy_process_group()
+
+
+def tp_rank(rank: int, port: int, buf_path: str, nbytes: int, q) -> None:
+    """One of two TP ranks on the CPU (Gloo): shards two weights, pushes version 1 into the host buffer."""
+    import torch.distributed as dist
+
+    from ebbtide.sync import HostSender, Sender, SharedHostBuffer
+    from sync_models import checkpoint
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        full = checkpoint(0)
+        dims = {"model.layers.0.self_attn.qkv_proj.weight": 0, "model.layers.0.self_attn.o_proj.weight": 1}
+        local = {n: (t.chunk(2, dims[n])[rank].contiguous() if n in dims else t) for n, t in full.items()}
+        buf = SharedHostBuffer(os.open(buf_path, os.O_RDWR), nbytes, pin=False)
+        s = Sender(local, HostSender(buf), tp_group=dist.group.WORLD, tp_dims=dims, bucket_bytes=150_000)
+        s.push(1)
+        q.put((rank, s.is_source, s.plan.signature))
+    finally:
+        dist.destroy_process_group()

@@ -4,9 +4,9 @@ hand the memory back and forth every step, measured against the same loop on tod
     python -m ebbtide.colocate --gpus 1          # or --gpus 2 (data parallel through ebbtide.comm)
 
 Pieces: ``model`` (a small decoder-only transformer in plain PyTorch, KV cache, greedy decode), ``sync`` (FP8
-weight sync through a shared pinned buffer, by ``ebbtide.sync``), ``trainer`` / ``rollout`` (the two processes), ``measure`` (phases,
-NVML memory, checks, table, timeline), ``launcher`` (argument handling, processes, results). Importing this
-subpackage imports torch.
+weight sync through a shared pinned buffer, by ``ebbtide.sync``), ``trainer`` / ``rollout`` (the two processes),
+``measure`` (phases, NVML memory, checks, table, timeline), ``launcher`` (argument handling, processes, results).
+Importing this subpackage imports torch.
 """
 from .launcher import QUICK_MODEL, RunConfig, main, parse_args, run, run_loop
 from .measure import PHASES, format_report, growth_check, summarize

@@ -21,8 +21,8 @@ from . import _checks, _cuda
 from . import reference as _ref
 from .layout import Fp8BucketLayout
 
-__all__ = ["fp8_block_quant", "fp8_block_quant_list", "fp8_block_quant_into", "fp8_group_quant", "fp8_block_dequant", "int4_fake_quant",
-           "int4_pack", "int4_unpack", "Fp8Bucket"]
+__all__ = ["fp8_block_quant", "fp8_block_quant_list", "fp8_block_quant_into", "fp8_group_quant",
+           "fp8_block_dequant", "int4_fake_quant", "int4_pack", "int4_unpack", "Fp8Bucket"]
 
 # ---- validation: the rules live in _checks.py (these names are kept for callers inside the package) ---------
 _check_tensor = _checks.tensor

@@ -89,9 +89,9 @@ class Sender:
             import torch.distributed as dist  # noqa: PLC0415
 
             t = t.contiguous()
-            g = torch.empty((self.tp_size, *t.shape), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(g, t, group=self.tp_group)
-            out[it.source] = torch.cat(g.unbind(0), dim=d) if d else g.flatten(0, 1)
+            g = torch.empty((self.tp_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(g, t, group=self.tp_group)  # shards stacked along dim 0
+            out[it.source] = torch.cat(g.chunk(self.tp_size, 0), dim=d) if d else g
             new.append(out[it.source])
         return out, new
 

@@ -176,6 +176,7 @@ def _measure(model: str, quick: bool, ctx):
     import os
 
     import torch
+    import torch.multiprocessing  # noqa: F401 (CUDA tensors travel as IPC handles through the pipe)
 
     from ...sync import HostSender, IpcSender, Sender, SharedHostBuffer
 
