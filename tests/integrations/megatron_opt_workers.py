@@ -18,13 +18,14 @@ from megatron.core.optimizer import OptimizerConfig  # noqa: E402
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params  # noqa: E402
 
 import ebbtide.integrations.megatron as ebt  # noqa: E402
+from ebbtide.bench._spawn import join_store  # noqa: E402
 from ebbtide.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
 
 WD = 0.1
 
 
 def _setup(rank, world, init):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     ps.initialize_model_parallel()  # DP = world
 

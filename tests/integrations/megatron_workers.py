@@ -17,11 +17,12 @@ warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 from megatron.core import parallel_state as ps  # noqa: E402
 
 import ebbtide.integrations.megatron as ebt  # noqa: E402
+from ebbtide.bench._spawn import join_store  # noqa: E402
 from ebbtide.errors import StateError  # noqa: E402
 
 
 def _init_dist(rank, world, init):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
 
 
