@@ -67,6 +67,9 @@ class Report:
     unmap_calls: int = 0   # pause: driver unmap calls (one per VA-contiguous run where the driver accepts it)
     mappings: int = 0      # driver mappings unmapped/created (= allocations unless resume coalesced runs of them)
     bytes_pending_freed: int = 0  # pause: freed members of coalesced mappings given back (not in ``bytes``)
+    meminfo_s: float = 0.0   # cuMemGetInfo calls (resume pre-flight, driver_free_* figures)
+    map_call_s: float = 0.0  # resume: cuMemMap + cuMemRelease time (inside map_s)
+    prepare_s: float = 0.0   # selection under the engine lock before the op ran (not inside total_s)
 
     @classmethod
     def from_native(cls, kind: str, tag: Optional[str], d: dict) -> "Report":
