@@ -4,10 +4,10 @@
 // Policy: without coalescing every allocation is its own mapping (one MapUnit each). With coalescing on (the
 // default; EBBTIDE_MEM_COALESCE=0 / ebt_mem_set_coalescing(0) off), a resume maps each VA-contiguous run of
 // same-device, same-tag, non-shareable paused allocations (inside one VA reservation, at most
-// EBBTIDE_MEM_COALESCE_MAX_BYTES) with ONE cuMemCreate + cuMemMap, and records a Segment shared by its members. A pause unmaps a Segment whole (the driver
-// cannot unmap a sub-range of a mapping). A member freed while active becomes a zombie of its Segment: unlisted at
-// once, its VA and memory held until the mapping goes (next pause of the tag, the last live member's free, or a
-// reclaim when memory runs short: engine_reclaim.cc).
+// EBBTIDE_MEM_COALESCE_MAX_BYTES) with ONE cuMemCreate + cuMemMap, and records a Segment shared by its members.
+// A pause unmaps a Segment whole (the driver cannot unmap a sub-range of a mapping). A member freed while active
+// becomes a zombie of its Segment: unlisted at once, its VA and memory held until the mapping goes (next pause of
+// the tag, the last live member's free, or a reclaim when memory runs short: engine_reclaim.cc).
 // Shareable allocations never join a run: an export must expose exactly one allocation's memory.
 #include <cstdlib>
 #include <memory>
