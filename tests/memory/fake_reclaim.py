@@ -11,7 +11,7 @@ from __future__ import annotations
 import ebbtide.memory as em
 from ebbtide.errors import DriverError, OutOfMemoryError
 
-from _fake_driver import MiB, NATIVE, alloc, assert_clean, counters, fault, fill, free, read, tag_row, trace
+from _fake_driver import FAKE, MiB, NATIVE, alloc, assert_clean, counters, fault, fill, free, read, tag_row, trace
 from _scenario_runner import main
 
 
@@ -159,6 +159,53 @@ def reclaim_fault_injection(spec: str):
     for i in alive:
         free(ps[i])
     free(filler)
+    assert_clean()
+
+
+def reclaim_orders_with_ops():
+    """A pause of the tag that arrives while a reclaim moves its members waits for it (then pauses the rebuilt
+    mappings, no zombie left), and a free() of a member being moved waits too; neither sees a half-moved mapping.
+    The fake sleeps in the reclaim's drain (cuCtxSynchronize) to hold the window open."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    ps, data = _coalesced_tag("kv", ["cpu", "none", "cpu", "cpu", "cpu"])
+    free(ps[1])  # zombie: live groups [0] [2 3 4]
+    filler = alloc(40 * MiB, "fill", "none")  # 20 + 40 = 60: 4 MiB free
+    done = {}
+
+    def allocate():
+        done["ptr"] = alloc(8 * MiB, "other", "none")  # ctypes: the GIL is released while it reclaims
+        done["t"] = time.perf_counter()
+
+    def free_member():
+        free(ps[4])  # a member being moved: waits for the reclaim's commit
+        done["freed_after_reclaim"] = em.stats()["global"]["zombie_reclaims"] == 1
+
+    FAKE.ebt_fake_set_delay(b"cuCtxSynchronize", 300_000)
+    infos = FAKE.ebt_fake_calls(b"cuMemGetInfo")
+    t = threading.Thread(target=allocate)
+    t.start()
+    deadline = time.monotonic() + 30
+    while FAKE.ebt_fake_calls(b"cuMemGetInfo") == infos and time.monotonic() < deadline:
+        time.sleep(0.005)  # the allocation ran short and measured the device: the reclaim's drain comes next
+    time.sleep(0.05)
+    f = threading.Thread(target=free_member)
+    f.start()
+    rep = em.pause("kv")
+    reclaimed_before_pause_returned = em.stats()["global"]["zombie_reclaims"] == 1
+    f.join()
+    t.join()
+    FAKE.ebt_fake_set_delay(b"cuCtxSynchronize", 0)
+    assert reclaimed_before_pause_returned and done["freed_after_reclaim"], done
+    # The pause began after the reclaim gave ps[1]'s memory back: the only zombie it can meet is ps[4], freed
+    # inside the rebuilt mapping [2 3 4] if the free ran first.
+    assert rep.allocations in (3, 4), rep
+    assert rep.bytes_pending_freed == (4 * MiB if rep.allocations == 3 else 0), rep
+    em.resume("kv")
+    _check(ps, data, [0, 2, 3])
+    for x in (done["ptr"], filler, ps[0], ps[2], ps[3]):
+        free(x)
     assert_clean()
 
 
