@@ -355,13 +355,13 @@ def zombie_reclaim(mode: str):
     # Mappings are reclaimed biggest holding first until the shortfall (about 1 GiB) is covered.
     assert g["zombie_reclaims"] >= 1 and g["bytes_reclaimed"] >= GiB - 64 * MiB, g
     assert tag_bytes("zr", "bytes_pending_free") == held - g["bytes_reclaimed"]
+    for p in fillers:  # room for the comparisons' temporaries
+        assert mem.free(p)
     for i, v in enumerate(views):
         if v is not None:
             assert v.data_ptr() == ps[i] and torch.all(v == i % 251).item(), f"live member {i} lost by the reclaim"
     assert torch.all(more == 9).item()
     del more
-    for p in fillers:
-        assert mem.free(p)
     torch.cuda.empty_cache()
     for _ in range(2):
         em.pause("zr")
