@@ -120,7 +120,9 @@ EBT_API ebt_status_t ebt_mem_current_region(char* tag, int* backup, int* disable
 
 /* ---- allocation (what the hooks call; also usable directly) -----------------------------------------------
  * Allocate `size` bytes (> 0) on `device` in `tag`: VA reserved, physical memory created and mapped read-write.
- * OUT_OF_MEMORY when the device is full (nothing is left behind). Blocking, thread-safe. */
+ * OUT_OF_MEMORY when the device is full (nothing is left behind) — after giving back, when that covers the
+ * shortfall, the memory that freed allocations still hold inside coalesced mappings (see coalesced resume below).
+ * Blocking, thread-safe. */
 EBT_API ebt_status_t ebt_mem_malloc(void** ptr, size_t size, int device, const char* tag, int backup);
 /* Free an engine allocation (active or paused). Synchronizes the allocation's device before unmapping an
  * active one. *found = 0 and SUCCESS when the pointer is not the engine's (the caller forwards it). Waits for a
