@@ -4,8 +4,8 @@
 //
 // A driver mapping cannot be unmapped in part, so a zombie's memory goes back only with its whole mapping. A
 // reclaim rebuilds the mapping without its zombies, at the same addresses:
-//   1. select (mu_): mappings on the device holding zombies whose tag no op owns, biggest holdings first until the
-//      shortfall is covered; their live members are marked busy (free() waits) and their tag `reclaiming`
+//   1. select (mu_): mappings on the device holding zombies whose tag no op owns, cheapest first (fewest live bytes
+//      to copy per zombie byte given back) until the shortfall is covered; their live members are marked busy (free() waits) and their tag `reclaiming`
 //      (prepare() waits, so a pause or resume of that tag starts after the reclaim);
 //   2. drain the device (cuCtxSynchronize: kernels in flight on the members finish, as before a pause);
 //   3. copy each live member out to a host-arena block (a CPU-backed member's own backup block, else a staging
@@ -106,9 +106,15 @@ ebt_status_t Engine::reclaim_zombies(int device_ordinal, size_t want, size_t* go
     }
     std::vector<Job> all;
     for (auto& kv : found) all.push_back(std::move(kv.second));
+    // Cheapest first: the fewest live bytes copied per zombie byte given back (live x' zombie < live' x zombie),
+    // then the biggest holding.
     std::sort(all.begin(), all.end(), [](const Job& x, const Job& y) {
-      return x.seg->zombie_bytes != y.seg->zombie_bytes ? x.seg->zombie_bytes > y.seg->zombie_bytes
-                                                        : x.seg->va < y.seg->va;
+      const Segment& a = *x.seg;
+      const Segment& b = *y.seg;
+      const double ca = double(a.size - a.zombie_bytes) * double(b.zombie_bytes);
+      const double cb = double(b.size - b.zombie_bytes) * double(a.zombie_bytes);
+      if (ca != cb) return ca < cb;
+      return a.zombie_bytes != b.zombie_bytes ? a.zombie_bytes > b.zombie_bytes : a.va < b.va;
     });
     size_t planned = 0;
     for (Job& j : all) {

@@ -209,6 +209,28 @@ def reclaim_orders_with_ops():
     assert_clean()
 
 
+def reclaim_picks_cheapest():
+    """Of two mappings holding zombies, the reclaim moves the one with the fewest live bytes per zombie byte and
+    stops once the shortfall is covered: the other keeps its zombie (and its live members are not copied)."""
+    a, adata = _coalesced_tag("a", ["cpu"] * 4)  # 16 MiB
+    b, bdata = _coalesced_tag("b", ["none"] * 2)  # 8 MiB
+    free(a[1])  # a: 12 MiB live per 4 MiB zombie
+    free(b[0])  # b: 4 MiB live per 4 MiB zombie
+    filler = alloc(38 * MiB, "fill", "none")  # 2 MiB free
+    trace()
+    p = NATIVE.malloc(4 * MiB, 0, "other", 0)  # short by 2 MiB: one reclaim covers it
+    calls = trace()
+    assert calls.count("cuMemcpyDtoHAsync") == 1, calls  # b's one live member only
+    g = em.stats()["global"]
+    assert (g["zombie_reclaims"], g["bytes_reclaimed"]) == (1, 4 * MiB), g
+    assert tag_row("a")["bytes_pending_free"] == 4 * MiB and tag_row("b")["bytes_pending_free"] == 0
+    _check(a, adata, [0, 2, 3])
+    _check(b, bdata, [1])
+    for x in (p, filler, a[0], a[2], a[3], b[1]):
+        free(x)
+    assert_clean()
+
+
 def reclaim_with_coalescing_off():
     """With coalescing turned off after the mapping was made, a reclaim maps every live member on its own."""
     ps, data = _coalesced_tag("a", ["none", "cpu", "cpu", "none"])

@@ -77,7 +77,8 @@ COALESCE_FAULTS = {
 
 # Zombie reclaim (fake_reclaim.py): an allocation or resume short of memory gives back what freed members of
 # coalesced mappings hold. RECLAIM_FAULTS: a failure at each step (call counts: fake_reclaim.py).
-RECLAIM = ["reclaim_on_oom", "reclaim_at_resume", "reclaim_orders_with_ops", "reclaim_with_coalescing_off"]
+RECLAIM = ["reclaim_on_oom", "reclaim_at_resume", "reclaim_orders_with_ops", "reclaim_picks_cheapest",
+           "reclaim_with_coalescing_off"]
 RECLAIM_FAULTS = ["cuCtxSynchronize:1", "cuMemHostRegister:1", "cuMemcpyDtoHAsync:2", "cuStreamSynchronize:1",
                   "cuMemUnmap:1", "cuMemCreate:2", "cuMemCreate:3", "cuMemMap:1", "cuMemMap:2", "cuMemRelease:2",
                   "cuMemcpyHtoDAsync:3", "cuMemSetAccess:-1", "cuMemMap:-1"]

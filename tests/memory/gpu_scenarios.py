@@ -352,7 +352,7 @@ def zombie_reclaim(mode: str):
     print(json.dumps({"zombie_reclaim": {"held_bytes": held, "reclaims": g["zombie_reclaims"],
                                          "bytes_reclaimed": g["bytes_reclaimed"], "alloc_ms": round(took * 1e3, 2),
                                          "live_bytes": (k - len(freed)) * size}}))
-    # Mappings are reclaimed biggest holding first until the shortfall (about 1 GiB) is covered.
+    # Mappings are reclaimed (cheapest first) until the shortfall, about 1 GiB, is covered.
     assert g["zombie_reclaims"] >= 1 and g["bytes_reclaimed"] >= GiB - 64 * MiB, g
     assert tag_bytes("zr", "bytes_pending_free") == held - g["bytes_reclaimed"]
     for p in fillers:  # room for the comparisons' temporaries
