@@ -8,8 +8,9 @@
 //      to copy per zombie byte given back) until the shortfall is covered; their live members are marked busy (free() waits) and their tag `reclaiming`
 //      (prepare() waits, so a pause or resume of that tag starts after the reclaim);
 //   2. drain the device (cuCtxSynchronize: kernels in flight on the members finish, as before a pause);
-//   3. copy each live member out to a host-arena block (a CPU-backed member's own backup block, else a staging
-//      block), wait;
+//   3. copy each live member out: device to device into one staging mapping at a spare VA when the device has
+//      room for the live bytes beside the old mapping (plus the memory margin), else to a host-arena block (a
+//      CPU-backed member's own backup block, else a staging block); wait;
 //   4. unmap the whole mapping: its memory, the zombies' included, goes back to the driver;
 //   5. create + map + release one mapping per VA-contiguous run of live members (one per member with coalescing
 //      off), grant access, copy the members back, wait;
@@ -151,8 +152,11 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
   *reclaimed = 0;
   const auto t0 = Clock::now();
   Outcome out = Outcome::kUnchanged;
-  std::vector<HostArena::Block> staging(live.size());  // where each member's content waits (own block or new)
+  std::vector<HostArena::Block> staging(live.size());  // host path: where each member's content waits
   std::vector<bool> own(live.size(), false);           // staging[k] is the member's own backup block
+  std::vector<bool> saved(live.size(), false);         // staging[k] holds the member's current content
+  std::vector<MapUnit> dev_staging;                    // device path: one mapping at a spare VA
+  std::vector<CUdeviceptr> dptr(live.size(), 0);       // device path: member k's place in it
   std::vector<MapUnit> units;                          // the new mappings (live runs)
   const ebt_driver_table_t* drv = nullptr;
   Device* d = nullptr;
@@ -160,18 +164,27 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
   if (st == EBT_SUCCESS) st = device(s->device, &d);
   if (st == EBT_SUCCESS) {
     CtxGuard ctx(drv, d->ctx);
-    // Copy every member between its address and its staging block on `stream`, then wait for the stream.
-    auto copy = [&](bool out_to_host, CUstream stream) -> ebt_status_t {
+    // Copy every member between its address and its staging place on `stream`, then wait for the stream.
+    auto copy = [&](bool out, CUstream stream) -> ebt_status_t {
       ebt_status_t cst = EBT_SUCCESS;
+      const bool on_device = !dev_staging.empty();
       for (size_t k = 0; k < live.size() && cst == EBT_SUCCESS; ++k) {
         const Allocation* a = live[k];
         for (size_t off = 0; off < a->size && cst == EBT_SUCCESS;) {
-          size_t n = std::min({chunk_bytes(), a->size - off, arena_.piece_remaining(staging[k], off)});
-          CUresult res = out_to_host ? drv->cuMemcpyDtoHAsync(staging[k].ptr + off, a->va + off, n, stream)
-                                     : drv->cuMemcpyHtoDAsync(a->va + off, staging[k].ptr + off, n, stream);
-          if (res != CUDA_SUCCESS)
-            cst = ebt_cu_error(res, out_to_host ? "cuMemcpyDtoHAsync (reclaim)" : "cuMemcpyHtoDAsync (reclaim)",
-                               __FILE__, __LINE__);
+          size_t n = std::min(chunk_bytes(), a->size - off);
+          CUresult res;
+          const char* what;
+          if (on_device) {
+            res = out ? drv->cuMemcpyDtoDAsync(dptr[k] + off, a->va + off, n, stream)
+                      : drv->cuMemcpyDtoDAsync(a->va + off, dptr[k] + off, n, stream);
+            what = "cuMemcpyDtoDAsync (reclaim)";
+          } else {
+            n = std::min(n, arena_.piece_remaining(staging[k], off));
+            res = out ? drv->cuMemcpyDtoHAsync(staging[k].ptr + off, a->va + off, n, stream)
+                      : drv->cuMemcpyHtoDAsync(a->va + off, staging[k].ptr + off, n, stream);
+            what = out ? "cuMemcpyDtoHAsync (reclaim)" : "cuMemcpyHtoDAsync (reclaim)";
+          }
+          if (res != CUDA_SUCCESS) cst = ebt_cu_error(res, what, __FILE__, __LINE__);
           off += n;
         }
       }
@@ -180,14 +193,11 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
         cst = ebt_cu_error(res, "cuStreamSynchronize (reclaim copy)", __FILE__, __LINE__);
       return cst;
     };
-    // 2-3. Drain, stage every member's content on the host.
-    CUresult res = drv->cuCtxSynchronize();
-    if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuCtxSynchronize (reclaim)", __FILE__, __LINE__);
-    if (st == EBT_SUCCESS) st = streams(d);
-    if (st == EBT_SUCCESS) {
+    // Host blocks for the members in `which` (a CPU-backed member's own backup block where it has one).
+    auto host_blocks = [&](const std::vector<size_t>& which) -> ebt_status_t {
       std::vector<size_t> sizes;
       std::vector<size_t> idx;
-      for (size_t k = 0; k < live.size(); ++k) {
+      for (size_t k : which) {
         if (live[k]->backup == EBT_MEM_BACKUP_CPU && live[k]->host.ptr) {
           staging[k] = live[k]->host;
           own[k] = true;
@@ -196,14 +206,50 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
           idx.push_back(k);
         }
       }
-      if (!sizes.empty()) {
-        std::vector<HostArena::Block> blocks;
-        st = arena_.allocate(drv, d->ctx, sizes, &blocks);
-        if (st == EBT_SUCCESS)
-          for (size_t i = 0; i < idx.size(); ++i) staging[idx[i]] = blocks[i];
+      if (sizes.empty()) return EBT_SUCCESS;
+      std::vector<HostArena::Block> blocks;
+      EBT_CHECK(arena_.allocate(drv, d->ctx, sizes, &blocks));
+      for (size_t i = 0; i < idx.size(); ++i) staging[idx[i]] = blocks[i];
+      return EBT_SUCCESS;
+    };
+    // 2. Drain.
+    CUresult res = drv->cuCtxSynchronize();
+    if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuCtxSynchronize (reclaim)", __FILE__, __LINE__);
+    if (st == EBT_SUCCESS) st = streams(d);
+    // 3. Stage on the device when it has room for the live bytes (plus the margin) beside the old mapping: two
+    //    device-to-device copies, no host memory pinned. Otherwise (or if that mapping fails) on the host.
+    if (st == EBT_SUCCESS) {
+      size_t live_bytes = 0;
+      for (const Allocation* a : live) live_bytes += a->aligned;
+      size_t free_b = 0, total = 0;
+      CUdeviceptr tmp = 0;
+      if (drv->cuMemGetInfo(&free_b, &total) == CUDA_SUCCESS && free_b >= live_bytes + margin() &&
+          d->va->allocate(drv, live_bytes, &tmp) == EBT_SUCCESS) {
+        MapUnit u;
+        u.va = tmp;
+        u.size = live_bytes;
+        u.device = s->device;
+        dev_staging.push_back(u);
+        ebt_mem_report_t rr{};
+        if (map_all(dev_staging, &rr) != EBT_SUCCESS) {  // nothing of it stays mapped
+          dev_staging.clear();
+          d->va->free(tmp, live_bytes);
+        } else {
+          CUdeviceptr at = tmp;  // the members back to back
+          for (size_t k = 0; k < live.size(); ++k) {
+            dptr[k] = at;
+            at += live[k]->aligned;
+          }
+        }
+      }
+      if (dev_staging.empty()) {
+        std::vector<size_t> all(live.size());
+        for (size_t k = 0; k < live.size(); ++k) all[k] = k;
+        st = host_blocks(all);
       }
     }
     if (st == EBT_SUCCESS) st = copy(true, d->d2h);
+    if (st == EBT_SUCCESS && dev_staging.empty()) saved.assign(live.size(), true);
     // 4. Unmap the whole mapping (zombies included).
     if (st == EBT_SUCCESS) {
       res = drv->cuMemUnmap(s->va, s->size);
@@ -247,6 +293,20 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
         }
         if (rb != EBT_SUCCESS) {
           out = Outcome::kLost;
+          if (!dev_staging.empty()) {  // CPU-backed content: from the device staging into host blocks
+            std::vector<size_t> cpu;
+            for (size_t k = 0; k < live.size(); ++k)
+              if (live[k]->backup == EBT_MEM_BACKUP_CPU) cpu.push_back(k);
+            if (!cpu.empty() && host_blocks(cpu) == EBT_SUCCESS) {
+              ebt_status_t cst = EBT_SUCCESS;
+              for (size_t k : cpu)
+                if (cst == EBT_SUCCESS && drv->cuMemcpyDtoHAsync(staging[k].ptr, dptr[k], live[k]->size, d->d2h) !=
+                                              CUDA_SUCCESS)
+                  cst = EBT_ERROR_DRIVER;
+              if (drv->cuStreamSynchronize(d->d2h) == CUDA_SUCCESS && cst == EBT_SUCCESS)
+                for (size_t k : cpu) saved[k] = true;
+            }
+          }
           msg += " (rollback failed too: the mapping's live allocations are paused, their tag is PAUSED; resume() "
                  "maps them again, CPU-backed ones with their content)";
         } else {
@@ -290,10 +350,12 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
         Allocation* a = live[k];
         a->state = AllocState::kPaused;
         a->host_clean = false;
-        if (a->backup == EBT_MEM_BACKUP_CPU) {  // its content is in staging[k]: that is its backup now
+        if (a->backup == EBT_MEM_BACKUP_CPU && saved[k]) {  // its content is in staging[k]: its backup now
           a->host = staging[k];
           a->host_valid = true;
           own[k] = true;
+        } else if (a->backup == EBT_MEM_BACKUP_CPU) {
+          a->host_valid = false;  // its content is gone
         }
       }
       t->state = EBT_MEM_TAG_PAUSED;
@@ -305,6 +367,10 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
   cv_.notify_all();
   for (size_t k = 0; k < live.size(); ++k)
     if (!own[k] && staging[k].ptr) arena_.free(staging[k]);
+  if (!dev_staging.empty()) {  // the device staging: unmapped (its handle was released at map: memory back)
+    unmap_units(dev_staging, 1);
+    d->va->free(dev_staging[0].va, dev_staging[0].size);
+  }
   for (Allocation* z : dead) {  // unmapped with the old mapping: the VA may be handed out again
     if (d) d->va->free(z->va, z->aligned);
     delete z;

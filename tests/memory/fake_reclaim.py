@@ -231,6 +231,63 @@ def reclaim_picks_cheapest():
     assert_clean()
 
 
+# reclaim_on_device's faults (fake_scenarios_spec.RECLAIM_DEVICE_FAULTS), counted from the failing allocation's
+# start: its own cuMemCreate is call 1; the staging mapping is cuMemCreate 2 / cuMemMap 1; copies out are
+# cuMemcpyDtoDAsync 1-3 (one per live member), back 4-6; the live members' mappings cuMemCreate 3-4.
+DEVICE_FALLS_BACK_TO_HOST = ["cuMemCreate:2", "cuMemMap:1"]  # no staging mapping: the host path, which succeeds
+DEVICE_UNCHANGED = ["cuMemcpyDtoDAsync:-1", "cuMemcpyDtoDAsync:2"]  # a copy out fails: nothing changed
+
+
+def reclaim_on_device(spec: str = "none"):
+    """When the device has room for the live bytes (not for the request), the reclaim stages them in a spare
+    device mapping (device-to-device both ways, no host memory pinned) and gives that mapping back at the end. A
+    failure of the staging mapping falls back to host staging; a failure after the unmap rolls back (the whole
+    mapping again, content copied back from the device staging); a failed copy out changes nothing."""
+    backups = ["cpu", "none", "none", "cpu", "none"]
+    ps, data = _coalesced_tag("kv", backups)  # 20 MiB
+    free(ps[1])
+    free(ps[2])  # zombies 8 MiB; live [0] [3 4]: 12 MiB
+    alive = [0, 3, 4]
+    filler = alloc(30 * MiB, "fill", "none")  # 64 - 50: 14 MiB free >= 12 live, < 16 asked
+    host_before = em.stats()["global"]["host_reserved"]
+    mappings_before = counters()["mappings"]
+    if spec != "none":
+        name, nth = spec.split(":")
+        fault(name, int(nth))
+    trace()
+    try:
+        p = NATIVE.malloc(16 * MiB, 0, "other", 0)
+    except OutOfMemoryError as e:
+        p = None
+        assert spec not in ("none", *DEVICE_FALLS_BACK_TO_HOST), f"{spec}: {e}"
+        assert "freed members" in str(e), e
+    calls = trace()
+    if spec != "none":
+        fault(spec.split(":")[0], 0)
+    g = em.stats()["global"]
+    if p is not None:
+        assert g["zombie_reclaims"] == 1 and g["bytes_reclaimed"] == 8 * MiB, g
+        if spec == "none":
+            assert "cuMemcpyDtoDAsync" in calls and "cuMemcpyDtoHAsync" not in calls, calls
+            assert em.stats()["global"]["host_reserved"] == host_before, "host memory pinned for a device reclaim"
+        else:
+            assert "cuMemcpyDtoHAsync" in calls, calls
+        assert tag_row("kv")["handles"] == 2  # [0] and [3 4]
+        free(p)
+    else:  # rolled back or unchanged: the mapping with its zombies, the content, no staging left behind
+        assert g["zombie_reclaims"] == 0 and g["bytes_pending_free"] == 8 * MiB, g
+        assert counters()["mappings"] == mappings_before, counters()
+        if spec not in DEVICE_UNCHANGED:
+            assert calls.count("cuMemUnmap") >= 2, calls  # the old mapping and the staging
+        p = NATIVE.malloc(16 * MiB, 0, "other", 0)  # a clean retry reclaims
+        assert em.stats()["global"]["zombie_reclaims"] == 1
+        free(p)
+    _check(ps, data, alive, what=f"({spec})")
+    for x in (filler, *[ps[i] for i in alive]):
+        free(x)
+    assert_clean()
+
+
 def reclaim_with_coalescing_off():
     """With coalescing turned off after the mapping was made, a reclaim maps every live member on its own."""
     ps, data = _coalesced_tag("a", ["none", "cpu", "cpu", "none"])

@@ -82,6 +82,9 @@ RECLAIM = ["reclaim_on_oom", "reclaim_at_resume", "reclaim_orders_with_ops", "re
 RECLAIM_FAULTS = ["cuCtxSynchronize:1", "cuMemHostRegister:1", "cuMemcpyDtoHAsync:2", "cuStreamSynchronize:1",
                   "cuMemUnmap:1", "cuMemCreate:2", "cuMemCreate:3", "cuMemMap:1", "cuMemMap:2", "cuMemRelease:2",
                   "cuMemcpyHtoDAsync:3", "cuMemSetAccess:-1", "cuMemMap:-1"]
+# The same through device staging (fake_reclaim.reclaim_on_device; "none": no fault).
+RECLAIM_DEVICE_FAULTS = ["none", "cuMemCreate:2", "cuMemMap:1", "cuMemcpyDtoDAsync:-1", "cuMemcpyDtoDAsync:2",
+                         "cuMemUnmap:1", "cuMemCreate:3", "cuMemCreate:4", "cuMemcpyDtoDAsync:5"]
 
 # Scenarios with tests of their own in test_engine_fake.py (a setting, arguments or a second device).
-OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "reclaim_fault_injection", "soak", "multi_device", "host_arena_exact_and_chunked"]
+OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "reclaim_fault_injection", "reclaim_on_device", "soak", "multi_device", "host_arena_exact_and_chunked"]

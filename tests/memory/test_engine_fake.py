@@ -124,6 +124,11 @@ def test_reclaim_fault_injection_rolls_back(fault):
     run("reclaim_fault_injection", fault, env={"EBBTIDE_MEM_PREPIN": "0"})
 
 
+@pytest.mark.parametrize("fault", spec.RECLAIM_DEVICE_FAULTS)
+def test_reclaim_on_device(fault):
+    run("reclaim_on_device", fault, env={"EBBTIDE_MEM_PREPIN": "0"})
+
+
 @pytest.mark.parametrize("args", [("coalesce_runs_and_zombies",),
                                   ("coalesce_fault_injection", "resume", "cuMemCreate:2"),
                                   ("coalesce_fault_injection", "resume", "cuMemMap:2")])
