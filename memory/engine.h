@@ -206,8 +206,9 @@ class Engine {
   ebt_status_t oom_hint(ebt_status_t st);
 
   // engine_reclaim.cc: zombies' memory given back while their mappings' live members stay usable. The live
-  // members are copied out through the host arena, the whole mapping is unmapped, the live members are mapped
-  // again at the same addresses (one mapping per VA-contiguous live run) and copied back; all or nothing.
+  // members are copied out (to a spare device mapping when there is room, else through the host arena), the whole
+  // mapping is unmapped, the live members are mapped again at the same addresses (one mapping per VA-contiguous
+  // live run) and copied back; all or nothing.
   size_t zombie_bytes_on(int device);  // zombies' aligned bytes on `device` (takes mu_)
   // Reclaim zombies on `device` until at least `want` bytes came back (or every eligible mapping was done);
   // *got = bytes given back. Drains the device first. Serialised by reclaim_mu_ (taken before mu_).

@@ -4,9 +4,10 @@
 //
 // A driver mapping cannot be unmapped in part, so a zombie's memory goes back only with its whole mapping. A
 // reclaim rebuilds the mapping without its zombies, at the same addresses:
-//   1. select (mu_): mappings on the device holding zombies whose tag no op owns, cheapest first (fewest live bytes
-//      to copy per zombie byte given back) until the shortfall is covered; their live members are marked busy (free() waits) and their tag `reclaiming`
-//      (prepare() waits, so a pause or resume of that tag starts after the reclaim);
+//   1. select (mu_): mappings on the device holding zombies whose tag no op owns, cheapest first (fewest live
+//      bytes to copy per zombie byte given back) until the shortfall is covered; their live members are marked
+//      busy (free() waits) and their tag `reclaiming` (prepare() waits: a pause or resume of that tag starts
+//      after the reclaim);
 //   2. drain the device (cuCtxSynchronize: kernels in flight on the members finish, as before a pause);
 //   3. copy each live member out: device to device into one staging mapping at a spare VA when the device has
 //      room for the live bytes beside the old mapping (plus the memory margin), else to a host-arena block (a
