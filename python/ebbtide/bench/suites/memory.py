@@ -3,8 +3,8 @@ torch_memory_saver (default and retain_cpu_backup=True) measured in the same run
 
 Rows: CPU-backup pause/resume first cycle and warm cycles (GB/s of the tag's bytes, wall-clock around the call);
 discard-mode pause/resume in 8, 64, 1024 and 16384 allocations (ms) with default settings and with
-EBBTIDE_MEM_COALESCE=0, each with the engine's breakdown of where the time went; a trainer->rollout switch (pause one tag while
-resuming another) sequential vs overlapped (aggregate GB/s against the bidirectional limit); the interposer's
+EBBTIDE_MEM_COALESCE=0, each with the engine's breakdown of where the time went; a trainer->rollout switch (pause
+one tag while resuming another) sequential vs overlapped (aggregate GB/s against the bidirectional limit); the interposer's
 cudaMalloc+cudaFree cost outside regions (us). Our side and the anchor each run in a fresh process
 (ebbtide.bench.suites._memory_worker) so neither inherits the other's pools or pinned memory.
 """
