@@ -221,6 +221,8 @@ ebt_status_t Engine::reset() {
   tags_.clear();
   pending_free_ = 0;
   allocs_total_ = frees_total_ = 0;
+  reclaims_ = 0;
+  bytes_reclaimed_ = 0;
   lock.unlock();
   std::lock_guard<std::mutex> dlock(dev_mu_);
   std::unordered_set<const Segment*> unmapped;  // coalesced mappings: one unmap each, of the whole range
