@@ -41,6 +41,9 @@ py::dict report_dict(const ebt_mem_report_t& r) {
   d["unmap_calls"] = r.unmap_calls;
   d["mappings"] = r.mappings;
   d["bytes_pending_freed"] = r.bytes_pending_freed;
+  d["meminfo_s"] = r.meminfo_s;
+  d["map_call_s"] = r.map_call_s;
+  d["prepare_s"] = r.prepare_s;
   d["total_s"] = r.total_s;
   d["driver_free_before"] = r.driver_free_before;
   d["driver_free_after"] = r.driver_free_after;
@@ -265,6 +268,8 @@ void register_bindings(py::module_& m) {
     d["bytes_pending_free"] = g.bytes_pending_free;
     d["quarantined_ranges"] = g.quarantined_ranges;
     d["quarantined_bytes"] = g.quarantined_bytes;
+    d["zombie_reclaims"] = g.zombie_reclaims;
+    d["bytes_reclaimed"] = g.bytes_reclaimed;
     return d;
   });
   m.def("get_cpu_backup", [](uintptr_t ptr) {

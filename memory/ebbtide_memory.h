@@ -60,6 +60,10 @@ typedef struct {
    * gave back to the driver (not counted in `bytes`). */
   size_t mappings;
   size_t bytes_pending_freed;
+  /* Appended (breakdown): time in cuMemGetInfo (pre-flight and the driver_free_* figures), resume's cuMemMap +
+   * cuMemRelease calls (inside map_s, beside create_s and access_s), and the op's selection under the engine lock
+   * before it ran (prepare_s: outside total_s). total_s minus the named phases is the op's own bookkeeping. */
+  double meminfo_s, map_call_s, prepare_s;
 } ebt_mem_report_t;
 
 /* Per (tag, device) statistics; see ebt_mem_stats. */
@@ -96,6 +100,9 @@ typedef struct {
   size_t bytes_pending_free; /* freed allocations still mapped inside them (see ebt_mem_set_coalescing) */
   size_t quarantined_ranges; /* freed ranges the driver refused to unmap (twice): never reused, may stay mapped */
   size_t quarantined_bytes;
+  unsigned long long zombie_reclaims; /* coalesced mappings rebuilt to give their freed members' memory back
+                                         (an allocation or a resume ran short while they held memory) */
+  size_t bytes_reclaimed;    /* bytes those reclaims gave back to the driver */
 } ebt_mem_global_stats_t;
 
 typedef struct ebt_mem_op* ebt_mem_op_t; /* an asynchronous pause or resume */
@@ -115,7 +122,9 @@ EBT_API ebt_status_t ebt_mem_current_region(char* tag, int* backup, int* disable
 
 /* ---- allocation (what the hooks call; also usable directly) -----------------------------------------------
  * Allocate `size` bytes (> 0) on `device` in `tag`: VA reserved, physical memory created and mapped read-write.
- * OUT_OF_MEMORY when the device is full (nothing is left behind). Blocking, thread-safe. */
+ * OUT_OF_MEMORY when the device is full (nothing is left behind) — after giving back, when that covers the
+ * shortfall, the memory that freed allocations still hold inside coalesced mappings (see coalesced resume below).
+ * Blocking, thread-safe. */
 EBT_API ebt_status_t ebt_mem_malloc(void** ptr, size_t size, int device, const char* tag, int backup);
 /* Free an engine allocation (active or paused). Synchronizes the allocation's device before unmapping an
  * active one. *found = 0 and SUCCESS when the pointer is not the engine's (the caller forwards it). Waits for a
@@ -192,13 +201,18 @@ EBT_API ebt_status_t ebt_mem_set_memory_margin(size_t bytes);
 EBT_API ebt_status_t ebt_mem_get_memory_margin(size_t* bytes);
 
 /* ---- coalesced resume ------------------------------------------------------------------------------------------
- * Off by default (EBBTIDE_MEM_COALESCE=1 turns it on at library load). On: a resume maps each VA-contiguous run of
- * a tag's paused, non-shareable allocations on one device (at most EBBTIDE_MEM_COALESCE_MAX_BYTES, default 4 GiB)
- * as ONE physical allocation and mapping, and the next pause unmaps it with one call: the driver's cost is per
- * mapping, so 1024 allocations then cost a few mappings. Trade-off: freeing one allocation of such a run while it
- * is active cannot unmap part of the mapping: the allocation disappears at once (lookup, stats), but its memory
- * and VA are held until the run is unmapped — at the tag's next pause, or when the run's last allocation is freed
- * (stats: bytes_pending_free). Takes effect at the next resume; mappings made earlier keep their shape. */
+ * On by default (EBBTIDE_MEM_COALESCE=0 turns it off at library load; this call at any time). On: a resume maps
+ * each VA-contiguous run of a tag's paused, non-shareable allocations on one device (at most
+ * EBBTIDE_MEM_COALESCE_MAX_BYTES, default 4 GiB) as ONE physical allocation and mapping, and the next pause unmaps
+ * it with one call: the driver's cost is per mapping, so 1024 allocations then cost a few mappings. Freeing one
+ * allocation of such a run while it is active cannot unmap part of the mapping: the allocation disappears at once
+ * (lookup, stats), its memory and VA are held (stats: bytes_pending_free) until the run is unmapped — at the tag's
+ * next pause, when the run's last allocation is freed, or when an allocation or a resume on that device runs out
+ * of memory: the engine then drains the device, copies the run's live allocations out through the host arena,
+ * maps them again at the same addresses without the freed ones, and copies them back (all or nothing; global
+ * stats zombie_reclaims / bytes_reclaimed). Range queries (cuMemGetAddressRange, cuMemRetainAllocationHandle) on
+ * an allocation of a run answer for the whole run. Takes effect at the next resume; mappings made earlier keep
+ * their shape. */
 EBT_API ebt_status_t ebt_mem_set_coalescing(int enabled);
 EBT_API ebt_status_t ebt_mem_get_coalescing(int* enabled);
 

@@ -5,7 +5,7 @@
  * Policies and invariants (state machine drawn in memory/NOTES.md):
  *  - Every allocation is mapped at a VA taken from the device's VaSpace; the VA never changes until free.
  *    ACTIVE <=> mapped read-write; PAUSED <=> nothing mapped, VA kept. An allocation is its own physical
- *    allocation, except with coalescing on (opt-in): a resume then maps each VA-contiguous run of one tag's
+ *    allocation, except with coalescing on (the default): a resume then maps each VA-contiguous run of one tag's
  *    non-shareable allocations on one device as ONE physical allocation (a Segment, engine_segments.cc).
  *    The engine holds no handle: each is released right after its cuMemMap (and on every failure path), so the
  *    mapping alone keeps the physical memory and cuMemUnmap frees it (driver: memory is freed when unmapped and no
@@ -22,8 +22,9 @@
  *  - Driver mappings are never unmapped in part: a pause unmaps a Segment whole (all its live members are ACTIVE
  *    allocations of one tag, so in the same plan), after all its members' copies finished, and dissolves it
  *    (a PAUSED allocation has no Segment). free() of an ACTIVE Segment member makes it a zombie: unlisted at once,
- *    VA reserved and memory mapped until the Segment is unmapped (the tag's next pause, or its last live member's
- *    free, which drains and unmaps the whole range). a->seg and Segment fields change only under mu_.
+ *    VA reserved and memory mapped until the Segment is unmapped (the tag's next pause, its last live member's
+ *    free, which drains and unmaps the whole range, or a zombie reclaim when an allocation or resume on its device
+ *    runs short: engine_reclaim.cc). a->seg and Segment fields change only under mu_.
  *  - Pause: copies of all CPU-backed allocations are issued first (chunked, on the device's runtime-owned D2H
  *    stream, never crossing a host registration piece), then VA-contiguous runs of same-device allocations are
  *    unmapped, one cuMemUnmap per run (per allocation if the driver refuses the span), each run right after its
@@ -174,7 +175,7 @@ ebt_status_t Engine::register_tag(const char* tag) {
 
 // ---- allocate / free ------------------------------------------------------------------------------------------
 
-ebt_status_t Engine::malloc(void** ptr, size_t size, int device_ordinal, const char* tag, int backup) {
+ebt_status_t Engine::malloc_once(void** ptr, size_t size, int device_ordinal, const char* tag, int backup) {
   EBT_REQUIRE_ARG(ptr, "ptr is NULL");
   *ptr = nullptr;
   EBT_REQUIRE_ARG(size > 0, "size must be > 0");

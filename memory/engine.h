@@ -24,7 +24,7 @@ namespace ebbtide::memory {
 struct Tag;
 struct Allocation;
 
-// A coalesced mapping (opt-in, EBBTIDE_MEM_COALESCE=1 / ebt_mem_set_coalescing): resume made ONE physical
+// A coalesced mapping (on by default; EBBTIDE_MEM_COALESCE=0 / ebt_mem_set_coalescing(0) off): resume made ONE physical
 // allocation for a VA-contiguous run of same-device, same-tag, non-shareable allocations and mapped it once, so
 // the driver sees one mapping instead of one per allocation (Note "Coalesced mappings" in memory/NOTES.md).
 // Exists only while mapped: the pause that unmaps it (always whole: the driver cannot unmap a sub-range of a
@@ -69,6 +69,7 @@ struct Tag {
   std::string name;
   int state = EBT_MEM_TAG_ACTIVE;  // EBT_MEM_TAG_ACTIVE or EBT_MEM_TAG_PAUSED (busy is separate)
   bool busy = false;               // an op in flight owns this tag
+  int reclaiming = 0;              // zombie reclaims moving this tag's members (prepare() waits for 0)
   unsigned long long pauses = 0;   // pauses begun (failed ones too); an epoch for pool selection
   std::unordered_set<Allocation*> allocations;  // live allocations of this tag
   ebt_mem_report_t last_pause{}, last_resume{};
@@ -106,12 +107,15 @@ struct Plan {
   std::vector<Tag*> tags;            // tags this op changes (marked busy)
   std::vector<Allocation*> allocs;   // sorted by (device, va)
   bool noop = false;
+  double prepare_s = 0;              // selection time (report.prepare_s)
 };
 
 class Engine {
  public:
   static Engine& get();  // created on first use, never destroyed (no static-destructor order at exit)
 
+  // Allocate; on OUT_OF_MEMORY with zombies on the device that would cover the shortfall, reclaim them
+  // (engine_reclaim.cc) and try once more.
   ebt_status_t malloc(void** ptr, size_t size, int device, const char* tag, int backup);
   ebt_status_t free(void* ptr, int* found);
   bool owns(const void* ptr);  // fast check used by the interposer's cudaFree
@@ -125,7 +129,7 @@ class Engine {
   ebt_status_t tag_state(const char* tag, int* state, unsigned long long* pauses);
   void set_margin(size_t bytes) { margin_.store(bytes, std::memory_order_relaxed); }
   size_t margin() const { return margin_.load(std::memory_order_relaxed); }
-  // Coalesced resume (off by default): see Segment and memory/NOTES.md "Coalesced mappings".
+  // Coalesced resume (on by default): see Segment and memory/NOTES.md "Coalesced mappings".
   void set_coalescing(bool on) { coalesce_.store(on, std::memory_order_relaxed); }
   bool coalescing() const { return coalesce_.load(std::memory_order_relaxed); }
   ebt_status_t stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
@@ -150,6 +154,7 @@ class Engine {
   Engine() = default;
   ebt_status_t driver(const ebt_driver_table_t** drv);
   ebt_status_t device(int ordinal, Device** out);
+  ebt_status_t malloc_once(void** ptr, size_t size, int device, const char* tag, int backup);  // no reclaim
  public:
   static CUmemAllocationProp device_prop(int ordinal, bool shareable);
 
@@ -198,7 +203,9 @@ class Engine {
   std::map<std::string, std::unique_ptr<Tag>> tags_;  // every tag ever named; never erased until reset
   unsigned long long allocs_total_ = 0, frees_total_ = 0;
   std::atomic<size_t> margin_{0};  // bytes an allocation or resume must leave free (0: no check)
-  std::atomic<bool> coalesce_{false};  // resume coalesces VA-contiguous runs into one mapping each
+  // Resume coalesces VA-contiguous runs into one mapping each. THE DEFAULT: on (EBBTIDE_MEM_COALESCE=0 at load,
+  // or ebt_mem_set_coalescing(0), turns it off; memory/NOTES.md "Coalesced mappings" says why it is safe on).
+  std::atomic<bool> coalesce_{true};
   size_t pending_free_ = 0;  // aligned bytes of zombies (freed, still mapped in coalesced mappings); mu_
   // An OOM status gets a hint when zombies hold memory (nothing else can give it back before their tag's pause).
   ebt_status_t oom_hint(ebt_status_t st);
@@ -211,6 +218,21 @@ class Engine {
     int device = -1;
   };
   std::vector<Quarantined> quarantine_;
+  // engine_reclaim.cc: zombies' memory given back while their mappings' live members stay usable. The live
+  // members are copied out (to a spare device mapping when there is room, else through the host arena), the whole
+  // mapping is unmapped, the live members are mapped again at the same addresses (one mapping per VA-contiguous
+  // live run) and copied back; all or nothing.
+  size_t zombie_bytes_on(int device);  // zombies' aligned bytes on `device` (takes mu_)
+  // Reclaim zombies on `device` until at least `want` bytes came back (or every eligible mapping was done);
+  // *got = bytes given back. Drains the device first. Serialised by reclaim_mu_ (taken before mu_).
+  ebt_status_t reclaim_zombies(int device, size_t want, size_t* got);
+  // One mapping; `live` are its live members (busy, sorted by va); *reclaimed = zombie bytes given back.
+  ebt_status_t reclaim_segment(const std::shared_ptr<Segment>& s, std::vector<Allocation*>& live, size_t* reclaimed);
+  // Resume pre-flight: reclaim zombies when the device lacks `need` (+ margin) bytes; refreshes *free_b.
+  void reclaim_for(int device, size_t need, size_t* free_b);
+  std::mutex reclaim_mu_;
+  unsigned long long reclaims_ = 0;  // segments reclaimed (mu_)
+  size_t bytes_reclaimed_ = 0;       // zombie bytes they gave back (mu_)
 
   struct Import {
     CUmemGenericAllocationHandle handle = 0;

@@ -13,13 +13,14 @@ namespace ebbtide::memory {
 
 ebt_status_t Engine::prepare(OpKind kind, const char* tag, Plan* plan, ebt_mem_report_t* r) {
   EBT_REQUIRE_ARG(tag == nullptr || tag_ok(tag), "tag must be NULL or 1..%d bytes", EBT_MEM_TAG_MAX);
+  const auto t0 = Clock::now();
   plan->kind = kind;
   plan->tags.clear();
   plan->allocs.clear();
   plan->noop = false;
   const char* verb = kind == OpKind::kPause ? "pause" : "resume";
   const int from = kind == OpKind::kPause ? EBT_MEM_TAG_ACTIVE : EBT_MEM_TAG_PAUSED;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   std::vector<Tag*> candidates;
   if (tag) {
     auto it = tags_.find(tag);
@@ -29,6 +30,12 @@ ebt_status_t Engine::prepare(OpKind kind, const char* tag, Plan* plan, ebt_mem_r
   } else {
     for (auto& kv : tags_) candidates.push_back(kv.second.get());
   }
+  // A zombie reclaim moving one of these tags' members finishes first (it is short and never waits for an op).
+  cv_.wait(lock, [&candidates] {
+    for (Tag* t : candidates)
+      if (t->reclaiming) return false;
+    return true;
+  });
   for (Tag* t : candidates)
     if (t->busy)
       return ebt_set_error(EBT_ERROR_INVALID_STATE, "%s: tag '%s' has a pause/resume in flight; wait for it first",
@@ -55,6 +62,7 @@ ebt_status_t Engine::prepare(OpKind kind, const char* tag, Plan* plan, ebt_mem_r
   }
   std::sort(plan->allocs.begin(), plan->allocs.end(), by_device_va);
   plan->noop = plan->tags.empty();
+  plan->prepare_s = since(t0);
   if (r) r->noop = plan->noop ? 1 : 0;
   return EBT_SUCCESS;
 }
@@ -88,6 +96,7 @@ ebt_status_t Engine::execute(Plan& plan, ebt_mem_report_t* report) {
   r.struct_size = sizeof(r);
   r.device = r.oom_device = -1;
   r.noop = plan.noop ? 1 : 0;
+  r.prepare_s = plan.prepare_s;
   auto t0 = Clock::now();
   ebt_status_t st = EBT_SUCCESS;
   if (!plan.allocs.empty()) {
@@ -136,11 +145,15 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     if (i > 0 && devs[i] == devs[i - 1]) continue;
     CtxGuard ctx(drv, devs[i]->ctx);
     size_t total = 0;
-    if (i == 0) drv->cuMemGetInfo(&r->driver_free_before, &total);
+    if (i == 0) {
+      auto t_info = Clock::now();
+      drv->cuMemGetInfo(&r->driver_free_before, &total);
+      r->meminfo_s += since(t_info);
+    }
     EBT_CU_CHECK(drv->cuCtxSynchronize());
     EBT_CHECK(streams(devs[i]));
   }
-  r->sync_s = since(t_sync);
+  r->sync_s = since(t_sync) - r->meminfo_s;
   // 2. Host blocks for backups that have none yet (one arena growth for the whole batch).
   std::vector<bool> copy(allocs.size(), false);
   std::vector<size_t> need_sizes;
@@ -266,7 +279,9 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
   {
     CtxGuard ctx(drv, devs[0]->ctx);
     size_t total = 0;
+    auto t_info = Clock::now();
     drv->cuMemGetInfo(&r->driver_free_after, &total);
+    r->meminfo_s += since(t_info);
   }
   return EBT_SUCCESS;
 }

@@ -97,6 +97,8 @@ ebt_status_t Engine::global_stats(ebt_mem_global_stats_t* out) {
     out->engine_allocs = allocs_total_;
     out->engine_frees = frees_total_;
     out->live_allocations = by_va_.size();
+    out->zombie_reclaims = reclaims_;
+    out->bytes_reclaimed = bytes_reclaimed_;
     std::unordered_set<const Segment*> seen;
     for (auto& kv : by_va_) {
       const Segment* seg = kv.second->seg.get();
@@ -223,6 +225,8 @@ ebt_status_t Engine::reset() {
   tags_.clear();
   pending_free_ = 0;
   allocs_total_ = frees_total_ = 0;
+  reclaims_ = 0;
+  bytes_reclaimed_ = 0;
   lock.unlock();
   std::lock_guard<std::mutex> dlock(dev_mu_);
   std::unordered_set<const Segment*> unmapped;  // coalesced mappings: one unmap each, of the whole range

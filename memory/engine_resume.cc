@@ -89,7 +89,9 @@ ebt_status_t Engine::map_all(const std::vector<MapUnit>& units, ebt_mem_report_t
       if (st == EBT_ERROR_OUT_OF_MEMORY) fill_oom(u.device, u.size, r);
       break;
     }
+    auto t_map_call = Clock::now();
     st = map_release(u.va, u.size, h);
+    r->map_call_s += since(t_map_call);
     if (st != EBT_SUCCESS) break;
   }
   if (ahead) {
@@ -169,7 +171,12 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
     EBT_CHECK(device(kv.first, &d));
     CtxGuard ctx(drv, d->ctx);
     size_t free_b = 0, total = 0;
+    auto t_info = Clock::now();
     EBT_CU_CHECK(drv->cuMemGetInfo(&free_b, &total));
+    r->meminfo_s += since(t_info);
+    // Short of memory while freed members of coalesced mappings hold some: give those back first.
+    if (!rollback && (free_b < kv.second || free_b - kv.second < margin))
+      reclaim_for(kv.first, kv.second + margin, &free_b);
     if (kv.first == r->device) r->driver_free_before = free_b;
     if (free_b < kv.second || free_b - kv.second < margin) {
       r->oom_device = kv.first;
@@ -249,7 +256,9 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
     if (device(r->device, &d) == EBT_SUCCESS) {
       CtxGuard ctx(drv, d->ctx);
       size_t total;
+      auto t_info = Clock::now();
       drv->cuMemGetInfo(&r->driver_free_after, &total);
+      r->meminfo_s += since(t_info);
     }
   }
   return EBT_SUCCESS;

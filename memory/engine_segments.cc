@@ -1,12 +1,13 @@
 // engine_segments.cc — which driver mappings an op makes or unmaps, and the bookkeeping of coalesced mappings
 // (invariants: engine.cc header; reasoning: memory/NOTES.md "Coalesced mappings").
 //
-// Policy: without coalescing every allocation is its own mapping (one MapUnit each). With coalescing on
-// (EBBTIDE_MEM_COALESCE=1 / ebt_mem_set_coalescing), a resume maps each VA-contiguous run of same-device, same-tag,
-// non-shareable paused allocations (inside one VA reservation, at most EBBTIDE_MEM_COALESCE_MAX_BYTES) with ONE
-// cuMemCreate + cuMemMap, and records a Segment shared by its members. A pause unmaps a Segment whole (the driver
-// cannot unmap a sub-range of a mapping). A member freed while active becomes a zombie of its Segment: unlisted at
-// once, its VA and memory held until the mapping goes (next pause of the tag, or the last live member's free).
+// Policy: without coalescing every allocation is its own mapping (one MapUnit each). With coalescing on (the
+// default; EBBTIDE_MEM_COALESCE=0 / ebt_mem_set_coalescing(0) off), a resume maps each VA-contiguous run of
+// same-device, same-tag, non-shareable paused allocations (inside one VA reservation, at most
+// EBBTIDE_MEM_COALESCE_MAX_BYTES) with ONE cuMemCreate + cuMemMap, and records a Segment shared by its members.
+// A pause unmaps a Segment whole (the driver cannot unmap a sub-range of a mapping). A member freed while active
+// becomes a zombie of its Segment: unlisted at once, its VA and memory held until the mapping goes (next pause of
+// the tag, the last live member's free, or a reclaim when memory runs short: engine_reclaim.cc).
 // Shareable allocations never join a run: an export must expose exactly one allocation's memory.
 #include <memory>
 #include <string>
@@ -172,8 +173,9 @@ ebt_status_t Engine::oom_hint(ebt_status_t st) {
   }
   if (!held) return st;
   std::string msg = ebt_last_error();
-  return ebt_set_error(st, "%s (%zu bytes of freed allocations are still held inside coalesced mappings: they go "
-                       "back at their tag's next pause)", msg.c_str(), held);
+  return ebt_set_error(st, "%s (%zu bytes of freed allocations are still held inside coalesced mappings, too few "
+                       "to cover it or owned by a pause/resume in flight: they go back at their tag's next pause)",
+                       msg.c_str(), held);
 }
 
 }  // namespace ebbtide::memory

@@ -35,6 +35,8 @@
  *                                       EBT_FAKE_EXACT_UNMAP=1 at load
  *   ebt_fake_set_partial_unmap(on)      a cuMemUnmap over several mappings unmaps the first one, then fails
  *                                       (INVALID_VALUE): a driver that gives up half way (tests that case)
+ *   ebt_fake_set_delay(name, us)        every call of `name` first sleeps `us` microseconds, outside the fake's
+ *                                       lock (0 clears): widens a window for concurrency tests
  *   ebt_fake_set_foreign_global_capture(on)  pretend another thread captures a graph in global mode:
  *                                       cuMemHostRegister then fails (906) unless the calling thread is relaxed
  * EBT_FAKE_DEVICES sets the device count (default 1). Thread-safe (one mutex).
@@ -140,7 +142,20 @@ bool fault(const char* name, CUresult* err) {
   return true;
 }
 
+std::mutex g_delay_mu;                    // guards g_delays (apart from g_mu: a sleeping call holds neither)
+std::map<std::string, long> g_delays;     // ebt_fake_set_delay: microseconds before each call of a name
+void delay(const char* name) {
+  long us = 0;
+  {
+    std::lock_guard<std::mutex> lk(g_delay_mu);
+    auto it = g_delays.find(name);
+    if (it != g_delays.end()) us = it->second;
+  }
+  if (us > 0) usleep(static_cast<useconds_t>(us));
+}
+
 #define ENTER(name)               \
+  delay(name);                    \
   std::lock_guard<std::mutex> lk(g_mu); \
   do {                            \
     CUresult fe_;                 \
@@ -203,6 +218,11 @@ FAKE_API void ebt_fake_set_fault(const char* name, long nth, int err) {
   init_once();
   if (nth == 0) g_faults.erase(name);
   else g_faults[name] = {nth, err};
+}
+FAKE_API void ebt_fake_set_delay(const char* name, long us) {
+  std::lock_guard<std::mutex> lk(g_delay_mu);
+  if (us <= 0) g_delays.erase(name);
+  else g_delays[name] = us;
 }
 FAKE_API void ebt_fake_counters(long long* out) {
   std::lock_guard<std::mutex> lk(g_mu);

@@ -1,14 +1,14 @@
 """Discard-mode pause/resume cost on a GPU, with the engine's breakdown (not a test: a probe for the H100/H200).
 
     python tests/memory/discard_probe.py [--n 1024] [--mib 16] [--cycles 5]      one process, current settings
-    python tests/memory/discard_probe.py --coalesce                                coalesced resume on
-    python tests/memory/discard_probe.py --compare          per size: plain, create-ahead on, coalescing on
+    python tests/memory/discard_probe.py --no-coalesce                             per-allocation mappings
+    python tests/memory/discard_probe.py --compare          per size: per-allocation, create-ahead, coalesced
 
 Prints one JSON line per setting: median wall ms of pause and resume, and the last cycle's report (sync, unmap,
 unmap_calls, create, map, access, total). unmap_calls == 1 for one VA-contiguous region means the driver accepted
 one cuMemUnmap over many mappings; n + 1 means it refused and the engine fell back to one call per allocation.
-With --coalesce (EBBTIDE_MEM_COALESCE=1) resume maps each VA-contiguous run as one mapping: "mappings" in the
-report says how many the driver saw (pause: unmapped, resume: created).
+Coalesced resume (the default; --no-coalesce or EBBTIDE_MEM_COALESCE=0 turns it off) maps each VA-contiguous run
+as one mapping: "mappings" in the report says how many the driver saw (pause: unmapped, resume: created).
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import sys
 import time
 
 
-def probe(n: int, mib: int, cycles: int, coalesce: bool) -> dict:
+def probe(n: int, mib: int, cycles: int, coalesce) -> dict:
     import ebbtide.memory as em
     import torch
 
-    if coalesce:
-        em.set_coalescing(True)
+    if coalesce is not None:  # None: the process's setting
+        em.set_coalescing(coalesce)
     with em.region("probe", backup="none"):
         ts = [torch.empty(mib << 20, dtype=torch.uint8, device="cuda") for _ in range(n)]
     for t in ts:
@@ -66,7 +66,9 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=16)
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--compare", action="store_true")
-    ap.add_argument("--coalesce", action="store_true", help="coalesced resume (ebbtide.memory.set_coalescing)")
+    ap.add_argument("--coalesce", dest="coalesce", action="store_true", default=None,
+                    help="coalesced resume on (ebbtide.memory.set_coalescing; the default)")
+    ap.add_argument("--no-coalesce", dest="coalesce", action="store_false", help="one mapping per allocation")
     a = ap.parse_args()
     if not a.compare:
         print(json.dumps(probe(a.n, a.mib, a.cycles, a.coalesce)), flush=True)
@@ -75,7 +77,7 @@ def main() -> None:
         for ahead, coalesce in (("0", False), ("8", False), ("0", True)):
             env = dict(os.environ, EBBTIDE_MEM_CREATE_AHEAD=ahead)
             cmd = [sys.executable, __file__, "--n", str(n), "--mib", str(mib), "--cycles", str(a.cycles)]
-            subprocess.run(cmd + (["--coalesce"] if coalesce else []), env=env, check=True)
+            subprocess.run(cmd + (["--coalesce"] if coalesce else ["--no-coalesce"]), env=env, check=True)
 
 
 if __name__ == "__main__":

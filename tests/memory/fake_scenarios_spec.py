@@ -59,8 +59,9 @@ FAULTS = {
                "cuMemSetAccess:-1", "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
 }
 
-# Coalesced resume (EBBTIDE_MEM_COALESCE=1): SIMPLE scenarios run again with it on, except those that assert one
-# driver call per allocation (their coalesced counterparts are the coalesce_* scenarios).
+# Coalescing is on by default: SIMPLE scenarios run with the default and again with EBBTIDE_MEM_COALESCE=0 (the
+# per-allocation path), except those that assert one driver call per allocation, which run with it off only
+# (their coalesced counterparts are the coalesce_* scenarios).
 PER_ALLOCATION_COUNTS = {"oom_at_resume", "batched_set_access_and_drain_order", "set_access_fallback",
                          "unmap_runs_and_handle_release", "memory_margin_and_tag_epochs"}
 COALESCED_SIMPLE = [s for s in SIMPLE if s not in PER_ALLOCATION_COUNTS]
@@ -75,6 +76,17 @@ COALESCE_FAULTS = {
                "cuMemSetAccess:-1", "cuMemcpyHtoDAsync:3", "cuEventRecord:1", "cuEventSynchronize:1"],
 }
 
+# Zombie reclaim (fake_reclaim.py): an allocation or resume short of memory gives back what freed members of
+# coalesced mappings hold. RECLAIM_FAULTS: a failure at each step (call counts: fake_reclaim.py).
+RECLAIM = ["reclaim_on_oom", "reclaim_at_resume", "reclaim_orders_with_ops", "reclaim_picks_cheapest",
+           "reclaim_with_coalescing_off"]
+RECLAIM_FAULTS = ["cuCtxSynchronize:1", "cuMemHostRegister:1", "cuMemcpyDtoHAsync:2", "cuStreamSynchronize:1",
+                  "cuMemUnmap:1", "cuMemCreate:2", "cuMemCreate:3", "cuMemMap:1", "cuMemMap:2", "cuMemRelease:2",
+                  "cuMemcpyHtoDAsync:3", "cuMemSetAccess:-1", "cuMemMap:-1"]
+# The same through device staging (fake_reclaim.reclaim_on_device; "none": no fault).
+RECLAIM_DEVICE_FAULTS = ["none", "cuMemCreate:2", "cuMemMap:1", "cuMemcpyDtoDAsync:-1", "cuMemcpyDtoDAsync:2",
+                         "cuMemUnmap:1", "cuMemCreate:3", "cuMemCreate:4", "cuMemcpyDtoDAsync:5"]
+
 # Scenarios with tests of their own in test_engine_fake.py (a setting, arguments or a second device).
-OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "soak", "multi_device", "host_arena_exact_and_chunked",
-             "check_setting"]
+OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "reclaim_fault_injection", "reclaim_on_device", "soak",
+             "multi_device", "host_arena_exact_and_chunked", "check_setting"]

@@ -34,13 +34,23 @@ def run(scenario: str, *args: str, env: dict | None = None) -> None:
 
 def test_every_scenario_is_run():
     # A scenario defined in a program but named by no test would never run.
-    run_by_tests = set(spec.SIMPLE) | set(spec.COALESCE) | set(spec.OWN_TESTS)
+    run_by_tests = set(spec.SIMPLE) | set(spec.COALESCE) | set(spec.RECLAIM) | set(spec.OWN_TESTS)
     assert set(spec.PROGRAM) == run_by_tests, (set(spec.PROGRAM) ^ run_by_tests)
+
+
+# Coalescing is on by default; EBBTIDE_MEM_COALESCE=0 is the per-allocation path (every mapping its own).
+COALESCE_OFF = {"EBBTIDE_MEM_COALESCE": "0"}
 
 
 @pytest.mark.parametrize("scenario", spec.SIMPLE)
 def test_scenario(scenario):
-    run(scenario)
+    # Scenarios that count one driver call per allocation run with coalescing off only.
+    run(scenario, env=COALESCE_OFF if scenario in spec.PER_ALLOCATION_COUNTS else None)
+
+
+@pytest.mark.parametrize("scenario", spec.COALESCED_SIMPLE)
+def test_scenario_per_allocation(scenario):
+    run(scenario, env=COALESCE_OFF)
 
 
 def test_poison_discarded_pages():
@@ -58,56 +68,70 @@ def test_chunked_copies_exact_host_sizes():
 
 @pytest.mark.parametrize("op,fault", [(op, f) for op, fs in spec.FAULTS.items() for f in fs])
 def test_fault_injection_rolls_back(op, fault):
-    # Background pinning off: the pause itself must meet the injected registration failure.
-    run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0"})
+    # Background pinning off: the pause itself must meet the injected registration failure. The nth-call specs
+    # count per-allocation calls (the coalesced ones: test_coalesce_fault_injection_rolls_back).
+    run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0", **COALESCE_OFF})
 
 
 def test_unmap_runs_close_at_copy_bytes():
-    run("unmap_runs_and_handle_release", env={"EBBTIDE_MEM_UNMAP_RUN_BYTES": str(4 << 20)})
+    run("unmap_runs_and_handle_release", env={"EBBTIDE_MEM_UNMAP_RUN_BYTES": str(4 << 20), **COALESCE_OFF})
 
 
 @pytest.mark.parametrize("op,fault", [("resume", f) for f in spec.FAULTS["resume"]])
 def test_fault_injection_create_ahead(op, fault):
     # Creates on the helper thread (EBBTIDE_MEM_CREATE_AHEAD=1: every resume): same rollback guarantees.
-    run("fault_injection", op, fault, env={"EBBTIDE_MEM_PREPIN": "0", "EBBTIDE_MEM_CREATE_AHEAD": "1"})
+    run("fault_injection", op, fault,
+        env={"EBBTIDE_MEM_PREPIN": "0", "EBBTIDE_MEM_CREATE_AHEAD": "1", **COALESCE_OFF})
 
 
 @pytest.mark.parametrize("scenario", ["unmap_runs_and_handle_release", "oom_at_resume", "multi_device", "soak"])
 def test_create_ahead(scenario):
-    run(scenario, env={"EBBTIDE_MEM_CREATE_AHEAD": "1", "EBT_FAKE_DEVICES": "2"})
+    run(scenario, env={"EBBTIDE_MEM_CREATE_AHEAD": "1", "EBT_FAKE_DEVICES": "2", **COALESCE_OFF})
 
 
-def test_multi_device():
-    run("multi_device", env={"EBT_FAKE_DEVICES": "2"})
+@pytest.mark.parametrize("coalesce", ["default", "0"])
+def test_multi_device(coalesce):
+    run("multi_device", env={"EBT_FAKE_DEVICES": "2", **(COALESCE_OFF if coalesce == "0" else {})})
 
 
-def test_soak_100_cycles_no_leaks():
-    run("soak", "100")
-
-
-COALESCE_ON = {"EBBTIDE_MEM_COALESCE": "1"}
-
-
-@pytest.mark.parametrize("scenario", spec.COALESCED_SIMPLE)
-def test_scenario_coalesced(scenario):
-    run(scenario, env=COALESCE_ON)
+@pytest.mark.parametrize("coalesce", ["default", "0"])
+def test_soak_100_cycles_no_leaks(coalesce):
+    run("soak", "100", env=COALESCE_OFF if coalesce == "0" else None)
 
 
 @pytest.mark.parametrize("scenario", spec.COALESCE)
 def test_coalesce(scenario):
-    run(scenario, env=COALESCE_ON if scenario == "coalesce_runs_and_zombies" else None)
+    run(scenario)
+
+
+def test_coalesce_explicit_on():
+    # EBBTIDE_MEM_COALESCE=1 is still accepted (the same as the default).
+    run("coalesce_runs_and_zombies", env={"EBBTIDE_MEM_COALESCE": "1"})
 
 
 @pytest.mark.parametrize("op,fault", [(op, f) for op, fs in spec.COALESCE_FAULTS.items() for f in fs])
 def test_coalesce_fault_injection_rolls_back(op, fault):
     run("coalesce_fault_injection", op, fault,
-        env={**COALESCE_ON, "EBBTIDE_MEM_COALESCE_MAX_BYTES": str(8 << 20), "EBBTIDE_MEM_PREPIN": "0"})
+        env={"EBBTIDE_MEM_COALESCE_MAX_BYTES": str(8 << 20), "EBBTIDE_MEM_PREPIN": "0"})
 
 
-def test_coalesce_poison_and_soak():
-    run("va_stability_and_roundtrip", env={**COALESCE_ON, "EBBTIDE_MEM_POISON": "1"})
-    run("soak", "100", env=COALESCE_ON)
-    run("multi_device", env={**COALESCE_ON, "EBT_FAKE_DEVICES": "2"})
+def test_coalesce_poison():
+    run("va_stability_and_roundtrip", env={"EBBTIDE_MEM_POISON": "1"})
+
+
+@pytest.mark.parametrize("scenario", spec.RECLAIM)
+def test_reclaim(scenario):
+    run(scenario, env={"EBBTIDE_MEM_PREPIN": "0"})
+
+
+@pytest.mark.parametrize("fault", spec.RECLAIM_FAULTS)
+def test_reclaim_fault_injection_rolls_back(fault):
+    run("reclaim_fault_injection", fault, env={"EBBTIDE_MEM_PREPIN": "0"})
+
+
+@pytest.mark.parametrize("fault", spec.RECLAIM_DEVICE_FAULTS)
+def test_reclaim_on_device(fault):
+    run("reclaim_on_device", fault, env={"EBBTIDE_MEM_PREPIN": "0"})
 
 
 @pytest.mark.parametrize("args", [("coalesce_runs_and_zombies",),
@@ -115,7 +139,7 @@ def test_coalesce_poison_and_soak():
                                   ("coalesce_fault_injection", "resume", "cuMemMap:2")])
 def test_coalesce_create_ahead(args):
     # Creates of the coalesced runs on the helper thread: same mappings, same rollback.
-    env = {**COALESCE_ON, "EBBTIDE_MEM_CREATE_AHEAD": "1", "EBBTIDE_MEM_PREPIN": "0"}
+    env = {"EBBTIDE_MEM_CREATE_AHEAD": "1", "EBBTIDE_MEM_PREPIN": "0"}
     if args[0] == "coalesce_fault_injection":
         env["EBBTIDE_MEM_COALESCE_MAX_BYTES"] = str(8 << 20)
     run(*args, env=env)

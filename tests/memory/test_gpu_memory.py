@@ -42,12 +42,19 @@ def test_gpu_create_ahead(scenario):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["torch", "preload"])
 def test_gpu_coalesced_discard(mode):
-    # Coalesced resume: 1024 x 16 MiB round trip, frees of members while active (zombies) and paused.
-    run("coalesced_discard", mode, {"EBBTIDE_MEM_COALESCE": "1"})
+    # Coalesced resume (the default): 1024 x 16 MiB round trip, frees of members while active (zombies) and paused.
+    run("coalesced_discard", mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["torch", "preload"])
+def test_gpu_zombie_reclaim(mode):
+    # GPU full, zombies holding memory, a tensor allocated through the hooks: the reclaim makes room.
+    run("zombie_reclaim", mode)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scenario", ["basic", "multi_tag", "caching_allocator", "oom_at_resume", "unmap_runs"])
-def test_gpu_scenario_coalesced(scenario):
-    # The general scenarios with coalescing on (caching_allocator frees blocks inside coalesced mappings).
-    run(scenario, "torch", {"EBBTIDE_MEM_COALESCE": "1"})
+def test_gpu_scenario_per_allocation(scenario):
+    # The general scenarios on the per-allocation path (EBBTIDE_MEM_COALESCE=0).
+    run(scenario, "torch", {"EBBTIDE_MEM_COALESCE": "0"})

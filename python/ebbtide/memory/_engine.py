@@ -49,6 +49,9 @@ class Report:
     unmap_calls: int = 0   # pause: driver unmap calls (one per VA-contiguous run where the driver accepts it)
     mappings: int = 0      # driver mappings unmapped/created (= allocations unless resume coalesced runs of them)
     bytes_pending_freed: int = 0  # pause: freed members of coalesced mappings given back (not in ``bytes``)
+    meminfo_s: float = 0.0   # cuMemGetInfo calls (resume pre-flight, driver_free_* figures)
+    map_call_s: float = 0.0  # resume: cuMemMap + cuMemRelease time (inside map_s)
+    prepare_s: float = 0.0   # selection under the engine lock before the op ran (not inside total_s)
 
     @classmethod
     def from_native(cls, kind: str, tag: Optional[str], d: dict) -> "Report":
@@ -265,12 +268,14 @@ def memory_margin() -> int:
 
 
 def set_coalescing(enabled: bool) -> None:
-    """Coalesced resume (off by default; EBBTIDE_MEM_COALESCE=1 turns it on at process start): a resume maps each
+    """Coalesced resume (on by default; EBBTIDE_MEM_COALESCE=0 turns it off at process start): a resume maps each
     VA-contiguous run of a tag's allocations on one device (at most EBBTIDE_MEM_COALESCE_MAX_BYTES, default 4 GiB;
     shareable ones excepted) as ONE physical allocation, and the next pause unmaps it with one call. The driver's
-    pause/resume cost is per mapping, so many small allocations get much cheaper. Trade-off: an allocation of such
-    a run freed while active vanishes from lookups and stats at once, but its memory stays mapped until the run is
-    unmapped (the tag's next pause, or the run's last free): see ``stats()`` ``bytes_pending_free``."""
+    pause/resume cost is per mapping, so many small allocations get much cheaper. An allocation of such a run freed
+    while active vanishes from lookups and stats at once, but its memory stays mapped (``stats()``
+    ``bytes_pending_free``) until the run is unmapped: the tag's next pause, the run's last free, or an allocation
+    or resume on that device that runs short, which rebuilds the run without it at the same addresses (global
+    stats ``zombie_reclaims``; docs/memory.md "Coalesced mappings")."""
     if not isinstance(enabled, bool):
         raise InvalidArgumentError(f"enabled must be a bool, not {enabled!r}")
     _mem().set_coalescing(enabled)

@@ -1,5 +1,6 @@
 """Measurement worker of the `memory` suite: ``python -m ebbtide.bench.suites._memory_worker ours|tms <bytes>
-<small_allocs>`` prints one JSON object of timings (seconds) on its last line.
+<counts>`` (counts: comma-separated allocation counts for the discard rows) prints one JSON object of timings
+(seconds) on its last line.
 
 Each side runs in its own process so neither inherits the other's GPU pools, pinned host memory or caches; both
 follow the same order (discard tags first and left paused, then CPU-backed tags), time wall-clock around the
@@ -43,9 +44,11 @@ def _cycles(pause, resume, n: int) -> tuple[list, list]:
     return ps, rs
 
 
-def _discard(out: dict, region_fn, pause, resume, total: int, small: int, phases=None, labels=None) -> list:
+def _discard(out: dict, region_fn, pause, resume, total: int, labels, phases=None) -> list:
+    """Discard pause/resume of `total` bytes in n equal tensors, per (label, n): median of WARM cycles after a
+    warm-up cycle; each tag is left paused so its GPU memory is free for what follows."""
     keep = []
-    for label, n in labels or (("d8", 8), ("dmany", small)):
+    for label, n in labels:
         keep.append(_tensors(region_fn(label, False), n, total))
         pause(label)
         resume(label)  # warm-up (first map of fresh pools, streams)
@@ -53,7 +56,7 @@ def _discard(out: dict, region_fn, pause, resume, total: int, small: int, phases
         out[f"{label}_pause"], out[f"{label}_resume"] = statistics.median(ps), statistics.median(rs)
         if phases:
             out[f"{label}_phases"] = phases(label)  # the last cycle's engine-side breakdown
-        pause(label)  # leave it paused: its GPU memory is free for what follows
+        pause(label)
     return keep
 
 
@@ -65,10 +68,17 @@ def _captured(em, tag: str, total: int):
                            f"{em.hook_mode()!r}): the allocations bypassed ebbtide, nothing to measure")
 
 
-def ours(total: int, small: int) -> dict:
+# Report fields of the engine's breakdown (memory/ebbtide_memory.h ebt_mem_report_t), per op.
+PAUSE_PHASES = ("prepare_s", "sync_s", "meminfo_s", "copy_s", "unmap_s", "total_s", "unmap_calls", "mappings",
+                "allocations")
+RESUME_PHASES = ("prepare_s", "meminfo_s", "create_s", "map_call_s", "access_s", "map_s", "copy_s", "total_s",
+                 "mappings", "allocations")
+
+
+def ours(total: int, counts: list) -> dict:
     import ebbtide.memory as em  # noqa: PLC0415
 
-    out: dict = {"mode": em.hook_mode()}
+    out: dict = {"mode": em.hook_mode(), "coalescing_default": em.coalescing()}
 
     def region(tag, cpu):
         return em.region(tag, backup="cpu" if cpu else "none")
@@ -79,15 +89,14 @@ def ours(total: int, small: int) -> dict:
 
     def phases(tag):
         row = [r for r in em.stats()["tags"] if r["tag"] == tag][0]
-        return {"pause": {k: row["last_pause"].get(k) for k in ("sync_s", "unmap_s", "unmap_calls", "mappings",
-                                                                "total_s")},
-                "resume": {k: row["last_resume"].get(k) for k in ("create_s", "map_s", "access_s", "mappings",
-                                                                  "total_s")}}
+        return {"pause": {k: row["last_pause"].get(k) for k in PAUSE_PHASES},
+                "resume": {k: row["last_resume"].get(k) for k in RESUME_PHASES}}
 
-    keep = _discard(out, region, pause, em.resume, total, small, phases)
-    em.set_coalescing(True)  # the many-allocation case again with coalesced resume (opt-in)
-    keep += _discard(out, region, pause, em.resume, total, small, phases, labels=(("dmany_coalesced", small),))
+    # Default settings first (coalesced resume on), then the per-allocation path (EBBTIDE_MEM_COALESCE=0's).
+    keep = _discard(out, region, pause, em.resume, total, [(f"d{n}", n) for n in counts], phases)
     em.set_coalescing(False)
+    keep += _discard(out, region, pause, em.resume, total, [(f"d{n}_off", n) for n in counts], phases)
+    em.set_coalescing(out["coalescing_default"])
     # First cycle with the pause pinning its own host memory (background pinning off) ...
     em.set_background_pinning(False)
     keep.append(_tensors(em.region("w0", backup="cpu"), 8, total))
@@ -160,13 +169,13 @@ def _hook_latency() -> dict:
     return {f"malloc_free_{label}": statistics.median(ts) for label, ts in times.items()}
 
 
-def tms(total: int, small: int) -> dict:
+def tms(total: int, counts: list) -> dict:
     from torch_memory_saver import torch_memory_saver as saver  # noqa: PLC0415
 
     saver.hook_mode = "torch"
     out: dict = {"mode": "torch"}
     keep = _discard(out, lambda tag, cpu: saver.region(tag=tag, enable_cpu_backup=cpu), saver.pause, saver.resume,
-                    total, small)
+                    total, [(f"d{n}", n) for n in counts])
     keep.append(_tensors(saver.region(tag="w", enable_cpu_backup=True), 8, total))
     ps, rs = _cycles(lambda: saver.pause("w"), lambda: saver.resume("w"), 2)  # default: pins afresh every cycle
     out["cpu_default_pause"], out["cpu_default_resume"] = statistics.median(ps), statistics.median(rs)
@@ -184,8 +193,8 @@ def tms(total: int, small: int) -> dict:
 
 
 if __name__ == "__main__":
-    which, total, small = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    which, total, counts = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
     torch.cuda.init()
-    result = {"ours": ours, "tms": tms}[which](total, small)
+    result = {"ours": ours, "tms": tms}[which](total, counts)
     print(json.dumps(result), flush=True)
     os._exit(0)  # skip interpreter teardown: pools and pinned memory go back with the process

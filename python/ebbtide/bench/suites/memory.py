@@ -2,8 +2,9 @@
 torch_memory_saver (default and retain_cpu_backup=True) measured in the same run, and the pinned PCIe limits.
 
 Rows: CPU-backup pause/resume first cycle and warm cycles (GB/s of the tag's bytes, wall-clock around the call);
-discard-mode pause/resume in 8 and in many allocations (ms); a trainer->rollout switch (pause one tag while
-resuming another) sequential vs overlapped (aggregate GB/s against the bidirectional limit); the interposer's
+discard-mode pause/resume in 8, 64, 1024 and 16384 allocations (ms) with default settings and with
+EBBTIDE_MEM_COALESCE=0, each with the engine's breakdown of where the time went; a trainer->rollout switch (pause
+one tag while resuming another) sequential vs overlapped (aggregate GB/s against the bidirectional limit); the interposer's
 cudaMalloc+cudaFree cost outside regions (us). Our side and the anchor each run in a fresh process
 (ebbtide.bench.suites._memory_worker) so neither inherits the other's pools or pinned memory.
 """
@@ -21,9 +22,11 @@ GB = 1e9
 GiB = 1 << 30
 
 
-def _worker(which: str, total: int, small: int, log) -> tuple[dict | None, str]:
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    cmd = [sys.executable, "-m", "ebbtide.bench.suites._memory_worker", which, str(total), str(small)]
+def _worker(which: str, total: int, counts: tuple, log) -> tuple[dict | None, str]:
+    # Default settings: the caller's EBBTIDE_MEM_COALESCE does not leak into the "default" rows.
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EBBTIDE_MEM_COALESCE")}
+    cmd = [sys.executable, "-m", "ebbtide.bench.suites._memory_worker", which, str(total),
+           ",".join(str(n) for n in counts)]
     log(f"memory: running the {which} worker ({total / GiB:.0f} GiB) ...")
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -36,36 +39,50 @@ def _worker(which: str, total: int, small: int, log) -> tuple[dict | None, str]:
     return json.loads(lines[-1]), ""
 
 
-def _discard_note(ours: dict, label: str, op: str, n: int) -> str:
-    """Per-allocation cost plus the engine's own breakdown of the last cycle (ms; the rest is Python + sync)."""
-    t = ours.get(f"{label}_{op}")
-    if not t:
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
+
+
+def breakdown(op: str, wall: float, ph: dict) -> str:
+    """Where one discard pause or resume spent its time (ms), from the engine's report of the last cycle: driver
+    calls (with the cost per mapping), the drain, cuMemGetInfo, the engine's own bookkeeping (its total minus the
+    named phases, plus the selection under the lock) and what lies outside the engine (Python and hooks: the
+    wall-clock median minus the engine's time)."""
+    if not ph or ph.get("total_s") is None:
         return ""
-    note = f"{t / n * 1e6:.1f} us per allocation"
-    ph = (ours.get(f"{label}_phases") or {}).get(op) or {}
-    parts = [f"{k[:-2]} {v * 1e3:.2f}" for k, v in ph.items() if k.endswith("_s") and v is not None]
-    if parts:
-        note += "; engine ms: " + " ".join(parts)
-    if ph.get("unmap_calls") is not None:
-        note += f"; {ph['unmap_calls']} unmap calls"
-    if ph.get("mappings") is not None:
-        note += f"; {ph['mappings']} mappings"
-    return note
+    g = {k: (v or 0) for k, v in ph.items()}
+    n = max(g.get("mappings", 0), 1)
+    if op == "pause":
+        named = g["sync_s"] + g["meminfo_s"] + g["copy_s"] + g["unmap_s"]
+        parts = [f"unmap {_ms(g['unmap_s'])} ({g['unmap_calls']} calls over {g['mappings']} mappings, "
+                 f"{g['unmap_s'] / n * 1e6:.1f} us/mapping)", f"drain {_ms(g['sync_s'])}"]
+    else:
+        named = g["meminfo_s"] + g["map_s"] + g["copy_s"]
+        parts = [f"create {_ms(g['create_s'])} ({g['mappings']} mappings, {g['create_s'] / n * 1e6:.1f} us each)",
+                 f"map+release {_ms(g['map_call_s'])}", f"setaccess {_ms(g['access_s'])}"]
+    if g.get("copy_s"):
+        parts.append(f"copy {_ms(g['copy_s'])}")
+    parts.append(f"meminfo {_ms(g['meminfo_s'])}")
+    parts.append(f"bookkeeping {_ms(max(g['total_s'] - named, 0) + g['prepare_s'])}")
+    parts.append(f"outside the engine {_ms(max(wall - g['total_s'] - g['prepare_s'], 0))}")
+    return "ms: " + ", ".join(parts)
 
 
 @suite("memory", needs="gpu", description="VMM pause/resume: CPU backup bandwidth, discard cost, overlap, hook cost")
 def run(ctx):
     ctx.require_gpu()
     total = (2 if ctx.quick else 16) * GiB
-    small = 128 if ctx.quick else 1024  # 16 MiB tensors either way: each is its own caching-allocator segment
+    # 16 GiB in 8 .. 16384 tensors (1 MiB to 2 GiB; 1 MiB tensors share 2 MiB caching-allocator segments, so 16384
+    # of them are 8192 driver allocations); --quick: 2 GiB, the same tensor sizes up to 2048 of them.
+    counts = (8, 64, 1024, 16384) if not ctx.quick else (8, 64, 128, 2048)
     d2h, h2d, bidir = ctx.limits.d2h_gbps(), ctx.limits.h2d_gbps(), ctx.limits.bidir_gbps()
-    ours, why = _worker("ours", total, small, ctx.progress)
+    ours, why = _worker("ours", total, counts, ctx.progress)
     if ours is None:
         raise Skip(f"ebbtide worker: {why}")
     if importlib.util.find_spec("torch_memory_saver") is None:
         tms, tms_note = {}, "not installed"
     else:
-        tms, tms_note = _worker("tms", total, small, ctx.progress)
+        tms, tms_note = _worker("tms", total, counts, ctx.progress)
         tms = tms or {}
     retain_note = tms.get("retain_error", "") or tms_note
     size = f"{total / GiB:.0f} GiB"
@@ -98,16 +115,22 @@ def run(ctx):
               "torch_memory_saver retain_cpu_backup", retain_note, h2d, "pinned H2D",
               note=" ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in wr.items()))
 
-    for label, n in (("d8", 8), ("dmany", small), ("dmany_coalesced", small)):
-        for op in ("pause", "resume"):
-            key = f"{label}_{op}"
-            a = tms.get(f"{label.removesuffix('_coalesced')}_{op}")  # the anchor: TMS, same allocations
-            how = ", coalesced resume (opt-in)" if label.endswith("_coalesced") else ""
-            yield Row("memory", f"{op}, discard, {size} in {n} allocations{how}", "ms",
-                      ours[key] * 1e3 if ours.get(key) else None, higher_is_better=False,
-                      anchor=a * 1e3 if a else None, anchor_name="torch_memory_saver",
-                      anchor_note="" if a else (tms_note or "n/a"), params={"bytes": total, "allocations": n},
-                      note=_discard_note(ours, label, op, n))
+    for n in counts:
+        for off in (False, True):
+            label = f"d{n}_off" if off else f"d{n}"
+            how = ", EBBTIDE_MEM_COALESCE=0" if off else ""
+            for op in ("pause", "resume"):
+                t = ours.get(f"{label}_{op}")
+                a = tms.get(f"d{n}_{op}")  # the anchor: TMS, same tensors
+                ph = (ours.get(f"{label}_phases") or {}).get(op) or {}
+                note = f"{t / n * 1e6:.1f} us per allocation; " if t else ""
+                yield Row("memory", f"{op}, discard, {size} in {n} allocations{how}", "ms",
+                          t * 1e3 if t else None, higher_is_better=False,
+                          anchor=a * 1e3 if a else None, anchor_name="torch_memory_saver",
+                          anchor_note="" if a else (tms_note or "n/a"),
+                          params={"bytes": total, "allocations": n,
+                                  "coalescing": (not off) and bool(ours.get("coalescing_default"))},
+                          note=note + breakdown(op, t or 0.0, ph))
 
     seq, ovl = ours.get("switch_sequential"), ours.get("switch_overlapped")
     if seq and ovl:
