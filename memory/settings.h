@@ -18,7 +18,7 @@ namespace ebbtide::memory {
 // The member initializers are the defaults (the declarations in settings.cc take them from here).
 struct Settings {
   size_t margin_bytes = 0;                         // EBBTIDE_MEM_MARGIN_BYTES (0: no check)
-  bool coalesce = false;                           // EBBTIDE_MEM_COALESCE
+  bool coalesce = true;                            // EBBTIDE_MEM_COALESCE (0: one mapping per allocation)
   size_t coalesce_max_bytes = size_t(4) << 30;     // EBBTIDE_MEM_COALESCE_MAX_BYTES
   size_t chunk_bytes = size_t(64) << 20;           // EBBTIDE_MEM_CHUNK_BYTES
   size_t unmap_run_bytes = size_t(256) << 20;      // EBBTIDE_MEM_UNMAP_RUN_BYTES

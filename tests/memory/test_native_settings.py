@@ -111,7 +111,7 @@ def test_empty_value_means_default():
         N = _native.load().memory
         print(N.memory_margin(), N.coalescing())
     """, env=fake_env(EBBTIDE_MEM_MARGIN_BYTES="", EBBTIDE_MEM_COALESCE="  "))
-    assert p.stdout.split() == ["0", "False"]
+    assert p.stdout.split() == ["0", "True"]  # the defaults: no margin, coalescing on
 
 
 def test_setting_values_are_logged_at_info():
