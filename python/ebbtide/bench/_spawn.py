@@ -4,7 +4,9 @@ import path: ``ebbtide.comm`` never imports it.
 
 Contract (fail fast, never hang silently):
 - Rendezvous: the launcher serves the ranks' TCPStore itself (``ebbtide.comm.serve_store``), listening on
-  ``store_bind`` (loopback unless the caller names another address); each rank joins it with :func:`join_store`.
+  ``store_bind`` (loopback unless the caller names another address); each rank joins it with :func:`join_store`
+  or with ``init_process_group(init_method=init)``: ranks run with ``TORCHELASTIC_USE_AGENT_STORE=True``, torch's
+  switch for a store hosted by a launcher (torchrun's agent), so no rank tries to serve it.
   A port chosen by the launcher is held from the start, so no other process can take it in between.
 - Each rank logs to ``<logdir>/<run>/rank<r>.log``, line-buffered and flushed: its progress lines
   (:func:`progress`), the ``ebbtide.comm`` logger at DEBUG (every release/reload step), its traceback on failure,
@@ -115,6 +117,8 @@ def _entry(rank: int, world: int, init: str, rundir: str, module: str, fn: str, 
     _T0 = time.monotonic()
     sys.path[:0] = path
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # The launcher serves the store: init_method="tcp://..." then makes every rank a client (rank 0 included).
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     native = os.open(os.path.join(rundir, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(native, 1)  # native code writes to the fds, not to sys.stdout/sys.stderr
     os.dup2(native, 2)
