@@ -79,6 +79,9 @@ def build(size: str, *, dist_opt: bool, seed: int = 1234):
                             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
     gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
                    position_embedding_type="rope")
+    # Megatron's get_model moves each chunk to the GPU before wrapping it: some modules of the local spec (norms)
+    # are built on the CPU, and plain DDP (no distributed optimizer) leaves params where they are.
+    gpt.cuda(torch.cuda.current_device())
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
                                             use_distributed_optimizer=dist_opt)
     return DistributedDataParallel(cfg, ddp_cfg, Float16Module(cfg, gpt))
