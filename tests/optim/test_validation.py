@@ -173,3 +173,11 @@ def test_offloaded_rejects_duplicates_bad_groups_and_bad_state():
     with pytest.raises(E, match="betas"):
         opt.load_state_dict(sd)
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+@pytest.mark.parametrize("cls", [CPUAdam, OffloadedAdam])
+@pytest.mark.parametrize("params,match", [([], "empty parameter list"), (iter(()), "empty parameter list"),
+                                          (torch.zeros(2), "not a tensor"), (3, "iterable")])
+def test_constructor_refuses_empty_or_non_iterable_params_with_a_typed_error(cls, params, match):
+    with pytest.raises(E, match=match):
+        cls(params)

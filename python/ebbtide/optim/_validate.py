@@ -70,6 +70,18 @@ def _non_negative(value, where: str, *, tensor_ok: bool) -> None:
         raise InvalidArgumentError(f"{where} must be finite and >= 0 (got {_shown(value)})")
 
 
+def param_list(params, owner: str) -> list:
+    """The constructor's ``params`` as a non-empty list (of tensors or of param group dicts)."""
+    if isinstance(params, torch.Tensor):
+        raise InvalidArgumentError("params must be an iterable of tensors or of param group dicts, not a tensor")
+    if not isinstance(params, Iterable):
+        raise InvalidArgumentError(f"params must be an iterable of tensors or of param group dicts, got {_shown(params)}")
+    params = list(params)
+    if not params:
+        raise InvalidArgumentError(f"{owner} got an empty parameter list")
+    return params
+
+
 def check_group(group: Mapping, where: str = "optimizer") -> None:
     """Check one param group's (or the constructor's) hyper-parameters; keys a group lacks are not checked."""
     if "lr" in group:

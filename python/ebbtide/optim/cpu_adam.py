@@ -31,7 +31,7 @@ import torch
 from .. import _native
 from ..errors import InvalidArgumentError
 from ._validate import (MODES, STATE_TENSORS, check_distinct, check_grad_scale, check_group, check_groups,
-                        check_state_dict, scalar_value)
+                        check_state_dict, param_list, scalar_value)
 
 __all__ = ["CPUAdam", "available_isas", "torch_sqrt_flavor", "probe_torch_sqrt_flavor"]
 
@@ -161,11 +161,7 @@ class CPUAdam(torch.optim.Optimizer):
         _check_threads_isa(threads, isa)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
-        if isinstance(params, torch.Tensor):
-            raise InvalidArgumentError("params must be an iterable of tensors or of param group dicts, not a tensor")
-        params = list(params)
-        if not params:
-            raise InvalidArgumentError("CPUAdam got an empty parameter list")
+        params = param_list(params, "CPUAdam")
         self._threads = threads
         self._isa = isa or ""
         self._engine = None

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError, StateError
-from ._validate import check_distinct, check_grad_scale, check_group, check_groups, check_state_dict
+from ._validate import check_distinct, check_grad_scale, check_group, check_groups, check_state_dict, param_list
 from .cpu_adam import _check_hyper, _check_threads_isa, make_hyper, shared_engine
 
 __all__ = ["OffloadedAdam"]
@@ -139,7 +139,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             raise InvalidArgumentError("overlap_with_backward needs attach_grads=True (it is driven by .grad hooks)")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
-        super().__init__(params, defaults)
+        super().__init__(param_list(params, "OffloadedAdam"), defaults)
         self.overlap_with_backward = bool(overlap_with_backward)
         self.attach_grads = bool(attach_grads)
         self._engine = shared_engine(threads, isa)
