@@ -286,6 +286,9 @@ def cmd_bench(spec: dict) -> dict:
     steps, warmup = spec.get("steps", 5), spec.get("warmup", 2)
     tms = None
     if variant in ("hdo_tms", "gpu_tms"):
+        # Importing Megatron's GPT model imports its inference context, which sets torch_memory_saver.hook_mode; TMS
+        # refuses that once initialised (the retain_cpu_backup setter below initialises it): import Megatron first.
+        import megatron.core.models.gpt  # noqa: F401, PLC0415
         from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
 
         tms.hook_mode = "torch"
