@@ -222,3 +222,13 @@ def test_native_launchers_validate_before_launching():
     table[0] = [16, 16, 16, 4, 4, 4, 5, 0]  # wrong tile prefix
     with pytest.raises(InvalidArgumentError, match="prefix"):
         C.quant.fp8_block_quant_list(host_entries=table.ctypes.data, device_entries=16, count=1, eps=1e-4, stream=0)
+
+
+def test_reference_bad_arguments_are_typed_errors():
+    from ebbtide import InvalidArgumentError
+    from ebbtide.quant import reference as ref
+    w = torch.zeros(128, 128, dtype=torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match="scale must be"):
+        ref.fp8_block_quant(w, 128, "fp16")
+    with pytest.raises(InvalidArgumentError, match="group must be"):
+        ref.int4_fake_quant(w, group=48)

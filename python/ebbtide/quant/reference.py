@@ -35,6 +35,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import InvalidArgumentError
+
 __all__ = [
     "C448_BITS", "INV7_BITS", "INV7_5_BITS", "E4M3_MAX", "F32_NAN_BITS", "BF16_NAN_BITS",
     "bf16_bits", "bf16_from_bits", "bf16_to_f32", "f32_to_bf16_bits", "f32_const", "eps_f32",
@@ -177,7 +179,7 @@ def fp8_quantize_values(x_f32: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 def _scale_kind(scale: str) -> tuple[bool, bool]:
     if scale not in ("fp32", "ue8m0", "ue8m0_packed"):
-        raise ValueError(f"scale must be 'fp32', 'ue8m0' or 'ue8m0_packed', not {scale!r}")
+        raise InvalidArgumentError(f"scale must be 'fp32', 'ue8m0' or 'ue8m0_packed', not {scale!r}")
     return scale != "fp32", scale == "ue8m0_packed"
 
 
@@ -191,7 +193,7 @@ def fp8_block_quant(w: torch.Tensor, block: int = 128, scale: str = "fp32", eps:
     ragged edges are clipped blocks (padding never counts)."""
     ue8m0, packed = _scale_kind(scale)
     if w.dim() not in (2, 3):
-        raise ValueError(f"expected [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+        raise InvalidArgumentError(f"expected [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     bits = bf16_bits(w)
     squeeze = bits.ndim == 2
     if squeeze:
@@ -240,14 +242,14 @@ def fp8_group_quant(x: torch.Tensor, group: int = 128, scale_layout: str = "row"
     """Per-token-group quant of a bf16 [M, K] tensor (K % group == 0). Returns (q, scale)."""
     ue8m0, packed = _scale_kind(scale)
     if scale_layout not in ("row", "mn_major"):
-        raise ValueError(f"scale_layout must be 'row' or 'mn_major', not {scale_layout!r}")
+        raise InvalidArgumentError(f"scale_layout must be 'row' or 'mn_major', not {scale_layout!r}")
     if x.dim() != 2:
-        raise ValueError(f"expected [M, K], got shape {tuple(x.shape)}")
+        raise InvalidArgumentError(f"expected [M, K], got shape {tuple(x.shape)}")
     M, K = x.shape
     if K % group != 0:
-        raise ValueError(f"K={K} is not a multiple of the group size {group}")
+        raise InvalidArgumentError(f"K={K} is not a multiple of the group size {group}")
     if packed and scale_layout != "mn_major":
-        raise ValueError("packed UE8M0 scales are MN-major by definition: use scale_layout='mn_major'")
+        raise InvalidArgumentError("packed UE8M0 scales are MN-major by definition: use scale_layout='mn_major'")
     G = K // group
     bits = bf16_bits(x)
     amax = (bits & 0x7FFF).reshape(M, G, group).max(axis=2)
@@ -284,7 +286,7 @@ def ue8m0_pack(s: torch.Tensor) -> torch.Tensor:
     u = sn.view(np.uint32)
     nan = np.isnan(sn)
     if np.any(((u & 0x807FFFFF) != 0) & ~nan) or np.any(((u >> 23) == 0) & ~nan):
-        raise ValueError("ue8m0_pack: every scale must be a positive normal power of two (use scale='ue8m0')")
+        raise InvalidArgumentError("ue8m0_pack: every scale must be a positive normal power of two (use scale='ue8m0')")
     byte = np.where(nan, 0xFF, (u >> 23) & 0xFF).astype(np.uint32)
     *lead, MN, G = sn.shape
     W = -(-G // 4)
@@ -314,7 +316,7 @@ def divisor_inverse_bits(divisor: float) -> int:
         return INV7_BITS
     if divisor == 7.5:
         return INV7_5_BITS
-    raise ValueError(f"divisor must be 7 (q in [-7, 7]) or 7.5 (q in [-8, 7]), not {divisor!r}")
+    raise InvalidArgumentError(f"divisor must be 7 (q in [-7, 7]) or 7.5 (q in [-8, 7]), not {divisor!r}")
 
 
 def int4_qrange(divisor: float) -> tuple[int, int]:
@@ -324,11 +326,11 @@ def int4_qrange(divisor: float) -> tuple[int, int]:
 
 def _check_int4(w: torch.Tensor, group: int):
     if group not in (32, 64, 128):
-        raise ValueError(f"group must be 32, 64 or 128, not {group!r}")
+        raise InvalidArgumentError(f"group must be 32, 64 or 128, not {group!r}")
     if w.dim() != 2:
-        raise ValueError(f"expected [N, K], got shape {tuple(w.shape)}")
+        raise InvalidArgumentError(f"expected [N, K], got shape {tuple(w.shape)}")
     if w.shape[1] % group != 0:
-        raise ValueError(f"K={w.shape[1]} is not a multiple of the group size {group}")
+        raise InvalidArgumentError(f"K={w.shape[1]} is not a multiple of the group size {group}")
 
 
 def int4_scale(amax_bits: np.ndarray, divisor: float, eps: float) -> np.ndarray:
