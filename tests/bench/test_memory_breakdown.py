@@ -1,6 +1,8 @@
 """The memory suite's per-row breakdown (where a discard pause/resume spent its time) from an engine report."""
 from __future__ import annotations
 
+import pytest
+
 from ebbtide.bench.suites.memory import breakdown
 
 
@@ -27,3 +29,11 @@ def test_resume_breakdown_splits_the_map_phase():
 def test_missing_report_gives_no_breakdown():
     assert breakdown("pause", 0.001, {}) == ""
     assert breakdown("resume", 0.001, {"total_s": None}) == ""
+
+
+def test_the_breakdown_comes_from_the_median_cycle_not_the_last():
+    pytest.importorskip("torch")
+    from ebbtide.bench.suites._memory_worker import median_index
+    assert median_index([5.0, 62.0, 2.0]) == 0      # the last cycle (2.0) is not the one the row reports
+    assert median_index([3.0, 1.0, 2.0, 9.0, 4.0]) == 0
+    assert median_index([1.0]) == 0

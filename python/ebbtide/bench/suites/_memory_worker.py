@@ -17,7 +17,9 @@ import time
 
 import torch
 
-WARM = 3  # warm cycles (median)
+WARM = 3  # warm cycles of the CPU-backed rows (median)
+DISCARD_CYCLES = 7  # discard cycles are milliseconds: more of them, so a driver spike neither sets the median
+#                    nor hides (each row also reports its slowest cycle)
 
 
 def _tensors(region, n: int, total: int):
@@ -44,18 +46,33 @@ def _cycles(pause, resume, n: int) -> tuple[list, list]:
     return ps, rs
 
 
+def median_index(xs: list) -> int:
+    """Index of the median element of an odd-length list (the cycle whose time the row reports)."""
+    order = sorted(range(len(xs)), key=xs.__getitem__)
+    return order[len(xs) // 2]
+
+
 def _discard(out: dict, region_fn, pause, resume, total: int, labels, phases=None) -> list:
-    """Discard pause/resume of `total` bytes in n equal tensors, per (label, n): median of WARM cycles after a
-    warm-up cycle; each tag is left paused so its GPU memory is free for what follows."""
+    """Discard pause/resume of `total` bytes in n equal tensors, per (label, n): median and slowest of
+    DISCARD_CYCLES cycles after a warm-up cycle, and (``phases``) the engine's breakdown of the median cycle itself;
+    each tag is left paused so its GPU memory is free for what follows."""
     keep = []
     for label, n in labels:
         keep.append(_tensors(region_fn(label, False), n, total))
         pause(label)
         resume(label)  # warm-up (first map of fresh pools, streams)
-        ps, rs = _cycles(lambda: pause(label), lambda: resume(label), WARM)
-        out[f"{label}_pause"], out[f"{label}_resume"] = statistics.median(ps), statistics.median(rs)
-        if phases:
-            out[f"{label}_phases"] = phases(label)  # the last cycle's engine-side breakdown
+        times = {"pause": [], "resume": []}
+        reports = {"pause": [], "resume": []}
+        for _ in range(DISCARD_CYCLES):
+            for op, fn in (("pause", pause), ("resume", resume)):
+                times[op].append(_t(lambda: fn(label)))
+                if phases:
+                    reports[op].append(phases(label)[op])
+        for op, ts in times.items():
+            i = median_index(ts)
+            out[f"{label}_{op}"], out[f"{label}_{op}_max"] = ts[i], max(ts)
+            if phases:
+                out.setdefault(f"{label}_phases", {})[op] = reports[op][i]
         pause(label)
     return keep
 

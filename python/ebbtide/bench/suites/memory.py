@@ -44,7 +44,7 @@ def _ms(x: float) -> str:
 
 
 def breakdown(op: str, wall: float, ph: dict) -> str:
-    """Where one discard pause or resume spent its time (ms), from the engine's report of the last cycle: driver
+    """Where one discard pause or resume spent its time (ms), from the engine's report of the median cycle: driver
     calls (with the cost per mapping), the drain, cuMemGetInfo, the engine's own bookkeeping (its total minus the
     named phases, plus the selection under the lock) and what lies outside the engine (Python and hooks: the
     wall-clock median minus the engine's time)."""
@@ -124,6 +124,10 @@ def run(ctx):
                 a = tms.get(f"d{n}_{op}")  # the anchor: TMS, same tensors
                 ph = (ours.get(f"{label}_phases") or {}).get(op) or {}
                 note = f"{t / n * 1e6:.1f} us per allocation; " if t else ""
+                worst, a_worst = ours.get(f"{label}_{op}_max"), tms.get(f"d{n}_{op}_max")
+                if worst:
+                    note += f"slowest cycle {_ms(worst)} ms"
+                    note += f" (torch_memory_saver {_ms(a_worst)} ms); " if a_worst else "; "
                 yield Row("memory", f"{op}, discard, {size} in {n} allocations{how}", "ms",
                           t * 1e3 if t else None, higher_is_better=False,
                           anchor=a * 1e3 if a else None, anchor_name="torch_memory_saver",
