@@ -1,5 +1,5 @@
 """CPU dispatch: the automatic level is the widest the CPU supports unless a rule of the table in
-csrc/cpu_features.cc caps it (AMD Zen 4/5: AVX2, where the AVX-512 Adam kernel measured slower); the reason is
+csrc/cpu_features.cc caps it (AMD Zen 4: AVX2, where the AVX-512 Adam kernel measured slower); the reason is
 reported; EBBTIDE_CPU_ISA selects any supported level, above a rule's cap too. The expectation is derived here
 from /proc/cpuinfo, independently of the native code."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ C = _native.load()
 
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-RULES = {("AuthenticAMD", 0x19): "avx2", ("AuthenticAMD", 0x1A): "avx2"}
+RULES = {("AuthenticAMD", 0x19): "avx2"}
 ORDER = ["avx512_bf16", "avx512", "avx2", "scalar"]
 
 
