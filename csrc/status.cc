@@ -43,25 +43,27 @@ void ebt_clear_error(void) { g_last_error[0] = '\0'; }
 
 // Formatted into a local buffer first: callers may pass ebt_last_error() itself as an argument
 // (ebt_set_error(st, "%s", ebt_last_error()) re-types an error), and vsnprintf must not write into its own input.
-ebt_status_t ebt_set_error(ebt_status_t status, const char* fmt, ...) {
+static void set_message(const char* fmt, va_list ap) {
   char buf[sizeof(g_last_error)];
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  memcpy(g_last_error, buf, sizeof(buf));
+}
+
+ebt_status_t ebt_set_error(ebt_status_t status, const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
+  set_message(fmt, ap);
   va_end(ap);
-  memcpy(g_last_error, buf, sizeof(buf));
   EBT_INFO(EBT_SUBSYS_ALL, "error %d (%s): %s", static_cast<int>(status), ebt_status_string(status),
            g_last_error);
   return status;
 }
 
 ebt_status_t ebt_set_error_quiet(ebt_status_t status, const char* fmt, ...) {
-  char buf[sizeof(g_last_error)];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
+  set_message(fmt, ap);
   va_end(ap);
-  memcpy(g_last_error, buf, sizeof(buf));
   return status;
 }
 

@@ -17,6 +17,7 @@
 #include "csrc/driver.h"
 #include "memory/ebbtide_memory.h"
 #include "memory/host_arena.h"
+#include "memory/settings.h"
 #include "memory/va_space.h"
 
 namespace ebbtide::memory {
@@ -203,9 +204,10 @@ class Engine {
   std::map<std::string, std::unique_ptr<Tag>> tags_;  // every tag ever named; never erased until reset
   unsigned long long allocs_total_ = 0, frees_total_ = 0;
   std::atomic<size_t> margin_{0};  // bytes an allocation or resume must leave free (0: no check)
-  // Resume coalesces VA-contiguous runs into one mapping each. THE DEFAULT: on (EBBTIDE_MEM_COALESCE=0 at load,
-  // or ebt_mem_set_coalescing(0), turns it off; memory/NOTES.md "Coalesced mappings" says why it is safe on).
-  std::atomic<bool> coalesce_{true};
+  // Resume coalesces VA-contiguous runs into one mapping each. The default is Settings::coalesce (on;
+  // EBBTIDE_MEM_COALESCE=0 at load, or ebt_mem_set_coalescing(0), turns it off; memory/NOTES.md "Coalesced
+  // mappings" says why it is safe on).
+  std::atomic<bool> coalesce_{Settings{}.coalesce};
   size_t pending_free_ = 0;  // aligned bytes of zombies (freed, still mapped in coalesced mappings); mu_
   // An OOM status gets a hint when zombies hold memory (nothing else can give it back before their tag's pause).
   ebt_status_t oom_hint(ebt_status_t st);

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from .._messages import shown
 from ..errors import InvalidArgumentError
 
 __all__ = ["MODES", "STATE_TENSORS", "check_group", "check_groups", "check_distinct", "check_grad_scale",
@@ -36,14 +37,7 @@ _FLAGS = ("amsgrad", "maximize", "decoupled_weight_decay")
 
 
 def _shown(value) -> str:
-    """The value as the user passed it, with its type where the repr alone could mislead ('0.1' vs 0.1)."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return text if isinstance(value, (int, float)) and not isinstance(value, bool) else \
-        f"{text} ({type(value).__name__})"
+    return shown(value, bare_numbers=True)
 
 
 def _is_real(value) -> bool:

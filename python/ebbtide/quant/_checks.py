@@ -19,21 +19,12 @@ from collections.abc import Mapping
 
 import torch
 
+from .._messages import shown
 from ..errors import InvalidArgumentError
 
 __all__ = ["tensor", "eps", "scale", "choice", "int_choice", "flag", "mapping", "int4_unpack_args"]
 
 SCALES = ("fp32", "ue8m0", "ue8m0_packed")
-
-
-def shown(value) -> str:
-    """The value as the user passed it; its type where the repr alone could mislead (128.0, '7', True)."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
 
 
 def _listed(allowed: tuple) -> str:
