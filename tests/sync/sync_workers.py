@@ -13,24 +13,23 @@ def digests(named: dict) -> dict:
 
 
 class _DyingConn:
-    """A connection that kills its process after ``n`` bucket messages (a receiver dying mid-update)."""
+    """A connection that kills its process when a ``kind`` message arrives (a receiver dying mid-update: the
+    sender has written the staging and asks for the commit)."""
 
-    def __init__(self, conn, n: int):
-        self.conn, self.n = conn, n
+    def __init__(self, conn, kind: str):
+        self.conn, self.kind = conn, kind
 
     def recv(self):
         msg = self.conn.recv()
-        if msg[0] == "bucket":
-            self.n -= 1
-            if self.n < 0:
-                os._exit(3)
+        if msg[0] == self.kind:
+            os._exit(3)
         return msg
 
     def __getattr__(self, name):
         return getattr(self.conn, name)
 
 
-def ipc_receiver(conn, results, plan_kw: dict, expect: list, die_after_buckets: int | None = None) -> None:
+def ipc_receiver(conn, results, plan_kw: dict, expect: list, die_on: str | None = None) -> None:
     """Receive ``len(expect)`` updates over CUDA IPC (``expect[i]``: the version required, or None); after each,
     send ("ok", version, digests) or ("error", type name, message, digests of what is held)."""
     from ebbtide.sync import IpcReceiver, Plan, Receiver
@@ -40,7 +39,7 @@ def ipc_receiver(conn, results, plan_kw: dict, expect: list, die_after_buckets: 
     src = checkpoint(0, "cuda")
     params = {n: torch.zeros_like(t) for n, t in src.items()}
     receiver = Receiver(params, Plan.of(src, **plan_kw))
-    c = conn if die_after_buckets is None else _DyingConn(conn, die_after_buckets)
+    c = conn if die_on is None else _DyingConn(conn, die_on)
     rx = IpcReceiver(c, timeout=120)
     for want in expect:
         try:

@@ -45,11 +45,11 @@ def test_host_path_on_gpu_equals_the_cpu_reference_over_20_updates(scale):
         buf.close()
 
 
-def _ipc(expect, versions, die_after_buckets=None):
+def _ipc(expect, versions, die_on=None):
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     res_r, res_w = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=sync_workers.ipc_receiver, args=(b, res_w, PLAN_KW, expect, die_after_buckets))
+    p = ctx.Process(target=sync_workers.ipc_receiver, args=(b, res_w, PLAN_KW, expect, die_on))
     p.start()
     src = checkpoint(0, "cuda")
     plan = Plan.of(src, **PLAN_KW)
@@ -96,9 +96,39 @@ def test_ipc_version_mismatch_is_refused_on_both_sides_and_keeps_the_last_versio
 
 
 def test_ipc_receiver_dying_mid_update_raises_on_the_sender():
-    out, code, _ = _ipc([None], [1], die_after_buckets=1)
+    out, code, _ = _ipc([None], [1], die_on="commit")
     assert out[0][0] == "sender" and out[0][1] == "PartialUpdateError", out
     assert code == 3
+
+
+def test_ipc_sender_dying_mid_update_keeps_the_last_version():
+    """The sender writes part of version 2 into the receiver's staging and goes away: the receiver raises and its
+    parameters still hold version 1, bit for bit."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    res_r, res_w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=sync_workers.ipc_receiver, args=(b, res_w, PLAN_KW, [None, None], None))
+    p.start()
+    try:
+        src = checkpoint(0, "cuda")
+        plan = Plan.of(src, **PLAN_KW)
+        sender = Sender(src, IpcSender(a, timeout=120), plan=plan)
+        _step(src, 1)
+        want1 = _cpu_digests(plan, src)
+        sender.push(1)
+        assert res_r.recv()[:2] == ("ok", 1)
+        t = sender.transport
+        t.begin(2, plan, src[next(iter(src))].device)
+        t.buffer(plan.buckets[0], torch.cuda.current_stream()).fill_(0x7F)  # half an update in the staging
+        torch.cuda.synchronize()
+        a.close()
+        got = res_r.recv()
+        assert got[:2] == ("error", "PartialUpdateError"), got[:3]
+        assert got[3] == want1
+    finally:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
 
 
 @pytest.mark.multigpu

@@ -12,12 +12,15 @@ Policies:
   self-describing: the receiver refuses another plan, an incomplete update, an unexpected or stale version, and an
   update that was overwritten while it was read. On the CPU the sender quantizes straight into the buffer.
 - CUDA IPC (``IpcSender`` / ``IpcReceiver``, two processes, one GPU, a ``multiprocessing`` connection for control):
-  two producer buffers and their "ready" events are shared once (torch's CUDA IPC handles) and re-shared only when
-  the plan needs bigger buffers (a new generation; a message naming an old generation is refused). Per bucket the
-  sender records "ready" on its stream and sends (generation, bucket, slot); the receiver's stream waits for it,
-  copies the bucket into its staging (device to device, no host copy), records its own "consumed" event and
-  answers. A slot is written again only after that answer and a device-side wait on "consumed": the receiver's
-  copy, not its reply, frees the buffer.
+  the receiver shares its staging buffer once (torch's CUDA IPC handle, in its reply to the first "begin", and
+  again only when its staging changes: a new generation) and the sender quantizes every bucket straight into it, at
+  the bucket's offset: the bytes cross HBM once on the way in (no producer buffer, no device-to-device copy), then
+  the receiver's apply moves them into the parameters. One round trip per update, none per bucket: "begin" (plan
+  signature and version checked before any byte is written), then "commit" after the sender recorded its "ready"
+  event (interprocess, sent with every "begin") behind the last bucket; the receiver's stream waits for it, applies, and answers
+  once the apply completed on the device. The sender writes the staging again only in the next update, after that
+  answer, so it never overwrites bytes the receiver is still reading. A sender that goes away mid-update leaves
+  only the staging half written: the parameters keep the last complete version.
 """
 from __future__ import annotations
 
@@ -208,15 +211,11 @@ class IpcSender:
     """Sending end of the CUDA IPC transport (see the module policies). ``conn`` is a
     ``multiprocessing.connection.Connection`` to the process that runs ``IpcReceiver.receive``."""
 
-    def __init__(self, conn, *, slots: int = 2, timeout: float = 600.0):
+    def __init__(self, conn, *, timeout: float = 600.0):
         import torch.multiprocessing  # noqa: F401,PLC0415  (registers torch's CUDA IPC reductions)
 
-        if slots < 1:
-            raise InvalidArgumentError(f"slots must be >= 1, got {slots}")
-        self.conn, self.nslots, self.timeout = conn, slots, timeout
-        self.gen, self._bufs = 0, []
-        self._pending: dict = {}  # slot -> bucket index awaiting the receiver's answer
-        self._used: set = set()  # slots whose "consumed" event the next writer must wait for
+        self.conn, self.timeout = conn, timeout
+        self.gen, self._staging, self._ready, self._offsets = None, None, None, None
 
     def _send(self, msg) -> None:
         try:
@@ -226,9 +225,6 @@ class IpcSender:
 
     def _call(self, msg, want: str):
         self._send(msg)
-        return self._expect(want)
-
-    def _expect(self, want: str):
         reply = _recv(self.conn, self.timeout, "receiver")
         if reply[0] == "error":
             raise StateError(f"the receiver refused the update: {reply[1]}")
@@ -240,49 +236,39 @@ class IpcSender:
         device = torch.device(device)
         if device.type != "cuda":
             raise InvalidArgumentError("the CUDA IPC transport needs tensors on a CUDA device")
-        self.plan, self.version = plan, version
-        if not self._bufs or self._bufs[0].numel() < plan.max_bucket_bytes or self._bufs[0].device != device:
-            self.gen += 1
-            self._bufs = [torch.empty(plan.max_bucket_bytes, dtype=torch.uint8, device=device)
-                          for _ in range(self.nslots)]
-            self._ready = [torch.cuda.Event(interprocess=True) for _ in range(self.nslots)]
-            self._consumed = self._call(("open", self.gen, self._bufs, self._ready), "opened")[1]
-            self._used = set()
-        self._call(("begin", version, plan.signature, len(plan.buckets)), "begun")
-
-    def _settle(self, slot: int) -> None:
-        if slot in self._pending:
-            k = self._pending.pop(slot)
-            reply = self._expect("ack")
-            if reply[1] != k:
-                raise StateError(f"protocol error: the receiver answered bucket {reply[1]}, expected {k}")
+        self.plan, self.version, self._filled = plan, version, 0
+        if self._ready is None:
+            self._ready = torch.cuda.Event(interprocess=True)
+        # the event travels with every "begin" (a receiver that restarted needs it too); one per update, not bucket
+        _, gen, staging = self._call(("begin", version, plan.signature, len(plan.buckets), self._ready, self.gen),
+                                     "begun")
+        if staging is not None:  # first update, or the receiver's staging changed: the old mapping is dropped
+            self.gen, self._staging = gen, staging
+        if self._staging is None or self._staging.device != device or self._staging.numel() < plan.nbytes:
+            raise StateError(f"the receiver's staging buffer ({None if self._staging is None else self._staging.numel()}"
+                             f" bytes on {None if self._staging is None else self._staging.device}) cannot hold "
+                             f"the update ({plan.nbytes} bytes on {device})")
+        self._offsets = plan.bucket_offsets()
 
     def buffer(self, bucket, stream):
-        slot = bucket.index % self.nslots
-        self._settle(slot)
-        if slot in self._used:
-            stream.wait_event(self._consumed[slot])  # the receiver's copy out of it has completed
-        return self._bufs[slot]
+        o = self._offsets[bucket.index]
+        return self._staging[o:o + bucket.nbytes]  # the receiver's own staging: quantized in place, no copy
 
     def send(self, bucket, buf, stream) -> None:
-        slot = bucket.index % self.nslots
-        self._ready[slot].record(stream)
-        self._send(("bucket", self.gen, self.version, bucket.index, slot))
-        self._pending[slot] = bucket.index
-        self._used.add(slot)
+        self._filled += 1
+        self._stream = stream
 
     def commit(self, version) -> None:
-        for slot in sorted(self._pending, key=self._pending.get):
-            self._settle(slot)
-        self._call(("commit", version), "committed")
+        self._ready.record(self._stream)  # every bucket is written once this completes on the device
+        self._call(("commit", version, self._filled), "committed")
 
     def close(self) -> None:
-        if self._bufs:
+        if self._staging is not None:
             try:
                 self._call(("close", self.gen), "closed")
             except StateError:  # PartialUpdateError included: the receiver is gone already
                 pass
-        self._bufs = []
+        self._staging = None
 
 
 class IpcReceiver:
@@ -293,7 +279,7 @@ class IpcReceiver:
         import torch.multiprocessing  # noqa: F401,PLC0415
 
         self.conn, self.timeout = conn, timeout
-        self.gen, self._bufs, self._ready, self._consumed = None, [], [], []
+        self.gen, self._shared, self._ready = 0, None, None
 
     def _fail(self, err: Exception):
         try:
@@ -303,20 +289,16 @@ class IpcReceiver:
         raise err
 
     def receive(self, receiver, version: int | None = None) -> int | None:
-        pending, got = None, set()
+        pending = None
         while True:
             msg = _recv(self.conn, self.timeout, "sender")
             kind = msg[0]
-            if kind == "open":
-                _, self.gen, self._bufs, self._ready = msg
-                self._consumed = [torch.cuda.Event(interprocess=True) for _ in self._bufs]
-                self.conn.send(("opened", self._consumed))
-            elif kind == "close":
-                self.gen, self._bufs, self._ready = None, [], []
+            if kind == "close":
+                self._shared, self._ready = None, None
                 self.conn.send(("closed",))
                 return None
-            elif kind == "begin":
-                _, v, sig, n = msg
+            if kind == "begin":
+                _, v, sig, n, ready, sender_gen = msg
                 if sig != receiver.plan.signature or n != len(receiver.plan.buckets):
                     self._fail(PlanMismatchError("the sender's plan differs from the receiver's (names, shapes, "
                                                  "dtypes, kinds or bucketing)"))
@@ -324,28 +306,20 @@ class IpcReceiver:
                     receiver.check_next(v, version)
                 except WeightVersionError as e:
                     self._fail(e)
-                pending, got = v, set()
-                self.conn.send(("begun",))
-            elif kind == "bucket":
-                _, gen, v, k, slot = msg
-                if gen != self.gen:
-                    self._fail(PartialUpdateError(f"bucket {k} names IPC buffers of generation {gen}; the held "
-                                                  f"ones are generation {self.gen} (the old ones were freed)"))
-                if v != pending:
-                    self._fail(WeightVersionError(f"bucket {k} of version {v} arrived during update {pending}"))
-                b = receiver.plan.buckets[k]
-                s = receiver.stream
-                s.wait_event(self._ready[slot])
-                with torch.cuda.stream(s):
-                    receiver.region(b).copy_(self._bufs[slot][:b.nbytes], non_blocking=True)
-                self._consumed[slot].record(s)
-                got.add(k)
-                self.conn.send(("ack", k))
+                self._ready = ready
+                share = None
+                if self._shared is not receiver.staging or sender_gen != self.gen:
+                    self.gen += 1  # a staging the sender has not mapped yet (first update, or a new receiver)
+                    self._shared = share = receiver.staging
+                pending = v
+                self.conn.send(("begun", self.gen, share))
             elif kind == "commit":
-                v = msg[1]
-                if v != pending or len(got) != len(receiver.plan.buckets):
-                    self._fail(PartialUpdateError(f"commit of version {v} with {len(got)} of "
-                                                  f"{len(receiver.plan.buckets)} buckets staged (update {pending})"))
+                _, v, filled = msg
+                if v != pending or filled != len(receiver.plan.buckets):
+                    self._fail(PartialUpdateError(f"commit of version {v} with {filled} of "
+                                                  f"{len(receiver.plan.buckets)} buckets written (update {pending})"))
+                if receiver.stream is not None:
+                    receiver.stream.wait_event(self._ready)  # the sender's writes into staging are complete
                 receiver.apply(v)
                 self.conn.send(("committed", v))
                 return v

@@ -52,13 +52,16 @@ def median_index(xs: list) -> int:
     return order[len(xs) // 2]
 
 
-def _discard(out: dict, region_fn, pause, resume, total: int, labels, phases=None) -> list:
+def _discard(out: dict, region_fn, pause, resume, total: int, labels, phases=None, check=None) -> list:
     """Discard pause/resume of `total` bytes in n equal tensors, per (label, n): median and slowest of
     DISCARD_CYCLES cycles after a warm-up cycle, and (``phases``) the engine's breakdown of the median cycle itself;
-    each tag is left paused so its GPU memory is free for what follows."""
+    each tag is left paused so its GPU memory is free for what follows. ``check(label)`` runs once, untimed, before
+    the first pause."""
     keep = []
     for label, n in labels:
         keep.append(_tensors(region_fn(label, False), n, total))
+        if check:
+            check(label)
         pause(label)
         resume(label)  # warm-up (first map of fresh pools, streams)
         times = {"pause": [], "resume": []}
@@ -100,9 +103,8 @@ def ours(total: int, counts: list) -> dict:
     def region(tag, cpu):
         return em.region(tag, backup="cpu" if cpu else "none")
 
-    def pause(tag):
+    def captured(tag):
         _captured(em, tag, total)
-        return em.pause(tag)
 
     def phases(tag):
         row = [r for r in em.stats()["tags"] if r["tag"] == tag][0]
@@ -110,9 +112,9 @@ def ours(total: int, counts: list) -> dict:
                 "resume": {k: row["last_resume"].get(k) for k in RESUME_PHASES}}
 
     # Default settings first (coalesced resume on), then the per-allocation path (EBBTIDE_MEM_COALESCE=0's).
-    keep = _discard(out, region, pause, em.resume, total, [(f"d{n}", n) for n in counts], phases)
+    keep = _discard(out, region, em.pause, em.resume, total, [(f"d{n}", n) for n in counts], phases, captured)
     em.set_coalescing(False)
-    keep += _discard(out, region, pause, em.resume, total, [(f"d{n}_off", n) for n in counts], phases)
+    keep += _discard(out, region, em.pause, em.resume, total, [(f"d{n}_off", n) for n in counts], phases, captured)
     em.set_coalescing(out["coalescing_default"])
     # First cycle with the pause pinning its own host memory (background pinning off) ...
     em.set_background_pinning(False)

@@ -3,7 +3,7 @@ loop on today's tools (torch_memory_saver retain_cpu_backup, destroy + re-create
 on CPU with plain copies, the torch quant formula), each variant in fresh processes of the same run.
 
 Rows (1 GPU; with 2+ GPUs also the 2-GPU data-parallel loop): seconds per RL step (the headline), the weight
-sync (pack + load), the trainer's pause + resume, and the trainer's GPU memory during generation (NVML, above
+sync (pack + load), the trainer's pause + resume, the rollout's resume and pause, and the trainer's GPU memory during generation (NVML, above
 its CUDA context). --quick: the 0.12 B-param model, 5 steps; otherwise the example's default 0.39 B model, 10 steps.
 """
 from __future__ import annotations
@@ -43,6 +43,11 @@ def _rows(res: dict, gpus: int, params: dict):
               phase_sum(a_sum, "sync_pack", "sync_load"))
     yield row("trainer pause + resume", phase_sum(s, "trainer_pause", "trainer_resume"),
               phase_sum(a_sum, "trainer_pause", "trainer_resume"))
+    # the rollout's KV cache, decode graph and scratch: discarded at pause, mapped back at resume (many allocations)
+    for ph, label_ in (("rollout_resume", "rollout resume"), ("rollout_pause", "rollout pause")):
+        yield row(f"{label_} (KV cache, graph, scratch; discard)", phase_sum(s, ph), phase_sum(a_sum, ph),
+                  rnote=f"{note}; the anchor keeps its decode graph's pool resident (torch_memory_saver's torch "
+                        f"hook mode cannot pause it)")
     if gpus > 1:
         yield row("process groups release + reload", phase_sum(s, "comm_release", "comm_reload"),
                   phase_sum(a_sum, "comm_release", "comm_reload"))

@@ -8,8 +8,8 @@ tensor, as the HF checkpoint names them); quick runs use small versions. Every l
 weights and scales) in its own parameters.
 
 Paths, each timed in the same run:
-- ebbtide CUDA IPC: ``Sender`` + ``IpcSender`` -> ``IpcReceiver`` (one FP8 launch per bucket, two producer
-  buffers reused after the receiver's copy completes, bucket k+1 quantized while k is copied).
+- ebbtide CUDA IPC: ``Sender`` + ``IpcSender`` -> ``IpcReceiver`` (one FP8 launch per bucket, written straight
+  into the receiver's staging shared by CUDA IPC; one round trip per update; the receiver applies once).
 - slime-style (the anchor), as slime runs colocated: per tensor one FP8 launch (ebbtide's block kernel, the fastest
   per-tensor launch available here), a ``torch.cat`` flattening copy per bucket, the bucket's CUDA IPC handle
   pickled and sent as one flattened-bucket request, a wait for the reply, ``ipc_collect`` and ``empty_cache``
