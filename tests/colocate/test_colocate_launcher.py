@@ -128,7 +128,9 @@ def test_the_loop_runs_on_cpu(tmp_path, ranks):
     rows = list(_rows(res, ranks, {"out": str(tmp_path)}))
     assert rows[0].name.startswith("RL step") and rows[0].ours == pytest.approx(v["summary"]["step_s"])
     assert rows[0].anchor is None and rows[0].anchor_note == "n/a"
-    assert len(rows) == (5 if ranks == 2 else 4) and rows[-1].unit == "GB" and rows[-1].ours is None
+    assert len(rows) == (7 if ranks == 2 else 6) and rows[-1].unit == "GB" and rows[-1].ours is None
+    resume = [r for r in rows if r.name.startswith("rollout resume")]
+    assert len(resume) == 1 and resume[0].ours == pytest.approx(v["summary"]["phase_s"]["rollout_resume"])
 
 
 def test_the_loop_runs_on_cpu_with_the_static_decode(tmp_path):

@@ -39,6 +39,7 @@ __all__ = ["RunConfig", "parse_args", "run", "run_loop", "main", "QUICK_MODEL"]
 GiB = 1 << 30
 QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
 VARIANTS = ("ebbtide", "anchor")
+SCRATCH_BACKUPS = ("keep", "cpu", "none")
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
 
@@ -57,7 +58,7 @@ class RunConfig:
     lr: float = 1e-4
     seed: int = 0
     variants: tuple = VARIANTS
-    scratch_backup: str = "cpu"
+    scratch_backup: str = "keep"
     # "cuda-graph" (default): the per-token decode step replayed from a CUDA graph in both variants, as rollout
     # engines decode; "eager": one eager forward per token (launch bound: ~80% of the step at the default size)
     decode: str = "cuda-graph"
@@ -98,8 +99,8 @@ class RunConfig:
         if self.device == "cpu" and self.variants != ("ebbtide",):
             raise InvalidArgumentError("device 'cpu' (the orchestration check) runs the ebbtide variant only: "
                                        "pass --variants ebbtide")
-        if self.scratch_backup not in ("cpu", "none"):
-            raise InvalidArgumentError(f"scratch_backup must be 'cpu' or 'none', got {self.scratch_backup!r}")
+        if self.scratch_backup not in SCRATCH_BACKUPS:
+            raise InvalidArgumentError(f"scratch_backup must be one of {SCRATCH_BACKUPS}, got {self.scratch_backup!r}")
         if not isinstance(self.store_bind, str) or not self.store_bind.strip():
             raise InvalidArgumentError(f"store_bind must be a host name or an IP address, got {self.store_bind!r}")
         if self.decode not in DECODE_MODES:
@@ -139,8 +140,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--variants", default=",".join(d.variants), help="comma list of: ebbtide, anchor")
-    p.add_argument("--scratch-backup", default=d.scratch_backup, choices=("cpu", "none"),
-                   help="what the rollout's default tag (untagged allocations) keeps across a pause")
+    p.add_argument("--scratch-backup", default=d.scratch_backup, choices=SCRATCH_BACKUPS,
+                   help="the rollout's untagged allocations (cuBLAS workspaces, decode scratch) across its pause: "
+                        "keep (default: stay resident and are not paused, as torch_memory_saver leaves untagged "
+                        "memory), cpu (paused with a CPU backup: less held, a copy each way), none (discarded)")
     p.add_argument("--decode", default=d.decode, choices=DECODE_MODES,
                    help="rollout decode: the per-token step captured once in a CUDA graph and replayed (default), "
                         "or eager forwards (same code in both variants; the anchor rollout keeps the graph's memory while "

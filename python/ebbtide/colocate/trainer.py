@@ -39,7 +39,7 @@ import torch
 
 from .measure import NvmlProbe, Recorder
 from .model import ModelConfig, TinyLM
-from .rollout import die_with_parent, prompts, weight_digests
+from .rollout import SCRATCH_TAG, die_with_parent, prompts, weight_digests
 from .sync import TrainerSync
 
 __all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments"]
@@ -262,14 +262,15 @@ class _Trainer:
     def _start_rollout(self) -> _RolloutClient:
         s = self.spec
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
-                                  "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s")}
+                                  "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s", "scratch_backup")}
         spec["decode"] = s.get("decode", "eager")
         spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.sync.nbytes,
                     trainer_pid=os.getpid())
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
         if self.variant == "ebbtide" and self.cuda:
             env = without_expandable_segments(env)
-            env = self.em.preload_env(env, default_tag="rollout_scratch", default_backup=s["scratch_backup"])
+            backup = "none" if s["scratch_backup"] == "keep" else s["scratch_backup"]  # keep: never paused
+            env = self.em.preload_env(env, default_tag=SCRATCH_TAG, default_backup=backup)
         return _RolloutClient(spec, env, self.sync.fd)
 
     # ---- measurement -----------------------------------------------------------------------------------------
