@@ -172,3 +172,39 @@ def test_served_form_holds_the_quantized_outputs():
             Receiver(bad, plan, form="served")
     finally:
         buf.close()
+
+
+def test_served_form_follows_a_moved_parameter_and_both_copy_paths(monkeypatch):
+    import ebbtide.sync.receiver as receiver_mod
+
+    monkeypatch.setattr(receiver_mod, "_BIG_COPY", 4096)  # this model's larger outputs take the one-copy path
+    src = checkpoint(3)
+    plan = Plan.of(src, rules=RULES, bucket_bytes=150_000)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        outs = {o.name: o for it in plan.items for o in it.outputs}
+        assert any(o.nbytes >= 4096 for o in outs.values()) and any(o.nbytes < 4096 for o in outs.values())
+        served = {n: torch.nn.Parameter(torch.zeros(o.shape, dtype=getattr(torch, o.dtype)), requires_grad=False)
+                  for n, o in outs.items()}
+        r = Receiver(served, plan, form="served")
+        sender = Sender(src, HostSender(buf), plan=plan)
+
+        def check():
+            for b in plan.buckets:
+                region = r.region(b)
+                for o in b.outputs:
+                    assert torch.equal(served[o.name].reshape(-1).view(torch.uint8),
+                                       o.view(region).reshape(-1).view(torch.uint8)), o.name
+        sender.push(1)
+        HostReceiver(buf).receive(r, 1)
+        check()
+        moved = next(iter(served))
+        served[moved].data = torch.zeros_like(served[moved])  # the rollout re-pointed a parameter's storage
+        with torch.no_grad():
+            for t in src.values():
+                t.mul_(2)
+        sender.push(2)
+        HostReceiver(buf).receive(r, 2)
+        check()
+    finally:
+        buf.close()

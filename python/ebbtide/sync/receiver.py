@@ -13,7 +13,10 @@ Policies:
   parameters are named as the trainer's, FP8 and INT4 weights are dequantized into them (any floating dtype), raw
   tensors copied. ``form="served"`` (a rollout that serves the quantized weights): parameters are named as the
   plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes and shapes, and every output is copied.
-- On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed.
+- On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. The
+  served form's copies are byte views built once (rebuilt if a parameter's storage moves): outputs of 32 MiB and
+  more get one copy each, the smaller ones (scales, norms, experts of an MoE layer: thousands) go in a few fused
+  ``torch._foreach_copy_`` launches, so an update's host time does not grow with its tensor count.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from .errors import PlanMismatchError, WeightVersionError
 from .plan import Plan, _dtype
 
 __all__ = ["Receiver"]
+
+_BIG_COPY = 32 << 20  # outputs this large get their own copy (a memcpy at full bandwidth); smaller ones are batched
 
 
 class Receiver:
@@ -67,6 +72,7 @@ class Receiver:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.version: int | None = None  # the last complete version the parameters hold
+        self._copies = None  # (parameter addresses, cached byte views) of the served form
 
     def region(self, bucket) -> torch.Tensor:
         """Where bucket ``bucket`` (a BucketPlan or its index) is staged."""
@@ -84,19 +90,48 @@ class Receiver:
         if self.version is not None and version <= self.version:
             raise WeightVersionError(f"version {version} is not newer than the held version {self.version}")
 
+    def _served_copies(self) -> tuple:
+        """(big destination and source byte views, small ones) of every output, built once and rebuilt only when a
+        parameter's storage moved; ``None`` when a parameter is not contiguous (then ``load_bucket`` copies)."""
+        ptrs = [self.params[o.name].data_ptr() for b in self.plan.buckets for o in b.outputs]
+        if self._copies is not None and self._copies[0] == ptrs:
+            return self._copies[1]
+        big, small = ([], []), ([], [])
+        for b in self.plan.buckets:
+            region = self.region(b)
+            for o in b.outputs:
+                p = self.params[o.name]
+                if not p.is_contiguous():
+                    self._copies = (ptrs, None)
+                    return None
+                side = big if o.nbytes >= _BIG_COPY else small
+                side[0].append(p.detach().reshape(-1).view(torch.uint8))
+                side[1].append(region[o.offset:o.offset + o.nbytes])
+        self._copies = (ptrs, (big, small))
+        return self._copies[1]
+
+    def _load_all(self) -> None:
+        copies = self._served_copies() if self.served else None
+        if copies is None:
+            for b in self.plan.buckets:
+                load_bucket(b, self.region(b), self.params, served=self.served)
+            return
+        (big_dst, big_src), (small_dst, small_src) = copies
+        for d, s in zip(big_dst, big_src):
+            d.copy_(s)
+        if small_dst:  # many small outputs (scales, norms, experts): a few fused launches instead of one each
+            torch._foreach_copy_(small_dst, small_src)
+
     @torch.no_grad()
     def apply(self, version: int) -> None:
         """Load every staged bucket into the parameters (the whole version at once) and hold ``version``."""
         self.check_next(version)
-        ctx = torch.cuda.stream(self.stream) if self.cuda else None
-        if ctx is not None:
-            with ctx:
-                for b in self.plan.buckets:
-                    load_bucket(b, self.region(b), self.params, served=self.served)
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                self._load_all()
             self.stream.synchronize()
         else:
-            for b in self.plan.buckets:
-                load_bucket(b, self.region(b), self.params, served=self.served)
+            self._load_all()
         self.version = version
 
     def require(self, version: int) -> None:
