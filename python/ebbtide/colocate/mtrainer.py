@@ -143,8 +143,9 @@ class _MegatronTrainer:
                 self._slime_buffers()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-            inner = type(getattr(self.opt, "optimizer", self.opt)).__name__
-            self.setup["optimizer"] = f"{type(self.opt).__name__}({inner})"
+            subs = getattr(self.opt, "chained_optimizers", [self.opt])  # Megatron returns a ChainedOptimizer
+            self.setup["optimizer"] = ", ".join(f"{type(o).__name__}({type(getattr(o, 'optimizer', o)).__name__})"
+                                                for o in subs)
         self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
         self.setup["params"] = sum(p.numel() for p in self.model.parameters())
 
