@@ -20,7 +20,8 @@ Policies:
   trainer holds nothing for the sync while the rollout runs. Mode "slime": the slime-style update of the sync
   benchmark (``_slime_update``: per-tensor FP8 launches, a ``torch.cat`` per bucket, one IPC request per bucket,
   ``ipc_collect`` + ``empty_cache`` per bucket); the rollout rebuilds the views, dequantizes each weight with one
-  launch and copies it into its parameter, as a serving engine's ``load_weights`` does.
+  launch and copies it into its parameter, as a serving engine's ``load_weights`` does, and answers once those
+  copies completed (SGLang answers after enqueuing them; here the sender frees the bucket right after the answer).
 """
 from __future__ import annotations
 
@@ -249,5 +250,8 @@ class IpcRolloutSync:
                     continue
                 p = self.params[it.source]
                 p.copy_(fp8_block_dequant(v, views[it.outputs[1].name]) if it.kind == "fp8" else v)
+            # complete before answering: the sender frees the bucket (ipc_collect + empty_cache) once answered,
+            # and a copy still reading another process's freed memory would corrupt the weights
+            torch.cuda.current_stream().synchronize()
             del flat, msg, views
             self.conn.send(("ok",))
