@@ -19,12 +19,16 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check", "format_report",
-           "plot_timeline", "GROWTH_TOLERANCE"]
+__all__ = ["PHASES", "MEGATRON_PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check",
+           "format_report", "plot_timeline", "GROWTH_TOLERANCE"]
 
-# The order of one RL step. "comm_*" only run with 2+ GPUs.
+# The order of one RL step of the toy loop. "comm_*" only run with 2+ GPUs.
 PHASES = ("train", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",
           "rollout_pause", "trainer_resume", "comm_reload")
+# The Megatron loop's step (one GPU; Megatron's groups are released and reloaded there too).
+MEGATRON_PHASES = ("train", "optimizer", "rollout_resume", "sync", "offload", "comm_release", "generate",
+                   "rollout_pause", "onload", "comm_reload")
+KNOWN_PHASES = tuple(dict.fromkeys(PHASES + MEGATRON_PHASES))
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")
 GROWTH_TOLERANCE = 16 << 20  # bytes: a few driver pages of slack; everything above is reported as growth
 
@@ -54,8 +58,8 @@ class Recorder:
                                        "t1": t1 - rec._origin, "s": t1 - self.t0, **self.info})
                 return False
 
-        if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r} (known: {PHASES})")
+        if name not in KNOWN_PHASES:
+            raise ValueError(f"unknown phase {name!r} (known: {KNOWN_PHASES})")
         return _Span()
 
     def sample(self, step: int, phase: str, mem: dict):
@@ -170,13 +174,14 @@ def step_times(phases: list[dict]) -> dict[int, float]:
 
 def summarize(ranks: list[dict], warmup: int) -> dict:
     """Combine per-rank results (each {"phases": [...], "memory": [...], ...}) into medians over steps >= warmup.
-    A phase's time for a step is the slowest rank's; so is the step time."""
+    A phase's time for a step is the slowest rank's; so is the step time. Phases keep the order of the step."""
     if not ranks:
         raise ValueError("no rank results to summarize")
+    order = list(dict.fromkeys(p["phase"] for p in ranks[0]["phases"]))
     steps = sorted({p["step"] for p in ranks[0]["phases"]})
     measured = [s for s in steps if s >= warmup] or steps
     per_phase: dict[str, list[float]] = {}
-    for name in PHASES:
+    for name in order:
         vals = []
         for s in measured:
             xs = [p["s"] for r in ranks for p in r["phases"] if p["step"] == s and p["phase"] == name]
@@ -188,12 +193,12 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
     for s in measured:
         totals.append(max(step_times([p for p in r["phases"] if p["step"] == s]).get(s, 0.0) for r in ranks))
     bytes_moved: dict[str, float] = {}
-    for name in PHASES:
+    for name in order:
         xs = [p.get("bytes", 0) for p in ranks[0]["phases"] if p["phase"] == name and p["step"] in measured]
         if xs and any(xs):
             bytes_moved[name] = statistics.median(xs)
     mem: dict[str, dict] = {}
-    for name in PHASES:
+    for name in order:
         rows = [m for m in ranks[0]["memory"] if m["phase"] == name and m["step"] in measured]
         if rows:
             mem[name] = _mem_median(rows)
@@ -204,6 +209,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         "step_s_all": totals,
         "bytes": bytes_moved,
         "memory": mem,
+        "losses": [p["loss"] for p in ranks[0]["phases"] if p["phase"] == "train" and "loss" in p],
     }
 
 
@@ -250,27 +256,28 @@ def _gb(x):
 def format_report(results: dict) -> str:
     """results: {"variants": {name: {"summary": ..., "checks": ..., "setup": ...}}, "config": ...}."""
     v = results["variants"]
-    names = [n for n in ("ebbtide", "anchor") if n in v and v[n].get("summary")]
+    names = sorted((n for n in v if v[n].get("summary")), key=lambda n: n != "ebbtide")  # ebbtide first
     lines = []
     hdr = f"{'phase':<16}" + "".join(f"{n + ' ms':>14}" for n in names)
-    if len(names) == 2:
-        hdr += f"{'speed-up':>10}"
+    # one ratio column per anchor (anchor time / ebbtide time), when ebbtide ran
+    ratios = names[1:] if names and names[0] == "ebbtide" else []
+    hdr += "".join(f"{'speed-up' if len(ratios) == 1 else 'vs ' + n:>12}" for n in ratios)
     decode = (results.get("config") or {}).get("decode", "eager")
     lines += [f"== per-phase time (median over measured steps; slowest rank; rollout decode: {decode})", hdr]
-    for ph in PHASES + ("step",):
+    order = list(dict.fromkeys(ph for n in names for ph in v[n]["summary"]["phase_s"]))
+    for ph in order + ["step"]:
         vals = [(v[n]["summary"]["step_s"] if ph == "step" else v[n]["summary"]["phase_s"].get(ph)) for n in names]
         if all(x is None for x in vals):
             continue
         row = f"{ph:<16}" + "".join(f"{_ms(x):>14}" for x in vals)
-        if len(names) == 2 and vals[0] and vals[1]:
-            row += f"{vals[1] / vals[0]:>9.2f}x"
+        for i in range(1, len(ratios) + 1):
+            row += f"{vals[i] / vals[0]:>11.2f}x" if vals[0] and vals[i] else f"{'-':>12}"
         lines.append(row)
     for n in names:
         s = v[n]["summary"]
         lines += ["", f"== {n}: GPU memory after each phase (GB; NVML per process, self-reported in brackets)",
                   f"{'after phase':<16}{'trainer':>18}{'rollout':>18}{'device used':>13}"]
-        for ph in PHASES:
-            m = s["memory"].get(ph)
+        for ph, m in s["memory"].items():
             if not m:
                 continue
             t = f"{_gb(m.get('trainer_nvml'))} [{_gb(m.get('trainer_self'))}]"
@@ -278,8 +285,14 @@ def format_report(results: dict) -> str:
             lines.append(f"{ph:<16}{t:>18}{r:>18}{_gb(m.get('device_used')):>13}")
         if s["bytes"]:
             lines.append("bytes moved per step: " + ", ".join(f"{k} {b / 1e9:.3f} GB" for k, b in s["bytes"].items()))
-        lines += _check_lines(v[n].get("checks", {}))
         setup = (v[n].get("ranks") or [{}])[0].get("setup", {})
+        held, ctx = s["memory"].get("generate", {}).get("trainer_nvml"), setup.get("context_bytes")
+        if held is not None and ctx is not None:
+            lines.append(f"trainer GPU memory while the rollout generates: {(held - ctx) / 1e9:.3f} GB above its CUDA "
+                         f"context ({held / 1e9:.3f} GB held, context {ctx / 1e9:.3f} GB)")
+        if s.get("losses"):
+            lines.append(f"losses (every step, rank 0): {', '.join(f'{x:.4f}' for x in s['losses'])}")
+        lines += _check_lines(v[n].get("checks", {}))
         if setup:
             keys = ("device_name", "params", "optimizer", "sync_bytes", "sync_bf16_bytes", "context_bytes", "nvml")
             lines.append("setup: " + ", ".join(f"{k}={setup[k]}" for k in keys if k in setup))
@@ -298,7 +311,7 @@ def format_report(results: dict) -> str:
 def _decode_lines(v: dict) -> list:
     """How each variant's rollout decoded, and the CUDA graph memory it captured (the anchor keeps it paused)."""
     out = []
-    for n in ("ebbtide", "anchor"):
+    for n in v:
         ro = ((v.get(n, {}).get("ranks") or [{}])[0].get("setup") or {}).get("rollout") or {}
         if not ro.get("decode_used"):
             continue
@@ -334,7 +347,8 @@ def _check_lines(ck: dict) -> list:
 
 _COLORS = {"train": "#4c72b0", "sync_pack": "#dd8452", "trainer_pause": "#55a868", "comm_release": "#c44e52",
            "rollout_resume": "#8172b3", "sync_load": "#937860", "generate": "#da8bc3", "rollout_pause": "#8c8c8c",
-           "trainer_resume": "#ccb974", "comm_reload": "#64b5cd"}
+           "trainer_resume": "#ccb974", "comm_reload": "#64b5cd", "optimizer": "#1f3b73", "sync": "#dd8452",
+           "offload": "#55a868", "onload": "#ccb974"}
 
 
 def plot_timeline(results: dict, path: str) -> str:
@@ -366,8 +380,9 @@ def plot_timeline(results: dict, path: str) -> str:
         ax.set_title(f"{n} (rank 0, steps after warm-up; median step {step_s * 1e3:.1f} ms; gaps: untimed checks "
                      f"and memory sampling)" if step_s else n, loc="left", fontsize=9)
         ax.set_xlabel("seconds")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    fig.legend(handles, list(_COLORS), ncol=5, loc="lower center", fontsize=8)
+    shown = [k for k in _COLORS if any(p["phase"] == k for _, phases in lanes for p in phases)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in shown]
+    fig.legend(handles, shown, ncol=5, loc="lower center", fontsize=8)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

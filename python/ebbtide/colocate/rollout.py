@@ -23,6 +23,10 @@ Policies:
   (rewritten before every replay). On the CPU (orchestration check) the same static step runs eagerly.
 - One command at a time; each reply carries ``ok``, the time spent inside (device work complete) and, on failure,
   the traceback. The process never exits on a command error: the trainer decides.
+- ``spec["arch"]``: "tiny" (``TinyLM``, the toy trainer's model; weights through the shared host buffer
+  ``buf_fd``) or "megatron" (``gpt.MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
+  the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``). Every variant other than
+  "ebbtide" runs the rollout on torch_memory_saver.
 """
 from __future__ import annotations
 
@@ -40,12 +44,14 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..errors import InvalidArgumentError, StateError
+from .gpt import MegatronGPT
 from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
-from .sync import RolloutSync
+from .sync import IpcRolloutSync, RolloutSync
 
-__all__ = ["main", "weight_digests", "prompts", "die_with_parent", "DECODE_MODES", "GRAPH_TAG", "SCRATCH_TAG"]
+__all__ = ["main", "weight_digests", "prompts", "die_with_parent", "DECODE_MODES", "GRAPH_TAG", "SCRATCH_TAG", "ARCHS"]
 
 DECODE_MODES = ("eager", "cuda-graph")
+ARCHS = {"tiny": TinyLM, "megatron": MegatronGPT}
 GRAPH_TAG = "kv_cache"  # the ebbtide rollout's decode graph lives with the cache: discarded on pause, replay refills
 SCRATCH_TAG = "rollout_scratch"  # the ebbtide rollout's untagged allocations (the shim's default tag)
 PAUSED_TAGS = ("weights", "kv_cache", "sync_staging")  # what a pause releases when the scratch is kept
@@ -115,25 +121,39 @@ class _Rollout:
             tms.hook_mode = "torch"  # its default is preload (LD_PRELOAD of its own shim)
             region = lambda tag: tms.region(tag=tag)  # noqa: E731
         B, P, N = spec["gen_batch"], spec["prompt_len"], spec["new_tokens"]
+        arch = spec.get("arch", "tiny")
+        if arch not in ARCHS:
+            raise InvalidArgumentError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
         with region("weights"):
             # a different seed from the trainer's: only a correct sync makes the logits match
-            self.model = TinyLM.random(self.cfg, seed=spec["seed"] + 1, device=self.dev)
+            self.model = ARCHS[arch].random(self.cfg, seed=spec["seed"] + 1, device=self.dev)
         self.model.requires_grad_(False)
         with region("kv_cache"):
             self.cache = KVCache(self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)
             extra = int(spec.get("kv_reserve_bytes", 0))
             self.reserve = torch.empty(extra, dtype=torch.uint8, device=self.dev) if extra else None
         self.region = region
-        with region("sync_staging"):
-            self.staging = torch.empty(RolloutSync.staging_bytes(self.model), dtype=torch.uint8, device=self.dev)
-        self.sync = RolloutSync(self.model, self.codec, spec["buf_fd"], spec["buf_bytes"], pin=self.cuda,
-                                staging=self.staging)
+        ipc_mode = spec.get("sync") if "sync_fd" in spec else None
+        self.staging = None
+        if ipc_mode != "slime":  # the slime-style load copies each bucket straight into the parameters
+            sync_cls = IpcRolloutSync if ipc_mode else RolloutSync
+            with region("sync_staging"):
+                n = sync_cls.staging_bytes(self.model)
+                self.staging = torch.empty(n, dtype=torch.uint8, device=self.dev)
+        if ipc_mode:
+            conn = Connection(socket.socket(fileno=spec["sync_fd"]).detach())
+            self.sync = IpcRolloutSync(self.model, conn, ipc_mode, staging=self.staging)
+        else:
+            self.sync = RolloutSync(self.model, self.codec, spec["buf_fd"], spec["buf_bytes"], pin=self.cuda,
+                                    staging=self.staging)
         # kept on the CPU and moved per call: device scratch is discarded on pause with --scratch-backup none
         self.prompts = prompts(self.cfg, B, P, spec["seed"] + 7, "cpu")
         self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, "cpu")
         self._sync()
-        self.info = {"pid": os.getpid(), "weights_bytes": 2 * self.cfg.n_params(),
-                     "kv_cache_bytes": self.cache.nbytes + extra, "staging_bytes": self.sync.plan.nbytes,
+        self.info = {"pid": os.getpid(), "arch": arch, "sync": ipc_mode or "host buffer",
+                     "weights_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                     "kv_cache_bytes": self.cache.nbytes + extra,
+                     "staging_bytes": 0 if self.staging is None else self.staging.numel(),
                      "hook_mode": self.em.hook_mode() if self.em else "tms-torch" if self.tms else "none (cpu)",
                      "decode": self.decode}
 

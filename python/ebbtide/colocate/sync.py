@@ -11,19 +11,32 @@ Policies:
   copies, no version check). Each side's reference for the correctness check is ``dequant(quant(w))`` of its codec.
 - The buffer is a memfd shared mapping that both processes register with ``cudaHostRegister`` (created by the
   trainer, inherited by the rollout), so both copies are DMA at PCIe speed.
+- The Megatron loop (``IpcTrainerSync`` / ``IpcRolloutSync``) moves its weights by CUDA IPC on the one GPU both
+  processes share, over a socket of their own, with ``megatron_plan`` (``Plan.of`` with its default ignore list
+  and the output layer kept raw: the linear weights FP8 block, embeddings, output layer, norms and biases raw
+  bf16; 512 MiB buckets). Mode
+  "ebbtide": ``Sender`` + ``IpcSender`` -> ``IpcReceiver`` into a ``Receiver`` (staged, applied whole, version
+  checked); the producer buffers are given back after every update (``IpcSender.close`` + ``ipc_collect``) so the
+  trainer holds nothing for the sync while the rollout runs. Mode "slime": the slime-style update of the sync
+  benchmark (``_slime_update``: per-tensor FP8 launches, a ``torch.cat`` per bucket, one IPC request per bucket,
+  ``ipc_collect`` + ``empty_cache`` per bucket); the rollout rebuilds the views, dequantizes each weight with one
+  launch and copies it into its parameter, as a serving engine's ``load_weights`` does, and answers once those
+  copies completed (SGLang answers after enqueuing them; here the sender frees the bucket right after the answer).
 """
 from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, StateError
 from ..sync import HostReceiver, HostSender, Plan, Receiver, Sender, SharedHostBuffer, expected
 from ..sync.transport import HEADER_BYTES
 
 __all__ = ["sync_plan", "TrainerSync", "RolloutSync", "SharedHostBuffer", "CODECS", "torch_block_quant",
-           "torch_block_dequant"]
+           "torch_block_dequant", "megatron_plan", "IpcTrainerSync", "IpcRolloutSync", "IPC_MODES"]
 
 CODECS = ("ebbtide", "torch")
+IPC_MODES = ("ebbtide", "slime")
+MEGATRON_RULES = ((r"^output_layer\.", "raw"),)  # the LM head stays bf16, as slime serves it (HF "lm_head")
 
 
 def sync_plan(model) -> Plan:
@@ -137,3 +150,108 @@ class RolloutSync:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+# ---- the Megatron loop: CUDA IPC on one GPU -----------------------------------------------------------------
+def megatron_plan(named) -> Plan:
+    """The Megatron loop's plan (both sides build it from their own ``{name: tensor}``; see the module policies)."""
+    return Plan.of(dict(named), rules=MEGATRON_RULES)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in IPC_MODES:
+        raise InvalidArgumentError(f"IPC sync mode must be one of {IPC_MODES}, got {mode!r}")
+
+
+class IpcTrainerSync:
+    """The trainer's end: ``weights`` is a callable returning ``{name: tensor}`` (read at every push); ``conn`` a
+    ``multiprocessing`` connection to the rollout's ``IpcRolloutSync``."""
+
+    def __init__(self, weights, conn, mode: str):
+        _check_mode(mode)
+        self.weights, self.conn, self.mode = weights, conn, mode
+        self.plan = megatron_plan(weights())
+        if mode == "ebbtide":
+            from ..sync import IpcSender  # noqa: PLC0415
+
+            self.ipc = IpcSender(conn)
+            self.sender = Sender(weights, self.ipc, plan=self.plan)
+
+    @torch.no_grad()
+    def push(self, version: int) -> int:
+        """Send the current weights as ``version``; returns when the rollout holds them. Returns wire bytes."""
+        if self.mode == "ebbtide":
+            self.sender.push(version)
+            self.ipc.close()  # the two producer buffers go back (re-shared at the next push)
+        else:
+            from ..bench.suites.sync import _slime_update  # noqa: PLC0415
+
+            _slime_update(self.plan, self.weights(), self.conn)
+        torch.cuda.ipc_collect()
+        return self.plan.nbytes
+
+    def reference(self) -> dict:
+        """{name: what the rollout must hold after a push} on the weights' device."""
+        named = {n: t.detach() for n, t in self.weights().items()}
+        if self.mode == "ebbtide":
+            return expected(self.plan, named)
+        from ..quant import fp8_block_dequant, fp8_block_quant  # noqa: PLC0415
+
+        return {it.source: fp8_block_dequant(*fp8_block_quant(named[it.source])) if it.kind == "fp8"
+                else named[it.source].clone() for it in self.plan.items}
+
+
+class IpcRolloutSync:
+    """The rollout's end over ``conn``; ``staging`` (mode "ebbtide": ``plan.nbytes`` on the device) is where the
+    update is staged before it is applied."""
+
+    def __init__(self, model, conn, mode: str, *, staging: torch.Tensor | None = None):
+        _check_mode(mode)
+        self.model, self.conn, self.mode = model, conn, mode
+        self.params = dict(model.named_parameters())
+        self.plan = megatron_plan(self.params)
+        if mode == "ebbtide":
+            from ..sync import IpcReceiver  # noqa: PLC0415
+
+            self.receiver = Receiver(self.params, self.plan, staging=staging)
+            self.ipc = IpcReceiver(conn)
+        else:
+            import torch.multiprocessing  # noqa: F401,PLC0415  (CUDA tensors arrive as IPC handles)
+
+            self.items = {o.name: (it, i) for it in self.plan.items for i, o in enumerate(it.outputs)}
+
+    @staticmethod
+    def staging_bytes(model) -> int:
+        return megatron_plan(model.named_parameters()).nbytes
+
+    @torch.no_grad()
+    def load(self, version: int) -> int:
+        """Serve one push of ``version``; returns the wire bytes received."""
+        if self.mode == "ebbtide":
+            got = self.ipc.receive(self.receiver, version)
+            if self.ipc.receive(self.receiver) is not None:  # the sender gives its buffers back after each update
+                raise StateError("protocol error: expected the sender's close after the update")
+            if got != version:
+                raise StateError(f"the rollout applied version {got}, expected {version}")
+            return self.plan.nbytes
+        from ..quant import fp8_block_dequant  # noqa: PLC0415
+
+        while True:
+            msg = self.conn.recv()
+            if msg[0] == "done":
+                torch.cuda.synchronize()
+                self.conn.send(("done",))
+                return self.plan.nbytes
+            flat, meta = msg[1], msg[2]
+            views = {name: flat[a:b].view(getattr(torch, dt)).view(shape) for name, dt, shape, a, b in meta}
+            for name, v in views.items():
+                it, i = self.items[name]
+                if i != 0:
+                    continue
+                p = self.params[it.source]
+                p.copy_(fp8_block_dequant(v, views[it.outputs[1].name]) if it.kind == "fp8" else v)
+            # complete before answering: the sender frees the bucket (ipc_collect + empty_cache) once answered,
+            # and a copy still reading another process's freed memory would corrupt the weights
+            torch.cuda.current_stream().synchronize()
+            del flat, msg, views
+            self.conn.send(("ok",))

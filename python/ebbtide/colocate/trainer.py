@@ -42,7 +42,7 @@ from .model import ModelConfig, TinyLM
 from .rollout import SCRATCH_TAG, die_with_parent, prompts, weight_digests
 from .sync import TrainerSync
 
-__all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments"]
+__all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments", "verify_entry", "rollout_env"]
 
 # The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
 # pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
@@ -69,6 +69,17 @@ def region_buffers(em):
     return factory
 
 
+def rollout_env(em, scratch_backup: str) -> dict:
+    """The rollout process's environment: this one without the launcher's rank variables; with ``em`` (the
+    ebbtide.memory module) also under the LD_PRELOAD shim, its untagged allocations in ``SCRATCH_TAG`` (``keep``:
+    never paused, so no backup)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if em is None:
+        return env
+    backup = "none" if scratch_backup == "keep" else scratch_backup
+    return em.preload_env(without_expandable_segments(env), default_tag=SCRATCH_TAG, default_backup=backup)
+
+
 def without_expandable_segments(env: dict) -> dict:
     """``env`` without ``expandable_segments:True`` in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF. Expandable
     segments map memory with cuMemCreate, around cudaMalloc, so the preload shim could pause none of the rollout's
@@ -87,13 +98,15 @@ def without_expandable_segments(env: dict) -> dict:
 
 
 class _RolloutClient:
-    """The rollout process and its socket; ``call`` raises with the rollout's traceback on failure."""
+    """The rollout process and its socket; ``call`` raises with the rollout's traceback on failure. ``fds``: file
+    descriptors the rollout inherits, named in its spec (``buf_fd``: the shared host buffer; ``sync_fd``: the
+    socket of the IPC weight sync). ``send`` + ``reply`` split a call around work the trainer does meanwhile."""
 
-    def __init__(self, spec: dict, env: dict, buf_fd: int):
+    def __init__(self, spec: dict, env: dict, fds: dict):
         parent, child = socket.socketpair()
-        spec = dict(spec, sock_fd=child.fileno(), buf_fd=buf_fd)
+        spec = dict(spec, sock_fd=child.fileno(), **fds)
         self.proc = subprocess.Popen([sys.executable, "-m", "ebbtide.colocate.rollout", json.dumps(spec)], env=env,
-                                     pass_fds=(child.fileno(), buf_fd))
+                                     pass_fds=(child.fileno(), *fds.values()))
         child.close()
         self.conn = Connection(parent.detach())
         self.info = self._recv(timeout=spec.get("timeout_s", 600))
@@ -115,7 +128,13 @@ class _RolloutClient:
         return msg
 
     def call(self, cmd: str, timeout: float = 600, **args) -> dict:
+        self.send(cmd, **args)
+        return self._recv(timeout)
+
+    def send(self, cmd: str, **args) -> None:
         self.conn.send({"cmd": cmd, "args": args})
+
+    def reply(self, timeout: float = 600) -> dict:
         return self._recv(timeout)
 
     def close(self):
@@ -266,12 +285,8 @@ class _Trainer:
         spec["decode"] = s.get("decode", "eager")
         spec.update(device=self.dev.index if self.cuda else "cpu", buf_bytes=self.sync.nbytes,
                     trainer_pid=os.getpid())
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        if self.variant == "ebbtide" and self.cuda:
-            env = without_expandable_segments(env)
-            backup = "none" if s["scratch_backup"] == "keep" else s["scratch_backup"]  # keep: never paused
-            env = self.em.preload_env(env, default_tag=SCRATCH_TAG, default_backup=backup)
-        return _RolloutClient(spec, env, self.sync.fd)
+        env = rollout_env(self.em if self.variant == "ebbtide" and self.cuda else None, s["scratch_backup"])
+        return _RolloutClient(spec, env, {"buf_fd": self.sync.fd})
 
     # ---- measurement -----------------------------------------------------------------------------------------
     def _sample(self, step: int, phase: str, rollout_mem: dict | None = None) -> dict:
@@ -343,21 +358,7 @@ class _Trainer:
         return out
 
     def _verify(self, step: int, ref: dict, got: dict, gen: dict):
-        digests_equal = [n for n, d in ref["digests"].items() if got["digests"].get(n) != d]
-        logits = torch.tensor(got["logits"])
-        diff = float((logits - ref["logits"]).abs().max().item())
-        tol = LOGITS_RTOL * float(ref["logits"].abs().max().item())
-        ok = not digests_equal and diff <= tol
-        whole = hashlib.sha256("".join(ref["digests"][n] for n in sorted(ref["digests"])).encode()).hexdigest()
-        self.checks["verify"].append({
-            "step": step, "rank": self.rank, "ok": ok, "trainer_weights_digest": whole,
-            "weights_bitwise_equal": not digests_equal, "mismatching_weights": digests_equal[:8],
-            "logits_bitwise_equal": bool(torch.equal(logits, ref["logits"])),
-            "logits_max_abs_diff": diff, "logits_atol": tol,
-            "decode": gen.get("decode"),
-            **{k: gen.get(k) for k in ("decode_vs_full_max_abs", "decode_vs_full_rel", "decode_vs_full_argmax_equal",
-                                       "decode_vs_eager_tokens_equal", "decode_vs_eager_first_diff",
-                                       "decode_vs_eager_max_abs") if k in gen}})
+        self.checks["verify"].append(verify_entry(step, self.rank, ref, got, gen, LOGITS_RTOL))
 
     def step(self, step: int, verify: bool):
         R, rec = self.rollout, self.rec
@@ -449,12 +450,32 @@ class _Trainer:
         self.sync.close()
 
 
+def verify_entry(step: int, rank: int, ref: dict, got: dict, gen: dict, rtol: float) -> dict:
+    """One verified step: ``ref`` (the trainer's {"digests", "logits"}) against what the rollout returned after
+    the load (``got``) and its generation checks (``gen``). ``ok``: every weight bitwise equal and the logits within
+    ``rtol`` of the largest |logit|."""
+    mismatch = [n for n, d in ref["digests"].items() if got["digests"].get(n) != d]
+    logits = torch.tensor(got["logits"])
+    diff = float((logits - ref["logits"]).abs().max().item())
+    tol = rtol * float(ref["logits"].abs().max().item())
+    whole = hashlib.sha256("".join(ref["digests"][n] for n in sorted(ref["digests"])).encode()).hexdigest()
+    return {"step": step, "rank": rank, "ok": not mismatch and diff <= tol, "trainer_weights_digest": whole,
+            "weights_bitwise_equal": not mismatch, "mismatching_weights": mismatch[:8],
+            "logits_bitwise_equal": bool(torch.equal(logits, ref["logits"])),
+            "logits_max_abs_diff": diff, "logits_atol": tol, "decode": gen.get("decode"),
+            **{k: gen.get(k) for k in ("decode_vs_full_max_abs", "decode_vs_full_rel", "decode_vs_full_argmax_equal",
+                                       "decode_vs_eager_tokens_equal", "decode_vs_eager_first_diff",
+                                       "decode_vs_eager_max_abs") if k in gen}}
+
+
 def _only(d: dict, *keys: str) -> dict:
     """The entries of ``d`` named in ``keys`` (a reply's payload without its timing and memory fields)."""
     return {k: d[k] for k in keys if k in d}
 
 
-def main(argv=None) -> int:
+def main(argv=None, trainer_cls=None) -> int:
+    """Run one rank (``trainer_cls``: this module's trainer unless another loop's is given) and write its result
+    file; 0 on success."""
     args = argv or sys.argv[1:]
     spec, out_path = json.loads(args[0]), args[1]
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -463,7 +484,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         die_with_parent(spec.get("launcher_pid"))
-        tr = _Trainer(spec, rank, world)
+        tr = (trainer_cls or _Trainer)(spec, rank, world)
         result["setup"] = tr.setup
         tr.run()
         result["ok"] = True

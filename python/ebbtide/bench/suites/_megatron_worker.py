@@ -63,7 +63,14 @@ def init(seed: int = 1234, ebbtide_groups: bool = False):
 
 
 def build(size: str, *, dist_opt: bool, seed: int = 1234):
-    """A GPT chunk wrapped as Megatron trains it: GPTModel -> Float16Module (bf16) -> DDP."""
+    """A GPT chunk of size ``size`` (SIZES) wrapped as Megatron trains it: GPTModel -> Float16Module (bf16) -> DDP."""
+    layers, hidden, heads, vocab, seq, _ = SIZES[size]
+    return build_gpt(layers, hidden, heads, 4 * hidden, vocab, seq, dist_opt=dist_opt, seed=seed)
+
+
+def build_gpt(layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: int, *, dist_opt: bool,
+              seed: int = 1234):
+    """GPTModel (local layer spec, rotary positions, no dropout) -> Float16Module (bf16) -> Megatron's DDP."""
     from megatron.core import tensor_parallel  # noqa: PLC0415
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
@@ -71,11 +78,10 @@ def build(size: str, *, dist_opt: bool, seed: int = 1234):
     from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
 
-    layers, hidden, heads, vocab, seq, _ = SIZES[size]
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                            ffn_hidden_size=4 * hidden, bf16=True, pipeline_dtype=torch.bfloat16,
+                            ffn_hidden_size=ffn, bf16=True, pipeline_dtype=torch.bfloat16,
                             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
     gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
                    position_embedding_type="rope")

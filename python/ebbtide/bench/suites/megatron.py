@@ -12,11 +12,22 @@ Rows (seconds, median of the measured steps; lower is better): optimizer step, o
 (fwd+bwd, same model: should read ~1x), the whole step (train + optimizer + offload + restore) against each anchor,
 and the device memory in use while offloaded (driver view, GB). The optimizer row's limit is the larger of the CPU
 floor (28 B/param at the host triad bandwidth) and the PCIe floor (bf16 grads down, bf16 params up).
+
+Then the colocated RL loop on the same kind of model (``python -m ebbtide.colocate --trainer megatron``: a rollout
+process on the same GPU, weights pushed every step; the same ~1.3 B shape, --quick ~0.12 B), each variant in fresh
+processes of the same run: "ebbtide" (the adapter + ebbtide.sync over CUDA IPC + ebbtide.memory in the rollout),
+"slime" (HDO, torch_memory_saver for trainer and rollout, groups destroyed and re-created, the slime-style FP8
+update) and "gpu-tms" (GPU DistributedOptimizer under torch_memory_saver). Rows: the RL step and its overhead
+(everything but train and generate) against both anchors, each phase against slime, and the trainer's GPU memory
+while the rollout generates (NVML, above its CUDA context) against both.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 
+from ... import settings
 from ..registry import Row, Skip, suite
 
 SUITE = "megatron"
@@ -90,3 +101,82 @@ def run(ctx):
                        f"{ph(r, 'offload') * 1e3:.0f} ms, restore {ph(r, 'restore') * 1e3:.0f} ms")
         yield row(f"device memory used while offloaded (vs {anchor})", ours["device_used_offloaded"] / GB, anchor,
                   r["device_used_offloaded"] / GB, unit="GB", note="driver view: CUDA context and NCCL included")
+
+    yield from _colocated(ctx)
+
+
+LOOP_ANCHORS = {"slime": "slime's configuration: HDO (offload 1.0, overlap) + torch_memory_saver + groups destroyed "
+                         "and re-created + slime-style FP8 update by IPC",
+                "gpu-tms": "Megatron GPU DistributedOptimizer + torch_memory_saver (CPU backup), same groups and sync"}
+LOOP_PHASES = (("optimizer", "optimizer step"), ("sync", "weight sync (trainer -> rollout holds it)"),
+               ("offload", "trainer offload"), ("onload", "trainer onload"),
+               (("comm_release", "comm_reload"), "process groups release + reload"),
+               ("rollout_resume", "rollout resume"), ("rollout_pause", "rollout pause"),
+               ("train", "train phase (fwd+bwd; same work)"), ("generate", "generate (same work)"))
+
+
+def _colocated(ctx):
+    from .._spawn import TEST_ARTIFACTS  # noqa: PLC0415
+    from ...colocate import run_loop  # noqa: PLC0415
+
+    art = settings.get(TEST_ARTIFACTS)  # scripts/gpu-check packs this folder into logs.tgz
+    out = os.path.join(art, "megatron-colocate") if art else tempfile.mkdtemp(prefix="ebbtide-megatron-colocate-")
+    os.makedirs(out, exist_ok=True)
+    over = {} if ctx.quick else {"steps": 6, "warmup": 2}
+    ctx.progress(f"megatron: colocated loop, {'quick' if ctx.quick else 'default'} size (out: {out})")
+    res = run_loop(trainer="megatron", out=out, quick=ctx.quick, timeout_s=400 if ctx.quick else 900,
+                   log=ctx.progress, **over)
+    if not res["variants"].get("ebbtide", {}).get("summary"):
+        ctx.note_skip("megatron colocated loop", f"the ebbtide loop failed: "
+                      f"{res['variants'].get('ebbtide', {}).get('why', 'no result')} (logs in {out})")
+        return
+    yield from colocated_rows(res, out)
+
+
+def _held_above_context(vr: dict):
+    m = (vr.get("summary") or {}).get("memory", {}).get("generate", {}).get("trainer_nvml")
+    c = ((vr.get("ranks") or [{}])[0].get("setup") or {}).get("context_bytes")
+    return None if m is None or c is None else (m - c) / GB
+
+
+def colocated_rows(res: dict, out: str = ""):
+    """The colocated loop's rows from ``run_loop(trainer="megatron")`` results."""
+    v = res["variants"]
+    ours = v["ebbtide"]
+    s = ours["summary"]
+    setup = ours["ranks"][0].get("setup", {})
+    ck = ours.get("checks", {})
+    cfg = res.get("config", {})
+    params = {"params": setup.get("params"), "steps": cfg.get("steps"), "warmup": cfg.get("warmup"),
+              "model": cfg.get("model"), "device": setup.get("device_name"), "out": out}
+    label = f"Megatron GPT {setup.get('params', 0) / 1e9:.2f} B, 1 GPU"
+    note = f"correct={ck.get('correct')} no_growth={ck.get('no_growth')}"
+
+    def phase(summary, key):
+        if not summary:
+            return None
+        keys = key if isinstance(key, tuple) else (key,)
+        vals = [summary["phase_s"].get(k) for k in keys]
+        return None if any(x is None for x in vals) else sum(vals)
+
+    def overhead(summary):
+        return sum(t for k, t in summary["phase_s"].items() if k not in ("train", "generate")) if summary else None
+
+    def row(name, mine, anchor, value, unit="s", rnote=""):
+        a = v.get(anchor, {})
+        return Row(SUITE, f"colocated loop: {name} (vs {anchor}), {label}", unit, mine, higher_is_better=False,
+                   anchor=value, anchor_name=LOOP_ANCHORS[anchor] if value is not None else "",
+                   anchor_note="" if value is not None else (a.get("why") or "not measured"), params=params,
+                   note=rnote or note)
+
+    for anchor in LOOP_ANCHORS:
+        a = v.get(anchor, {}).get("summary")
+        yield row("RL step", s["step_s"], anchor, a and a["step_s"])
+        yield row("step overhead (all but train and generate)", overhead(s), anchor, overhead(a))
+    a = v.get("slime", {}).get("summary")
+    for key, name in LOOP_PHASES:
+        yield row(name, phase(s, key), "slime", phase(a, key))
+    for anchor in LOOP_ANCHORS:
+        yield row("trainer GPU memory while the rollout generates, above its CUDA context", _held_above_context(ours),
+                  anchor, _held_above_context(v.get(anchor, {})) if v.get(anchor, {}).get("summary") else None,
+                  unit="GB", rnote="goal <= 1 GB (NVML per process)")

@@ -1,0 +1,199 @@
+"""The rollout's model for the Megatron loop: Megatron-core's GPT from its local (non-Transformer-Engine) layer spec,
+written again in plain PyTorch for inference (KV cache, greedy decode, a static decode step for CUDA graphs), as a
+serving engine implements the trainer's architecture.
+
+Policies:
+- Same architecture and the same parameter names and shapes as Megatron's ``GPTModel`` built by
+  ``get_gpt_layer_local_spec()`` with the example's settings (``ModelConfig``): word embeddings, rotary positions
+  (base 10000, all channels, not interleaved), pre-norm LayerNorm with bias (eps 1e-5), fused QKV whose rows are
+  grouped per head as [q, k, v], attention scaled by 1/sqrt(head_dim), output projection, MLP fc1 -> exact GELU ->
+  fc2, every linear with a bias, a final LayerNorm and an untied output layer without bias. The trainer's names are
+  Megatron's with the ``module.`` prefixes of DDP and Float16Module removed (``megatron_names``): nothing else is
+  renamed, so the weight sync is the identity on names.
+- Parameters only, no buffers: the rotary tables are computed in each forward (a few tiny kernels), so a pause that
+  discards the weights region loses nothing the sync does not rewrite.
+- ``forward(tokens, cache=None, start=0)`` and ``decode_step(token, pos, cache)`` have the interface of
+  ``model.TinyLM``, so ``greedy_decode``, ``KVCache`` and ``GraphDecoder`` serve both models.
+- The equality with Megatron's own forward on the same weights is tested on the CPU (fp32) and checked on every
+  verified step of the loop on the GPU (bf16, the trainer's Megatron forward against the rollout's logits).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from .model import KVCache, ModelConfig
+
+__all__ = ["MegatronGPT", "megatron_names", "ROPE_BASE", "LN_EPS"]
+
+ROPE_BASE = 10000.0
+LN_EPS = 1e-5
+
+
+def megatron_names(named) -> dict:
+    """``{name: tensor}`` with the wrappers' ``module.`` prefixes removed (DDP -> Float16Module -> GPTModel)."""
+    out = {}
+    for n, t in named:
+        while n.startswith("module."):
+            n = n[len("module."):]
+        out[n] = t
+    return out
+
+
+class _LayerNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, LN_EPS)
+
+
+class _Linear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def _rope(pos: torch.Tensor, head_dim: int, dtype):
+    """cos, sin of shape [T, head_dim] for positions ``pos`` [T] (Megatron: fp32 freqs, cast to the activations)."""
+    inv = 1.0 / (ROPE_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=pos.device) / head_dim))
+    f = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_rope(t, cos, sin):
+    x1, x2 = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.linear_qkv = _Linear(d, 3 * d)
+        self.linear_proj = _Linear(d, d)
+
+    def qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.linear_qkv(x).view(B, T, self.n_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def out(self, a):
+        B, H, T, hd = a.shape
+        return self.linear_proj(a.transpose(1, 2).reshape(B, T, H * hd))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.linear_fc1 = _Linear(cfg.d_model, cfg.d_ff)
+        self.linear_fc2 = _Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = _LayerNorm(cfg.d_model)
+        self.self_attention = _Attention(cfg)
+        self.pre_mlp_layernorm = _LayerNorm(cfg.d_model)
+        self.mlp = _MLP(cfg)
+
+    def _finish(self, x, a):
+        x = x + self.self_attention.out(a)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+    def forward(self, x, layer: int, cache: KVCache | None, start: int, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.self_attention.qkv(self.input_layernorm(x), cos, sin)
+        if cache is None:
+            return self._finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        cache.k[layer, :B, :, start:start + T] = k
+        cache.v[layer, :B, :, start:start + T] = v
+        keys, vals = cache.k[layer, :B, :, :start + T], cache.v[layer, :B, :, :start + T]
+        qpos = torch.arange(start, start + T, device=x.device)[:, None]
+        mask = torch.arange(start + T, device=x.device)[None, :] <= qpos  # query i sees keys [0, start + i]
+        return self._finish(x, F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask))
+
+    def step(self, x, layer: int, cache: KVCache, pos, mask, cos, sin):
+        B = x.shape[0]
+        q, k, v = self.self_attention.qkv(self.input_layernorm(x), cos, sin)
+        keys, vals = cache.k[layer, :B], cache.v[layer, :B]
+        keys.index_copy_(2, pos, k)
+        vals.index_copy_(2, pos, v)
+        return self._finish(x, F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask))
+
+
+class _Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab, cfg.d_model)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.n_layers))
+        self.final_layernorm = _LayerNorm(cfg.d_model)
+
+
+class MegatronGPT(nn.Module):
+    """Megatron-core's local-spec GPT for inference (see the module policies)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.embedding = _Embedding(cfg)
+        self.decoder = _Decoder(cfg)
+        self.output_layer = _Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, *, seed: int, device="cpu", dtype=torch.bfloat16) -> "MegatronGPT":
+        """Initialized from ``seed`` on the CPU in the final dtype, then moved (one device allocation per tensor)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.device("meta"):
+            m = cls(cfg)
+        m = m.to_empty(device="cpu").to(dtype)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        return m.to(device)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens, cache: KVCache | None = None, start: int = 0):
+        T = tokens.shape[1]
+        if start + T > self.cfg.max_seq:
+            raise InvalidArgumentError(f"positions up to {start + T} exceed max_seq {self.cfg.max_seq}")
+        x = self.embedding.word_embeddings(tokens)
+        cos, sin = _rope(torch.arange(start, start + T, device=tokens.device), self.cfg.head_dim, x.dtype)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer(x, i, cache, start, cos, sin)
+        return self.output_layer(self.decoder.final_layernorm(x))
+
+    def decode_step(self, token, pos, cache: KVCache):
+        """One static-shape decode step (as ``TinyLM.decode_step``): capturable in a CUDA graph."""
+        x = self.embedding.word_embeddings(token)
+        cos, sin = _rope(pos, self.cfg.head_dim, x.dtype)
+        mask = (torch.arange(cache.max_len, device=pos.device) <= pos).view(1, 1, 1, cache.max_len)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer.step(x, i, cache, pos, mask, cos, sin)
+        return self.output_layer(self.decoder.final_layernorm(x))[:, -1]

@@ -1,0 +1,350 @@
+"""One trainer rank of the colocated loop with a Megatron-core GPT (``--trainer megatron``; ``python -m
+ebbtide.colocate.mtrainer SPEC_JSON OUT_JSON``, started by the launcher). One GPU, TP=1, a world of one; the rollout
+process runs on the same GPU (``rollout`` with ``arch="megatron"``).
+
+Policies:
+- The model: Megatron-core's ``GPTModel`` from ``get_gpt_layer_local_spec()`` (rotary positions, no dropout) under
+  ``Float16Module`` (bf16) and Megatron's ``DistributedDataParallel``, trained on the example's synthetic counting
+  task (``train_tokens``), fp32 loss; gradient clipping at 1.0. The rollout generates with ``gpt.MegatronGPT``, the
+  same architecture under the same parameter names.
+- The step: train (zero the grad buffer, forward, backward, ``finish_grad_sync``) -> optimizer -> rollout_resume
+  -> sync (the rollout holds the new weights) -> offload -> comm_release -> generate -> rollout_pause -> onload ->
+  comm_reload. Each phase ends when its device work is complete.
+- Variant "ebbtide", through the public adapter only: ``install_groups()`` before ``init_process_group``,
+  ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
+  restore, ``release_groups(include_world=True)`` / ``reload_groups()``; weights by ``ebbtide.sync`` (``Sender`` +
+  ``IpcSender``); the rollout on ebbtide.memory (preload shim).
+- Variant "slime", the configuration slime runs colocated: Megatron's DistributedOptimizer + HybridDeviceOptimizer
+  (offload fraction 1.0, D2H/H2D overlap); torch_memory_saver (torch hook mode, ``retain_cpu_backup``) with the
+  model and optimizer in a region with CPU backup, the DDP param and grad buffers moved into regions without backup
+  and the weights kept in a pinned per-parameter CPU copy, refreshed before the pause and copied back after the
+  resume (slime's ``--offload-train`` patch and ``TensorBackuper``); the slime-style weight update; the rollout on
+  torch_memory_saver (discard).
+- Variant "gpu-tms": Megatron's GPU-resident DistributedOptimizer, model and optimizer state in one
+  torch_memory_saver region with CPU backup; weight update and rollout as "slime".
+- Groups, every variant: every Megatron group (WORLD included) is destroyed and re-created around the rollout by
+  ebbtide.comm's destroy-and-rebuild (what slime's ReloadableProcessGroup does: destroy each NCCL communicator,
+  replay the group creations in order), reloaded eagerly; the groups phases cost the same mechanism in all three.
+- torch_memory_saver is configured after ``import megatron.core.models.gpt`` (that import sets its hook mode, which
+  it refuses once initialised). Anchors run the optimizer step inside their region, so state the step creates
+  lazily (Adam's moments) is paused with the rest.
+- Verification (untimed, the first and last steps): the trainer's Megatron forward on the weights the rollout must
+  hold (the sync's dequant(quant(w))) against the rollout's logits, and every weight's digest.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from datetime import timedelta
+
+import torch
+
+from .gpt import megatron_names
+from .measure import NvmlProbe, Recorder
+from .model import ModelConfig
+from .rollout import prompts, weight_digests
+from .sync import IpcTrainerSync
+from .trainer import _only, _RolloutClient, main as _rank_main, rollout_env, train_tokens, verify_entry
+
+__all__ = ["main", "VARIANTS", "LOGITS_RTOL"]
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+warnings.filterwarnings("ignore", message=".*Apex.*")
+
+VARIANTS = ("ebbtide", "slime", "gpu-tms")
+# Megatron's forward and the rollout's plain-PyTorch one on the same bf16 weights: same math, other kernels and
+# operation order (fused QKV split, softmax, LayerNorm) through every layer; a wrong name or layout differs by O(1).
+LOGITS_RTOL = 2.0 ** -4
+
+
+class _MegatronTrainer:
+    def __init__(self, spec: dict, rank: int, world: int):
+        if world != 1:
+            raise RuntimeError(f"the Megatron loop runs on one GPU (TP=1); WORLD_SIZE={world}")
+        self.spec, self.rank, self.world, self.variant = spec, rank, world, spec["variant"]
+        if self.variant not in VARIANTS:
+            raise RuntimeError(f"unknown variant {self.variant!r} (known: {VARIANTS})")
+        self.dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(self.dev)
+        self.cfg = ModelConfig(**spec["model"])
+        self.rec, self.checks = Recorder(), {"verify": []}
+        self.em = self.tms = self.backup = self.state = None
+        if self.variant == "ebbtide":
+            import ebbtide.memory as em  # noqa: PLC0415
+
+            self.em = em
+        else:
+            import megatron.core.models.gpt  # noqa: F401, PLC0415  (sets TMS's hook mode on import: before TMS)
+            from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+
+            tms.hook_mode = "torch"
+            tms.retain_cpu_backup = True  # keep the pinned backup across cycles (its best setting)
+            self.tms = tms
+        self.setup: dict = {"variant": self.variant, "trainer": "megatron", "rank": rank, "world": world,
+                            "device_name": torch.cuda.get_device_name(self.dev), "torch": torch.__version__,
+                            "pid": os.getpid()}
+        torch.zeros(1, device=self.dev)  # the CUDA context
+        props = torch.cuda.get_device_properties(self.dev)
+        self.nvml = NvmlProbe(uuid=str(getattr(props, "uuid", "") or ""), index=self.dev.index)
+        self.setup["nvml"] = self.nvml.why or "ok"
+        self.nvml.assign(spec.get("baseline_pids", []), "other")
+        self.nvml.claim("trainer", pid=os.getpid())
+        self.setup["context_bytes"] = self._sample(-1, "context")["nvml"].get("trainer")
+        self._init_groups()
+        self._build()
+        self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, self.dev)
+        self._start_rollout()
+        self.nvml.claim("rollout", pid=self.rollout.info.get("pid"))
+        self.setup["nvml_roles"] = {str(k): v for k, v in self.nvml.roles.items()}
+        self.setup["rollout"] = {k: v for k, v in self.rollout.info.items() if k not in ("ok", "mem")}
+
+    # ---- setup -----------------------------------------------------------------------------------------------
+    def _init_groups(self):
+        import torch.distributed as dist  # noqa: PLC0415
+        from megatron.core import parallel_state, tensor_parallel  # noqa: PLC0415
+
+        import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+
+        self.ebt = ebt
+        ebt.install_groups(**({} if self.variant == "ebbtide" else {"strategy": "destroy"}))
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
+        dist.init_process_group("nccl", store=self.store, rank=0, world_size=1, device_id=self.dev,
+                                timeout=timedelta(minutes=10))
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.spec["seed"] + 1234)
+
+    def _region(self, tag: str, backup: bool):
+        return self.tms.region(tag=tag, enable_cpu_backup=backup)
+
+    def _build(self):
+        from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
+
+        from ..bench.suites._megatron_worker import build_gpt, opt_config  # noqa: PLC0415
+
+        c, s = self.cfg, self.spec
+        dims = (c.n_layers, c.d_model, c.n_heads, c.d_ff, c.vocab, c.max_seq)
+        seed = s["seed"] + 1234
+        if self.variant == "ebbtide":
+            self.model = build_gpt(*dims, dist_opt=False, seed=seed)
+            self.opt = self.ebt.get_optimizer(opt_config(lr=s["lr"], clip_grad=1.0), [self.model])
+            self.state = self.ebt.TrainingState([self.model], self.opt)
+            self.setup["optimizer"] = f"EbbtideOptimizer(OffloadedAdam, isa={self.opt.optimizer.isa})"
+        else:
+            extra = (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+                          overlap_cpu_optimizer_d2h_h2d=True) if self.variant == "slime" else {})
+            with self._region("train", True):
+                self.model = build_gpt(*dims, dist_opt=True, seed=seed)
+                self.opt = get_megatron_optimizer(opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=True,
+                                                             **extra), [self.model])
+            if self.variant == "slime":
+                self._slime_buffers()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            subs = getattr(self.opt, "chained_optimizers", [self.opt])  # Megatron returns a ChainedOptimizer
+            self.setup["optimizer"] = ", ".join(f"{type(o).__name__}({type(getattr(o, 'optimizer', o)).__name__})"
+                                                for o in subs)
+        self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
+        self.setup["params"] = sum(p.numel() for p in self.model.parameters())
+
+    def _slime_buffers(self):
+        """slime's --offload-train: the DDP param and grad buffers in regions without CPU backup (storage moved, so
+        every view stays valid), the weights in a pinned per-parameter copy."""
+        for buf in self.model.buffers:
+            for t, tag, keep in ((buf.param_data, "param_buffers", True), (buf.grad_data, "grad_buffers", False)):
+                if t is None:
+                    continue
+                st = t.untyped_storage()
+                n = st.nbytes()
+                saved = torch.empty(0, dtype=torch.uint8, device=self.dev).set_(st).clone() if keep else None
+                st.resize_(0)
+                with self._region(tag, False):
+                    st.resize_(n)
+                whole = torch.empty(0, dtype=torch.uint8, device=self.dev).set_(st)
+                if keep:
+                    whole.copy_(saved)
+                else:
+                    whole.zero_()
+                del saved
+        self.params = [p for p in self.model.parameters()]
+        self.backup = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self.params]
+
+    def _start_rollout(self):
+        import socket  # noqa: PLC0415
+        from multiprocessing.connection import Connection  # noqa: PLC0415
+
+        s = self.spec
+        mine, theirs = socket.socketpair()
+        self.sync = IpcTrainerSync(self.named, Connection(mine.detach()),
+                                   "ebbtide" if self.variant == "ebbtide" else "slime")
+        self.setup.update(sync=self.sync.mode, sync_bytes=self.sync.plan.nbytes,
+                          sync_bf16_bytes=self.sync.plan.source_bytes)
+        spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
+                                  "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s", "scratch_backup")}
+        spec.update(decode=s.get("decode", "eager"), device=self.dev.index, trainer_pid=os.getpid(), arch="megatron",
+                    sync=self.sync.mode)
+        env = rollout_env(self.em, s["scratch_backup"])
+        try:
+            self.rollout = _RolloutClient(spec, env, {"sync_fd": theirs.fileno()})
+        finally:
+            theirs.close()
+
+    # ---- measurement -----------------------------------------------------------------------------------------
+    def _sample(self, step: int, phase: str, rollout_mem: dict | None = None) -> dict:
+        m = self.nvml.sample()
+        if m.get("device_used") is None:
+            free, total = torch.cuda.mem_get_info(self.dev)
+            m["device_used"] = total - free
+        selfm = dict(rollout_mem or {})
+        if self.em is not None:  # engine bytes mapped + torch's default pool (region pools count while paused)
+            tags = self.em.stats()["tags"]
+            selfm["trainer"] = (torch.cuda.memory_reserved(self.dev)
+                                - sum(r["bytes_paused"] for r in tags))
+        m["self"] = selfm
+        self.rec.sample(step, phase, m)
+        return m
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def _batch(self, step: int):
+        s = self.spec
+        t = train_tokens(self.cfg, s["batch"], s["seq"], step, self.rank).to(self.dev)
+        T = s["seq"]
+        pos = torch.arange(T, device=self.dev).unsqueeze(0).expand(t.shape[0], -1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=self.dev), 1).view(1, 1, T, T)
+        return t[:, :-1].contiguous(), pos, mask, t[:, 1:].contiguous()
+
+    def _train(self, step: int) -> float:
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
+        tokens, pos, mask, labels = self._batch(step)
+        loss = self.model(tokens, pos, mask, labels=labels).float().mean()
+        loss.backward()
+        self.model.finish_grad_sync()
+        torch.cuda.synchronize(self.dev)
+        return float(loss.item())
+
+    def _step_optimizer(self) -> dict:
+        with self._region("train", True) if self.tms is not None else contextlib.nullcontext():
+            ok, grad_norm, _ = self.opt.step()
+        torch.cuda.synchronize(self.dev)
+        if not ok:
+            raise RuntimeError("the optimizer skipped its step (non-finite gradients)")
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else None}
+
+    def _offload(self) -> dict:
+        if self.em is not None:
+            rep = self.state.offload()
+            return {"bytes": rep.bytes_copied, "bytes_released": rep.bytes, "residual_reserved": rep.residual_reserved}
+        if self.backup is not None:  # slime's TensorBackuper: the weights to their pinned copy
+            for b, p in zip(self.backup, self.params):
+                b.copy_(p.detach(), non_blocking=True)
+            torch.cuda.synchronize(self.dev)
+        torch.cuda.empty_cache()
+        self.tms.pause()
+        torch.cuda.empty_cache()
+        return {}
+
+    def _onload(self) -> dict:
+        if self.em is not None:
+            rep = self.state.restore()
+            return {"bytes": rep.bytes_copied}
+        self.tms.resume()
+        if self.backup is not None:
+            with torch.no_grad():
+                for b, p in zip(self.backup, self.params):
+                    p.copy_(b, non_blocking=True)
+            self.model.zero_grad_buffer()  # the grad buffers come back undefined (no backup)
+        torch.cuda.synchronize(self.dev)
+        return {}
+
+    @torch.no_grad()
+    def _reference(self) -> dict:
+        ref = self.sync.reference()
+        named = megatron_names(self.model.named_parameters())
+        saved = {n: p.detach().clone() for n, p in named.items()}
+        for n, p in named.items():
+            p.copy_(ref[n])
+        B, T = self.verify_tokens.shape
+        pos = torch.arange(T, device=self.dev).unsqueeze(0).expand(B, -1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=self.dev), 1).view(1, 1, T, T)
+        logits = self.model(self.verify_tokens, pos, mask)[:, -1].float().cpu()
+        for n, p in named.items():
+            p.copy_(saved[n])
+        out = {"logits": logits, "digests": weight_digests(ref)}
+        del ref, saved
+        return out
+
+    def step(self, step: int, verify: bool):
+        R, rec, tmo, version = self.rollout, self.rec, self.spec["timeout_s"], step + 1
+        with rec.phase(step, "train") as info:
+            info["loss"] = self._train(step)
+        self._sample(step, "train")
+        with rec.phase(step, "optimizer") as info:
+            info.update(self._step_optimizer())
+        self._sample(step, "optimizer")
+        ref = self._reference() if verify else None  # untimed
+        with rec.phase(step, "rollout_resume") as info:
+            info.update(_only(R.call("resume", timeout=tmo), "inside_s", "bytes_mapped"))
+        self._sample(step, "rollout_resume")
+        with rec.phase(step, "sync") as info:
+            R.send("load", version=version)
+            info["bytes"] = self.sync.push(version)
+            info.update(_only(R.reply(timeout=tmo), "inside_s"))
+        self._sample(step, "sync")
+        loaded = R.call("verify_load", timeout=tmo) if verify else None
+        with rec.phase(step, "offload") as info:
+            info.update(self._offload())
+        self._sample(step, "offload")
+        with rec.phase(step, "comm_release") as info:
+            info["report"] = self.ebt.release_groups(include_world=True).summary()
+        self._sample(step, "comm_release")
+        with rec.phase(step, "generate") as info:
+            gen = R.call("generate", timeout=tmo)
+            info.update(_only(gen, "tokens", "inside_s"))
+        self._sample(step, "generate", gen.get("mem"))
+        self._note_decode(gen)
+        if verify:
+            gen.update(_only(R.call("verify_generate", timeout=tmo), "decode_vs_full_max_abs", "decode_vs_full_rel",
+                             "decode_vs_full_argmax_equal"))
+            if gen.get("decode") != "eager":
+                gen.update(R.call("check_decode", timeout=tmo))
+            self.checks["verify"].append(verify_entry(step, self.rank, ref, loaded, gen, LOGITS_RTOL))
+        with rec.phase(step, "rollout_pause") as info:
+            info.update(_only(R.call("pause", timeout=tmo), "inside_s", "bytes_released"))
+        self._sample(step, "rollout_pause")
+        with rec.phase(step, "onload") as info:
+            info.update(self._onload())
+        self._sample(step, "onload")
+        with rec.phase(step, "comm_reload") as info:
+            info["report"] = self.ebt.reload_groups().summary()
+        self._sample(step, "comm_reload")
+
+    def _note_decode(self, gen: dict):
+        ro = self.setup.setdefault("rollout", {})
+        ro.setdefault("decode_used", gen.get("decode"))
+        if "graph_bytes" in gen and "graph_bytes" not in ro:
+            ro.update(graph_bytes=gen["graph_bytes"], graph_pausable=self.variant == "ebbtide")
+
+    def run(self) -> None:
+        steps = self.spec["steps"]
+        for s in range(steps):
+            self.step(s, s in (0, steps - 1))
+            last = [p for p in self.rec.phases if p["step"] == s]
+            print(f"[megatron {self.variant}] step {s}: {sum(p['s'] for p in last) * 1e3:.1f} ms, "
+                  f"loss {last[0].get('loss', float('nan')):.4f}", flush=True)
+
+    def close(self):
+        self.rollout.close()
+
+
+def main(argv=None) -> int:
+    return _rank_main(argv, _MegatronTrainer)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: paused pools and communicators go with the process

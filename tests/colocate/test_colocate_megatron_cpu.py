@@ -1,0 +1,176 @@
+"""The Megatron colocated loop's pieces that run without CUDA: the rollout's copy of Megatron's GPT against
+Megatron's own forward, its decode paths, the weight-sync plan and names through ebbtide.sync's host transport,
+argument handling and refusals, the report and the bench rows. The loop itself (Megatron's DDP, CUDA IPC, memory
+pause/resume) is tests/colocate/test_colocate_megatron_gpu.py."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ebbtide.colocate import launcher  # noqa: E402
+from ebbtide.colocate.gpt import MegatronGPT, megatron_names  # noqa: E402
+from ebbtide.colocate.launcher import MEGATRON_MODEL, MEGATRON_QUICK, RunConfig, parse_args  # noqa: E402
+from ebbtide.colocate.measure import MEGATRON_PHASES, format_report, summarize  # noqa: E402
+from ebbtide.colocate.model import GraphDecoder, KVCache, ModelConfig, greedy_decode  # noqa: E402
+from ebbtide.colocate.sync import megatron_plan  # noqa: E402
+from ebbtide.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+TINY = ModelConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=512, max_seq=128)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_rollout_model_equals_megatrons_own_forward():
+    # a fresh process: Megatron's parallel state and the CPU redirections stay out of the test session
+    p = subprocess.run([sys.executable, str(HERE / "megatron_gpt_cpu.py"), "2", "128", "4", "512", "256", "128"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["names_equal"], res
+    assert res["max_abs_diff"] <= 1e-5 * max(1.0, res["max_abs_logit"]), res  # fp32, same weights
+    assert res["decode_vs_megatron_max_abs"] <= 1e-5 * max(1.0, res["max_abs_logit"]), res
+
+
+def test_cached_and_static_decode_equal_the_full_forward():
+    m = MegatronGPT.random(TINY, seed=3, dtype=torch.float32)
+    prompt = torch.randint(TINY.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    seq, last = greedy_decode(m, prompt, 8, KVCache(TINY, 2, 24, device="cpu", dtype=torch.float32))
+    ref_seq, ref_last = greedy_decode(m, prompt, 8)  # no cache: the full sequence every token
+    assert torch.equal(seq, ref_seq) and torch.allclose(last, ref_last, atol=1e-5)
+    dec = GraphDecoder(m, KVCache(TINY, 2, 24, device="cpu", dtype=torch.float32), 2, capture=False)
+    g_seq, g_last = dec.generate(prompt, 8)
+    assert torch.equal(g_seq, ref_seq) and torch.allclose(g_last, ref_last, atol=1e-5)
+    assert not list(m.buffers())  # parameters only: nothing a discarded weights region could lose
+
+
+def test_names_strip_the_wrappers_and_the_model_has_megatrons_shapes():
+    m = MegatronGPT(TINY)
+    named = dict(m.named_parameters())
+    assert megatron_names((f"module.module.{n}", p) for n, p in named.items()).keys() == named.keys()
+    assert named["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (3 * 128, 128)
+    assert named["decoder.layers.0.mlp.linear_fc2.weight"].shape == (128, 512)
+    assert named["output_layer.weight"].shape == (256, 128) and "output_layer.bias" not in named
+    with pytest.raises(InvalidArgumentError, match="exceed max_seq"):
+        m(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_plan_kinds_and_a_sync_through_ebbtide_sync_on_cpu():
+    from ebbtide.sync import HostReceiver, HostSender, Receiver, Sender, SharedHostBuffer, expected
+
+    trainer = MegatronGPT.random(TINY, seed=1)
+    rollout = MegatronGPT.random(TINY, seed=2)
+    plan = megatron_plan(megatron_names((f"module.module.{n}", p) for n, p in trainer.named_parameters()))
+    kinds = {it.source: it.kind for it in plan.items}
+    assert kinds["decoder.layers.0.self_attention.linear_qkv.weight"] == "fp8"
+    assert kinds["decoder.layers.1.mlp.linear_fc1.weight"] == "fp8"
+    for raw in ("output_layer.weight", "embedding.word_embeddings.weight", "decoder.final_layernorm.bias",
+                "decoder.layers.0.self_attention.linear_qkv.bias"):
+        assert kinds[raw] == "raw", raw
+    assert plan.signature == megatron_plan(rollout.named_parameters()).signature  # both sides build the same
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        named = {n: p.detach() for n, p in trainer.named_parameters()}
+        Sender(named, HostSender(buf), plan=plan).push(1)
+        HostReceiver(buf).receive(Receiver(rollout, plan), 1)
+        want = expected(plan, named)
+        got = dict(rollout.named_parameters())
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    finally:
+        buf.close()
+
+
+def test_arguments_pick_the_megatron_loop_and_its_sizes():
+    cfg = parse_args(["--trainer", "megatron"])
+    assert cfg.model == MEGATRON_MODEL and cfg.variants == ("ebbtide", "slime", "gpu-tms")
+    assert cfg.worker_spec("slime")["trainer"] == "megatron"
+    q = parse_args(["--trainer", "megatron", "--quick", "--variants", "ebbtide,slime"])
+    assert q.model == MEGATRON_QUICK and q.variants == ("ebbtide", "slime") and q.steps == 5
+    assert parse_args([]).trainer == "toy" and parse_args([]).variants == ("ebbtide", "anchor")
+    assert RunConfig(trainer="megatron").validate().variants == ("ebbtide", "slime", "gpu-tms")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--trainer", "megatron", "--device", "cpu"], "needs CUDA"),
+    (["--trainer", "megatron", "--gpus", "2"], "one GPU"),
+    (["--trainer", "megatron", "--variants", "ebbtide,anchor"], "variants must be distinct names from"),
+    (["--variants", "ebbtide,slime"], "variants must be distinct names from"),
+    (["--trainer", "megatron", "--quick", "--d-model", "1000"], "multiple of 128"),
+])
+def test_megatron_refusals(argv, msg):
+    with pytest.raises(InvalidArgumentError, match=msg):
+        parse_args(argv)
+
+
+def test_unknown_trainer_is_a_usage_error_and_cpu_is_refused_from_the_command_line():
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--trainer", "deepspeed"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "--trainer" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--trainer", "megatron", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "needs CUDA" in p.stderr and "Traceback" not in p.stderr
+    with pytest.raises(InvalidArgumentError, match="trainer must be one of"):
+        RunConfig(trainer="nemo").validate()
+
+
+def test_missing_megatron_core_is_a_clear_error(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda n, *a: None if n == "megatron" else real(n, *a))
+    with pytest.raises(UnsupportedError, match="needs megatron-core"):
+        launcher.run(RunConfig(trainer="megatron", out=str(tmp_path)))
+
+
+def test_the_megatron_rank_refuses_a_world_of_two(tmp_path):
+    out = tmp_path / "r.json"
+    spec = RunConfig(trainer="megatron", model=MEGATRON_QUICK).validate().worker_spec("ebbtide")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2")
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate.mtrainer", json.dumps(spec), str(out)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    res = json.loads(out.read_text())
+    assert p.returncode == 1 and not res["ok"] and "runs on one GPU" in res["error"]
+
+
+def _rank(step_s: dict, steps: int, ctx=1e9, held=1.5e9) -> dict:
+    phases, mem = [], []
+    for s in range(steps):
+        for ph in MEGATRON_PHASES:
+            phases.append({"step": s, "phase": ph, "t0": 0.0, "t1": step_s[ph], "s": step_s[ph],
+                           **({"loss": 5.0 - s} if ph == "train" else {})})
+            mem.append({"step": s, "phase": ph, "nvml": {"trainer": held if ph == "generate" else 3e9},
+                        "device_used": 10e9})
+    return {"phases": phases, "memory": mem, "setup": {"context_bytes": ctx, "params": 120_000_000,
+                                                         "device_name": "test"}}
+
+
+def test_report_and_bench_rows_of_three_variants():
+    from ebbtide.bench.suites.megatron import colocated_rows
+
+    ours = _rank({p: 0.01 for p in MEGATRON_PHASES}, 3)
+    slime = _rank({p: 0.04 for p in MEGATRON_PHASES}, 3, held=4e9)
+    res = {"config": {"decode": "cuda-graph", "steps": 3, "warmup": 1}, "variants": {
+        "ebbtide": {"ranks": [ours], "summary": summarize([ours], 1), "checks": {"correct": True, "verify": []}},
+        "slime": {"ranks": [slime], "summary": summarize([slime], 1)},
+        "gpu-tms": {"why": "not installed (torch_memory_saver)"}}}
+    assert list(res["variants"]["ebbtide"]["summary"]["phase_s"]) == list(MEGATRON_PHASES)  # step order kept
+    text = format_report(res)
+    assert "speed-up" in text and "4.00x" in text and "onload" in text and "gpu-tms: not measured" in text
+    assert "losses (every step, rank 0): 5.0000, 4.0000, 3.0000" in text
+    assert "0.500 GB above its CUDA context" in text
+    rows = list(colocated_rows(res, "out"))
+    by = {r.name.split(", Megatron")[0]: r for r in rows}
+    step = by["colocated loop: RL step (vs slime)"]
+    assert step.ours == pytest.approx(0.1) and step.anchor == pytest.approx(0.4) and step.vs_anchor() == 4.0
+    assert by["colocated loop: RL step (vs gpu-tms)"].anchor is None
+    assert "not installed" in by["colocated loop: RL step (vs gpu-tms)"].anchor_note
+    assert by["colocated loop: step overhead (all but train and generate) (vs slime)"].ours == pytest.approx(0.08)
+    assert by["colocated loop: process groups release + reload (vs slime)"].anchor == pytest.approx(0.08)
+    mem = by["colocated loop: trainer GPU memory while the rollout generates, above its CUDA context (vs slime)"]
+    assert mem.ours == pytest.approx(0.5) and mem.anchor == pytest.approx(3.0) and mem.unit == "GB"
+    assert len(rows) == 2 * 2 + 9 + 2
