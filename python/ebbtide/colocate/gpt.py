@@ -161,11 +161,13 @@ class MegatronGPT(nn.Module):
 
     @classmethod
     def random(cls, cfg: ModelConfig, *, seed: int, device="cpu", dtype=torch.bfloat16) -> "MegatronGPT":
-        """Initialized from ``seed`` on the CPU in the final dtype, then moved (one device allocation per tensor)."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """Allocated on ``device`` in the final dtype (one allocation per tensor, no temporaries) and filled there from
+        ``seed`` (the rollout's initial weights only need to differ from the trainer's: every sync rewrites them)."""
+        device = torch.device(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
         with torch.device("meta"):
-            m = cls(cfg)
-        m = m.to_empty(device="cpu").to(dtype)
+            m = cls(cfg).to(dtype)
+        m = m.to_empty(device=device)
         with torch.no_grad():
             for name, p in m.named_parameters():
                 if name.endswith("layernorm.weight"):
@@ -173,8 +175,8 @@ class MegatronGPT(nn.Module):
                 elif name.endswith(".bias"):
                     p.zero_()
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        return m.to(device)
+                    p.normal_(0.0, 0.02, generator=gen)
+        return m
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

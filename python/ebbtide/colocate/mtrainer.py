@@ -16,12 +16,16 @@ Policies:
   ``IpcSender``); the rollout on ebbtide.memory (preload shim).
 - Variant "slime", the configuration slime runs colocated: Megatron's DistributedOptimizer + HybridDeviceOptimizer
   (offload fraction 1.0, D2H/H2D overlap); torch_memory_saver (torch hook mode, ``retain_cpu_backup``) with the
-  model and optimizer in a region with CPU backup, the DDP param and grad buffers moved into regions without backup
-  and the weights kept in a pinned per-parameter CPU copy, refreshed before the pause and copied back after the
-  resume (slime's ``--offload-train`` patch and ``TensorBackuper``); the slime-style weight update; the rollout on
+  optimizer in a region with CPU backup, the DDP param and grad buffers allocated in a region without backup and
+  the weights kept in a pinned per-parameter CPU copy, refreshed before the pause and copied back after the resume
+  (slime's ``--offload-train`` patch and ``TensorBackuper``); the slime-style weight update; the rollout on
   torch_memory_saver (discard).
-- Variant "gpu-tms": Megatron's GPU-resident DistributedOptimizer, model and optimizer state in one
+- Variant "gpu-tms": Megatron's GPU-resident DistributedOptimizer, the DDP buffers and the optimizer state in one
   torch_memory_saver region with CPU backup; weight update and rollout as "slime".
+- Anchors build the model outside torch_memory_saver and only the DDP construction inside it, so the model's
+  construction-time storages (freed once DDP copied them into its buffers) are not cached in a region pool that
+  every pause would copy. After each step every variant calls the optimizer's ``zero_grad()``, so the fp32 main
+  grads a DistributedOptimizer makes for its step are freed before the offload, not carried through it.
 - Groups, every variant: every Megatron group (WORLD included) is destroyed and re-created around the rollout by
   ebbtide.comm's destroy-and-rebuild (what slime's ReloadableProcessGroup does: destroy each NCCL communicator,
   replay the group creations in order), reloaded eagerly; the groups phases cost the same mechanism in all three.
@@ -133,14 +137,18 @@ class _MegatronTrainer:
             self.state = self.ebt.TrainingState([self.model], self.opt)
             self.setup["optimizer"] = f"EbbtideOptimizer(OffloadedAdam, isa={self.opt.optimizer.isa})"
         else:
-            extra = (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
-                          overlap_cpu_optimizer_d2h_h2d=True) if self.variant == "slime" else {})
+            slime = self.variant == "slime"
+            extra = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+                         overlap_cpu_optimizer_d2h_h2d=True) if slime else {}
+            # the DDP param and grad buffers: without backup for slime (--offload-train), else with the rest
+            buffers = ("ddp_buffers", False) if slime else ("train", True)
+            self.model = build_gpt(*dims, dist_opt=True, seed=seed, ddp_region=lambda: self._region(*buffers))
             with self._region("train", True):
-                self.model = build_gpt(*dims, dist_opt=True, seed=seed)
                 self.opt = get_megatron_optimizer(opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=True,
                                                              **extra), [self.model])
-            if self.variant == "slime":
-                self._slime_buffers()
+            if slime:  # slime's TensorBackuper: the weights survive the pause in a pinned per-parameter copy
+                self.params = list(self.model.parameters())
+                self.backup = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self.params]
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             subs = getattr(self.opt, "chained_optimizers", [self.opt])  # Megatron returns a ChainedOptimizer
@@ -148,28 +156,6 @@ class _MegatronTrainer:
                                                 for o in subs)
         self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
         self.setup["params"] = sum(p.numel() for p in self.model.parameters())
-
-    def _slime_buffers(self):
-        """slime's --offload-train: the DDP param and grad buffers in regions without CPU backup (storage moved, so
-        every view stays valid), the weights in a pinned per-parameter copy."""
-        for buf in self.model.buffers:
-            for t, tag, keep in ((buf.param_data, "param_buffers", True), (buf.grad_data, "grad_buffers", False)):
-                if t is None:
-                    continue
-                st = t.untyped_storage()
-                n = st.nbytes()
-                saved = torch.empty(0, dtype=torch.uint8, device=self.dev).set_(st).clone() if keep else None
-                st.resize_(0)
-                with self._region(tag, False):
-                    st.resize_(n)
-                whole = torch.empty(0, dtype=torch.uint8, device=self.dev).set_(st)
-                if keep:
-                    whole.copy_(saved)
-                else:
-                    whole.zero_()
-                del saved
-        self.params = [p for p in self.model.parameters()]
-        self.backup = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self.params]
 
     def _start_rollout(self):
         import socket  # noqa: PLC0415
@@ -228,6 +214,8 @@ class _MegatronTrainer:
     def _step_optimizer(self) -> dict:
         with self._region("train", True) if self.tms is not None else contextlib.nullcontext():
             ok, grad_norm, _ = self.opt.step()
+            # the fp32 main grads a DistributedOptimizer made for this step go now, not through the pause
+            self.opt.zero_grad()
         torch.cuda.synchronize(self.dev)
         if not ok:
             raise RuntimeError("the optimizer skipped its step (non-finite gradients)")

@@ -234,24 +234,26 @@ class IpcRolloutSync:
             if got != version:
                 raise StateError(f"the rollout applied version {got}, expected {version}")
             return self.plan.nbytes
-        from ..quant import fp8_block_dequant  # noqa: PLC0415
-
         while True:
             msg = self.conn.recv()
             if msg[0] == "done":
                 torch.cuda.synchronize()
                 self.conn.send(("done",))
                 return self.plan.nbytes
-            flat, meta = msg[1], msg[2]
-            views = {name: flat[a:b].view(getattr(torch, dt)).view(shape) for name, dt, shape, a, b in meta}
-            for name, v in views.items():
-                it, i = self.items[name]
-                if i != 0:
-                    continue
+            self._load_flat(msg[1], msg[2])
+            # every reference to the bucket is gone (the sender's ipc_collect can free it): answer
+            del msg
+            self.conn.send(("ok",))
+
+    def _load_flat(self, flat, meta) -> None:
+        """One slime-style bucket: views rebuilt from ``meta``, each weight dequantized and copied into its
+        parameter; returns once the copies completed (the sender frees the bucket when answered)."""
+        from ..quant import fp8_block_dequant  # noqa: PLC0415
+
+        views = {name: flat[a:b].view(getattr(torch, dt)).view(shape) for name, dt, shape, a, b in meta}
+        for name, v in views.items():
+            it, i = self.items[name]
+            if i == 0:
                 p = self.params[it.source]
                 p.copy_(fp8_block_dequant(v, views[it.outputs[1].name]) if it.kind == "fp8" else v)
-            # complete before answering: the sender frees the bucket (ipc_collect + empty_cache) once answered,
-            # and a copy still reading another process's freed memory would corrupt the weights
-            torch.cuda.current_stream().synchronize()
-            del flat, msg, views
-            self.conn.send(("ok",))
+        torch.cuda.current_stream().synchronize()

@@ -69,8 +69,11 @@ def build(size: str, *, dist_opt: bool, seed: int = 1234):
 
 
 def build_gpt(layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: int, *, dist_opt: bool,
-              seed: int = 1234):
-    """GPTModel (local layer spec, rotary positions, no dropout) -> Float16Module (bf16) -> Megatron's DDP."""
+              seed: int = 1234, ddp_region=None):
+    """GPTModel (local layer spec, rotary positions, no dropout) -> Float16Module (bf16) -> Megatron's DDP.
+    ``ddp_region``: a context manager factory entered around the DDP construction only, so its param and grad
+    buffers are allocated inside it (e.g. a torch_memory_saver region) while the model's construction-time
+    tensors, freed once DDP has copied them into its buffers, stay outside it."""
     from megatron.core import tensor_parallel  # noqa: PLC0415
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
@@ -90,7 +93,11 @@ def build_gpt(layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: i
     gpt.cuda(torch.cuda.current_device())
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
                                             use_distributed_optimizer=dist_opt)
-    return DistributedDataParallel(cfg, ddp_cfg, Float16Module(cfg, gpt))
+    chunk = Float16Module(cfg, gpt)
+    if ddp_region is None:
+        return DistributedDataParallel(cfg, ddp_cfg, chunk)
+    with ddp_region():
+        return DistributedDataParallel(cfg, ddp_cfg, chunk)
 
 
 def batch(size: str, step: int):
