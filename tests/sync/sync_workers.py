@@ -102,3 +102,34 @@ def tp_rank(rank: int, port: int, buf_path: str, nbytes: int, q) -> None:
         q.put((rank, s.is_source, s.plan.signature))
     finally:
         dist.destroy_process_group()
+
+
+def ipc_receiver_region(conn, results, plan_kw: dict, versions: int, shareable: bool) -> None:
+    """Receive ``versions`` updates over CUDA IPC into a staging buffer in an ebbtide.memory region (VMM memory,
+    which torch's CUDA IPC handle cannot share), pausing the staging (discard) between updates as a rollout does;
+    after each, send ("ok", version, digests) or ("error", type name, message, digests)."""
+    import ebbtide.memory as em
+    from ebbtide.sync import IpcReceiver, Plan, Receiver
+    from sync_models import checkpoint
+
+    torch.cuda.set_device(0)
+    src = checkpoint(0, "cuda")
+    params = {n: torch.zeros_like(t) for n, t in src.items()}
+    plan = Plan.of(src, **plan_kw)
+    with em.region("sync_staging", shareable=shareable):
+        staging = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
+    receiver = Receiver(params, plan, staging=staging)
+    rx = IpcReceiver(conn, timeout=120)
+    for _ in range(versions):
+        try:
+            v = rx.receive(receiver)
+            results.send(("ok", v, digests(params)))
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            results.send(("error", type(e).__name__, str(e), digests(params)))
+            return
+        em.pause("sync_staging")  # the rollout's pause: the staging leaves the GPU until the next update
+        em.resume("sync_staging")
+    try:
+        rx.receive(receiver)  # the sender's close
+    except Exception:  # noqa: BLE001
+        pass

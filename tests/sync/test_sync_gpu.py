@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 
+from ebbtide.errors import StateError
 from ebbtide.sync import (HostReceiver, HostSender, IpcSender, Plan, Receiver, Sender, SharedHostBuffer,
                           WeightVersionError, expected)
 
@@ -129,6 +130,40 @@ def test_ipc_sender_dying_mid_update_keeps_the_last_version():
         p.join(120)
         if p.is_alive():
             p.kill()
+
+
+@pytest.mark.parametrize("shareable", [True, False])
+def test_ipc_into_a_staging_in_ebbtide_region_memory(shareable):
+    """A rollout's staging in a region (VMM): shared by its fd every update, paused between updates, bits equal
+    over 5 updates; a region that is not shareable is refused on both sides with the way out, nothing applied."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    res_r, res_w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=sync_workers.ipc_receiver_region, args=(b, res_w, PLAN_KW, 5, shareable))
+    p.start()
+    try:
+        src = checkpoint(0, "cuda")
+        plan = Plan.of(src, **PLAN_KW)
+        sender = Sender(src, IpcSender(a, timeout=120), plan=plan)
+        for v in range(1, 6):
+            _step(src, v)
+            want = _cpu_digests(plan, src)
+            if not shareable:
+                with pytest.raises(StateError, match="shareable=True"):
+                    sender.push(v)
+                got = res_r.recv()
+                assert got[:2] == ("error", "StateError") and "shareable=True" in got[2]
+                assert got[3] == sync_workers.digests({n: torch.zeros_like(t) for n, t in src.items()})
+                break
+            sender.push(v)
+            got = res_r.recv()
+            assert got[:2] == ("ok", v) and got[2] == want, got[:3]
+        sender.close()
+    finally:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    assert p.exitcode == 0
 
 
 @pytest.mark.multigpu

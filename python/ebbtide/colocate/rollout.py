@@ -137,7 +137,11 @@ class _Rollout:
         self.staging = None
         if ipc_mode != "slime":  # the slime-style load copies each bucket straight into the parameters
             sync_cls = IpcRolloutSync if ipc_mode else RolloutSync
-            with region("sync_staging"):
+            # over CUDA IPC the trainer quantizes straight into this staging: ebbtide's region memory is shared by
+            # its fd export, which needs a shareable region
+            staging_region = (self.em.region("sync_staging", shareable=True) if ipc_mode and self.em
+                              else region("sync_staging"))
+            with staging_region:
                 n = sync_cls.staging_bytes(self.model)
                 self.staging = torch.empty(n, dtype=torch.uint8, device=self.dev)
         if ipc_mode:

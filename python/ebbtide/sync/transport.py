@@ -12,8 +12,11 @@ Policies:
   self-describing: the receiver refuses another plan, an incomplete update, an unexpected or stale version, and an
   update that was overwritten while it was read. On the CPU the sender quantizes straight into the buffer.
 - CUDA IPC (``IpcSender`` / ``IpcReceiver``, two processes, one GPU, a ``multiprocessing`` connection for control):
-  the receiver shares its staging buffer once (torch's CUDA IPC handle, in its reply to the first "begin", and
-  again only when its staging changes: a new generation) and the sender quantizes every bucket straight into it, at
+  the receiver shares its staging buffer (plain device memory: torch's CUDA IPC handle, in its reply to the first
+  "begin", and again only when its staging changes, a new generation; memory that ebbtide.memory owns, which that
+  handle cannot share: the shareable region's fd, passed over the connection's Unix socket with every "begin" and
+  unmapped by the sender after the commit, so the receiver may pause it between updates; a non-shareable region is
+  refused with the way out) and the sender quantizes every bucket straight into it, at
   the bucket's offset: the bytes cross HBM once on the way in (no producer buffer, no device-to-device copy), then
   the receiver's apply moves them into the parameters. One round trip per update, none per bucket: "begin" (plan
   signature and version checked before any byte is written), then "commit" after the sender recorded its "ready"
@@ -207,6 +210,18 @@ def _recv(conn, timeout: float, who: str):
     return msg
 
 
+def _engine_owned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is an ebbtide.memory allocation (a region's VMM memory)."""
+    from ..errors import NotFoundError  # noqa: PLC0415
+    from ..memory._common import mem  # noqa: PLC0415
+
+    try:
+        mem().lookup(t.data_ptr())
+    except NotFoundError:
+        return False
+    return True
+
+
 class IpcSender:
     """Sending end of the CUDA IPC transport (see the module policies). ``conn`` is a
     ``multiprocessing.connection.Connection`` to the process that runs ``IpcReceiver.receive``."""
@@ -216,6 +231,8 @@ class IpcSender:
 
         self.conn, self.timeout = conn, timeout
         self.gen, self._staging, self._ready, self._offsets = None, None, None, None
+        self._import = None  # the receiver's staging mapped through ebbtide.memory's fd export (one update long)
+        self._peer = False  # a conversation is open (close() tells the receiver)
 
     def _send(self, msg) -> None:
         try:
@@ -240,10 +257,26 @@ class IpcSender:
         if self._ready is None:
             self._ready = torch.cuda.Event(interprocess=True)
         # the event travels with every "begin" (a receiver that restarted needs it too); one per update, not bucket
-        _, gen, staging = self._call(("begin", version, plan.signature, len(plan.buckets), self._ready, self.gen),
-                                     "begun")
-        if staging is not None:  # first update, or the receiver's staging changed: the old mapping is dropped
-            self.gen, self._staging = gen, staging
+        _, gen, share = self._call(("begin", version, plan.signature, len(plan.buckets), self._ready, self.gen),
+                                   "begun")
+        self._peer = True
+        if share is not None:  # first update, or the receiver's staging changed: the old mapping is dropped
+            self._drop_import()
+            kind, payload = share
+            if kind == "torch":
+                self._staging = payload
+            else:  # "vmm": the fd follows on the connection's socket
+                from multiprocessing.reduction import recv_handle  # noqa: PLC0415
+
+                from ..memory import import_tensor  # noqa: PLC0415
+
+                try:
+                    fd = recv_handle(self.conn)
+                except OSError as e:
+                    raise PartialUpdateError(f"the receiver's staging fd did not arrive ({e})") from None
+                self._import = import_tensor(payload, fd)
+                self._staging = self._import.tensor
+            self.gen = gen
         if self._staging is None or self._staging.device != device or self._staging.numel() < plan.nbytes:
             raise StateError(f"the receiver's staging buffer ({None if self._staging is None else self._staging.numel()}"
                              f" bytes on {None if self._staging is None else self._staging.device}) cannot hold "
@@ -258,12 +291,23 @@ class IpcSender:
         self._filled += 1
         self._stream = stream
 
+    def _drop_import(self) -> None:
+        if self._import is not None:
+            self._import.close()  # drains the device, then unmaps: the receiver may pause its staging again
+            self._import = None
+            self._staging = None
+
     def commit(self, version) -> None:
         self._ready.record(self._stream)  # every bucket is written once this completes on the device
-        self._call(("commit", version, self._filled), "committed")
+        try:
+            self._call(("commit", version, self._filled), "committed")
+        finally:
+            self._drop_import()  # an imported staging is mapped for one update only
 
     def close(self) -> None:
-        if self._staging is not None:
+        self._drop_import()
+        if self._peer:
+            self._peer = False
             try:
                 self._call(("close", self.gen), "closed")
             except StateError:  # PartialUpdateError included: the receiver is gone already
@@ -280,6 +324,36 @@ class IpcReceiver:
 
         self.conn, self.timeout = conn, timeout
         self.gen, self._shared, self._ready = 0, None, None
+
+    def _begun(self, staging, sender_gen) -> None:
+        """Answer "begin", sharing ``staging`` where the sender does not hold it: by torch's CUDA IPC handle (plain
+        device memory; once), or, for memory that ``ebbtide.memory`` owns (VMM, which that handle cannot share), by
+        the shareable region's fd (every update: the sender unmaps after each one, so the staging may pause)."""
+        vmm = _engine_owned(staging)
+        if not vmm and self._shared is staging and sender_gen == self.gen:
+            self.conn.send(("begun", self.gen, None))
+            return
+        self.gen += 1  # a staging the sender has not mapped yet (first update, a new receiver, or an fd export)
+        if not vmm:
+            self._shared = staging
+            self.conn.send(("begun", self.gen, ("torch", staging)))
+            return
+        from multiprocessing.reduction import send_handle  # noqa: PLC0415
+
+        from ..memory import export_tensor  # noqa: PLC0415
+
+        try:
+            fd, handle = export_tensor(staging)
+        except InvalidArgumentError as e:
+            self._fail(StateError(f"the receiver's staging is ebbtide.memory region memory that cannot be shared "
+                                  f"({e}); allocate it in a region entered with shareable=True, or inside "
+                                  f"ebbtide.memory.disable()"))
+        try:
+            self._shared = None
+            self.conn.send(("begun", self.gen, ("vmm", handle)))
+            send_handle(self.conn, fd, None)  # SCM_RIGHTS on the connection's Unix socket
+        finally:
+            os.close(fd)
 
     def _fail(self, err: Exception):
         try:
@@ -307,12 +381,8 @@ class IpcReceiver:
                 except WeightVersionError as e:
                     self._fail(e)
                 self._ready = ready
-                share = None
-                if self._shared is not receiver.staging or sender_gen != self.gen:
-                    self.gen += 1  # a staging the sender has not mapped yet (first update, or a new receiver)
-                    self._shared = share = receiver.staging
                 pending = v
-                self.conn.send(("begun", self.gen, share))
+                self._begun(receiver.staging, sender_gen)
             elif kind == "commit":
                 _, v, filled = msg
                 if v != pending or filled != len(receiver.plan.buckets):
