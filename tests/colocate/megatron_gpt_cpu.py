@@ -49,6 +49,12 @@ def main():
     ours = dict(mine.named_parameters())
     out = {"names_equal": sorted(theirs) == sorted(ours),
            "only_megatron": sorted(set(theirs) - set(ours))[:5], "only_ours": sorted(set(ours) - set(theirs))[:5]}
+    from ebbtide.colocate.sync import megatron_plan
+
+    # the plan each side builds from its own model (bf16, as trained and served) must be the same one
+    bf16 = lambda named: {n: torch.empty(t.shape, dtype=torch.bfloat16) for n, t in named.items()}  # noqa: E731
+    out["plan_equal"] = megatron_plan(bf16(theirs)).signature == megatron_plan(bf16(ours)).signature
+    out["order_equal"] = list(theirs) == list(ours)
     with torch.no_grad():
         for n, p in ours.items():
             p.copy_(theirs[n])

@@ -154,8 +154,10 @@ class RolloutSync:
 
 # ---- the Megatron loop: CUDA IPC on one GPU -----------------------------------------------------------------
 def megatron_plan(named) -> Plan:
-    """The Megatron loop's plan (both sides build it from their own ``{name: tensor}``; see the module policies)."""
-    return Plan.of(dict(named), rules=MEGATRON_RULES)
+    """The Megatron loop's plan (both sides build it from their own ``{name: tensor}``; see the module policies).
+    Tensors in name order: Megatron's module lists its parameters in another order than the rollout's copy of
+    the architecture, and the plan (its buckets and signature) follows the order it is given."""
+    return Plan.of(dict(sorted(dict(named).items())), rules=MEGATRON_RULES)
 
 
 def _check_mode(mode: str) -> None:
