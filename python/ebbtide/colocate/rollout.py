@@ -262,8 +262,11 @@ class _Rollout:
         return out
 
     def self_memory(self) -> dict:
+        """Engine bytes the rollout's pause releases (the kept scratch tag, never paused, is not counted; NVML
+        shows it with the CUDA context)."""
         if self.em:
-            return {"rollout": sum(r["bytes_active"] for r in self.em.stats()["tags"])}
+            return {"rollout": sum(r["bytes_active"] for r in self.em.stats()["tags"]
+                                   if not (self.keep_scratch and r["tag"] == SCRATCH_TAG))}
         return {}
 
 
