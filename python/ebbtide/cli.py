@@ -1,4 +1,4 @@
-"""Command line: `ebbtide info` and `ebbtide bench` (also `python -m ebbtide ...`); docs/cli.md.
+"""Command line: `ebbtide info`, `ebbtide bench` and `ebbtide colocate` (also `python -m ebbtide ...`); docs/cli.md.
 
 Exit status: 0 success; 1 a failure while running (a suite failed, an output could not be written, the native
 library is missing or mismatched, an ebbtide error); 2 a usage error, reported before anything runs (bad
@@ -29,6 +29,12 @@ def _bench(args) -> int:
                        list_only=args.list)
 
 
+def _colocate(argv: list) -> int:
+    from .colocate.launcher import main as colocate_main  # noqa: PLC0415
+
+    return colocate_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ebbtide", description="ebbtide: GPU memory and communication runtime "
                                 "for colocated RL post-training",
@@ -45,13 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--plot", metavar="FILE.png", help="draw a PNG chart (needs matplotlib)")
     pb.add_argument("--list", action="store_true", help="list the suites and exit")
     pb.set_defaults(fn=_bench)
+    # every argument after `colocate` is the example's own (python -m ebbtide.colocate); main() hands them over
+    # before this parser sees them, so `ebbtide colocate --help` prints the example's flags
+    sub.add_parser("colocate", add_help=False,
+                   help="the colocated RL loop (trainer + rollout on each GPU, beside the same loop on today's tools; "
+                        "--trainer megatron for Megatron-core); `ebbtide colocate --help` for its flags")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["colocate"]:
+        fn = lambda: _colocate(argv[1:])  # noqa: E731
+    else:
+        args = build_parser().parse_args(argv)
+        fn = lambda: args.fn(args)  # noqa: E731
     try:
-        return args.fn(args)
+        return fn()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -100,6 +100,21 @@ def test_argument_error_exit_code_and_message():
     assert p.returncode == 2 and "nothing would be measured" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_ebbtide_colocate_command_is_the_example(tmp_path):
+    # `ebbtide colocate ARGS` hands every argument to the example: it runs the loop, and a bad argument is the
+    # example's own usage error
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", *TINY_ARGS, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert json.loads((tmp_path / "results.json").read_text())["variants"]["ebbtide"]["checks"]["correct"] is True
+    bad = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--steps", "1", "--warmup", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "nothing would be measured" in bad.stderr and "Traceback" not in bad.stderr
+    helped = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert helped.returncode == 0 and "--trainer" in helped.stdout
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_the_loop_runs_on_cpu(tmp_path, ranks):
     p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", *TINY_ARGS, "--gpus", str(ranks), "--out",
