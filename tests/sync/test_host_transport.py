@@ -208,3 +208,31 @@ def test_served_form_follows_a_moved_parameter_and_both_copy_paths(monkeypatch):
         check()
     finally:
         buf.close()
+
+
+def test_served_form_copies_odd_sized_outputs_in_the_widest_words_they_allow():
+    import ebbtide.sync.receiver as receiver_mod
+
+    g = torch.Generator().manual_seed(5)
+    src = {"m.norm.weight": torch.randn(3, generator=g).to(torch.bfloat16),       # 6 bytes: 2-byte words
+           "m.proj.bias": torch.randn(3, generator=g),                              # 12 bytes: 4-byte words
+           "m.gate.weight": torch.randn(5, generator=g).to(torch.bfloat16),         # 10 bytes: 2-byte words
+           "m.proj.weight": torch.randn(256, 128, generator=g).to(torch.bfloat16)}  # FP8 + scales: 8-byte words
+    plan = Plan.of(src)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        outs = {o.name: o for it in plan.items for o in it.outputs}
+        served = {n: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for n, o in outs.items()}
+        r = Receiver(served, plan, form="served")
+        Sender(src, HostSender(buf), plan=plan).push(1)
+        HostReceiver(buf).receive(r, 1)
+        for b in plan.buckets:
+            region = r.region(b)
+            for o in b.outputs:
+                assert torch.equal(served[o.name].reshape(-1).view(torch.uint8),
+                                   o.view(region).reshape(-1).view(torch.uint8)), o.name
+        words = {dst[0].dtype for dst, _ in r._copies[1][1]}
+        assert {torch.int64, torch.int32, torch.int16} <= words, words
+        assert receiver_mod._BIG_COPY > max(o.nbytes for o in outs.values())  # all went through the fused path
+    finally:
+        buf.close()

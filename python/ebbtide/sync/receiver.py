@@ -16,7 +16,8 @@ Policies:
 - On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. The
   served form's copies are byte views built once (rebuilt if a parameter's storage moves): outputs of 32 MiB and
   more get one copy each, the smaller ones (scales, norms, experts of an MoE layer: thousands) go in a few fused
-  ``torch._foreach_copy_`` launches, so an update's host time does not grow with its tensor count.
+  ``torch._foreach_copy_`` launches, viewed as the widest word (8, 4, 2 or 1 bytes) their size and both addresses
+  allow, so an update's host time does not grow with its tensor count and the fused copy moves words.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .plan import Plan, _dtype
 __all__ = ["Receiver"]
 
 _BIG_COPY = 32 << 20  # outputs this large get their own copy (a memcpy at full bandwidth); smaller ones are batched
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 class Receiver:
@@ -96,7 +98,7 @@ class Receiver:
         ptrs = [self.params[o.name].data_ptr() for b in self.plan.buckets for o in b.outputs]
         if self._copies is not None and self._copies[0] == ptrs:
             return self._copies[1]
-        big, small = ([], []), ([], [])
+        big, small = ([], []), {}
         for b in self.plan.buckets:
             region = self.region(b)
             for o in b.outputs:
@@ -104,10 +106,18 @@ class Receiver:
                 if not p.is_contiguous():
                     self._copies = (ptrs, None)
                     return None
-                side = big if o.nbytes >= _BIG_COPY else small
-                side[0].append(p.detach().reshape(-1).view(torch.uint8))
-                side[1].append(region[o.offset:o.offset + o.nbytes])
-        self._copies = (ptrs, (big, small))
+                dst, src = p.detach().reshape(-1).view(torch.uint8), region[o.offset:o.offset + o.nbytes]
+                if o.nbytes >= _BIG_COPY:
+                    big[0].append(dst)
+                    big[1].append(src)
+                    continue
+                # the widest word both ends are aligned to and the size divides: a fused copy moves words, not bytes
+                w = next(w for w in (8, 4, 2, 1) if o.nbytes % w == 0 and dst.data_ptr() % w == 0
+                         and src.data_ptr() % w == 0)
+                pair = small.setdefault(w, ([], []))
+                pair[0].append(dst.view(_WORDS[w]))
+                pair[1].append(src.view(_WORDS[w]))
+        self._copies = (ptrs, (big, list(small.values())))
         return self._copies[1]
 
     def _load_all(self) -> None:
@@ -116,10 +126,10 @@ class Receiver:
             for b in self.plan.buckets:
                 load_bucket(b, self.region(b), self.params, served=self.served)
             return
-        (big_dst, big_src), (small_dst, small_src) = copies
+        (big_dst, big_src), small = copies
         for d, s in zip(big_dst, big_src):
             d.copy_(s)
-        if small_dst:  # many small outputs (scales, norms, experts): a few fused launches instead of one each
+        for small_dst, small_src in small:  # many small outputs (scales, norms, experts): a few fused launches
             torch._foreach_copy_(small_dst, small_src)
 
     @torch.no_grad()
