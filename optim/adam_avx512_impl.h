@@ -33,6 +33,7 @@ EBT_AVX512_INLINE void store_ps(float* x, __mmask16 k, __m512 y) {
   else _mm512_storeu_ps(x, y);
 }
 
+// A gradient or moment: fp32, or bf16 bits widened exactly.
 template <bool kTail>
 EBT_AVX512_INLINE __m512 load_g(const void* g, bool bf16, int64_t i, __mmask16 k) {
   if (bf16) {
@@ -50,6 +51,20 @@ inline __m512i bf16_rne_int(__m512 p) {  // 32-bit lanes holding the bf16 bits; 
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), r, _mm512_set1_epi32(0xFFFF));
+}
+
+// A moment stored as bf16 bits (adam_kernel.h Note [bf16 moments]): the integer RNE on every ISA, so the bits
+// equal the scalar kernel's whether or not the CPU has AVX512_BF16; otherwise fp32.
+template <bool kTail>
+EBT_AVX512_INLINE void store_moment(void* x, bool bf16, int64_t i, __mmask16 k, __m512 y) {
+  if (bf16) {
+    uint16_t* dst = static_cast<uint16_t*>(x) + i;
+    const __m256i h = _mm512_cvtepi32_epi16(bf16_rne_int(y));
+    if constexpr (kTail) _mm256_mask_storeu_epi16(dst, k, h);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+  } else {
+    store_ps<kTail>(static_cast<float*>(x) + i, k, y);
+  }
 }
 
 // `stream`: a full, 32-byte aligned vector goes out with a non-temporal store (the copy-out is write-only and
@@ -117,8 +132,8 @@ template <bool kExact, bool kTail>
 EBT_AVX512_INLINE void step_vec(const KernelArgs& a, const Consts& c, int64_t i, __mmask16 k, bool stream) {
   const bool decoupled = a.wd_kind == WeightDecay::kDecoupled, l2 = a.wd_kind == WeightDecay::kL2;
   __m512 g = _mm512_mul_ps(load_g<kTail>(a.g, a.grad_bf16, i, k), c.gs);
-  __m512 p = load_ps<kTail>(a.p + i, k), m = load_ps<kTail>(a.m + i, k);
-  __m512 v = load_ps<kTail>(a.v + i, k);
+  __m512 p = load_ps<kTail>(a.p + i, k), m = load_g<kTail>(a.m, a.moments_bf16, i, k);
+  __m512 v = load_g<kTail>(a.v, a.moments_bf16, i, k);
   if constexpr (kExact) {
     if (decoupled) p = _mm512_mul_ps(p, c.decay);
     if (l2) g = _mm512_fmadd_ps(p, c.wd, g);
@@ -144,8 +159,8 @@ EBT_AVX512_INLINE void step_vec(const KernelArgs& a, const Consts& c, int64_t i,
     p = _mm512_fmadd_ps(c.ss, _mm512_div_ps(m, den), p);
   }
   store_ps<kTail>(a.p + i, k, p);
-  store_ps<kTail>(a.m + i, k, m);
-  store_ps<kTail>(a.v + i, k, v);
+  store_moment<kTail>(a.m, a.moments_bf16, i, k, m);
+  store_moment<kTail>(a.v, a.moments_bf16, i, k, v);
   if (a.out) store_bf16<kTail>(a.out + i, p, k, stream);
 }
 
