@@ -53,20 +53,6 @@ inline __m512i bf16_rne_int(__m512 p) {  // 32-bit lanes holding the bf16 bits; 
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), r, _mm512_set1_epi32(0xFFFF));
 }
 
-// A moment stored as bf16 bits (adam_kernel.h Note [bf16 moments]): the integer RNE on every ISA, so the bits
-// equal the scalar kernel's whether or not the CPU has AVX512_BF16; otherwise fp32.
-template <bool kTail>
-EBT_AVX512_INLINE void store_moment(void* x, bool bf16, int64_t i, __mmask16 k, __m512 y) {
-  if (bf16) {
-    uint16_t* dst = static_cast<uint16_t*>(x) + i;
-    const __m256i h = _mm512_cvtepi32_epi16(bf16_rne_int(y));
-    if constexpr (kTail) _mm256_mask_storeu_epi16(dst, k, h);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
-  } else {
-    store_ps<kTail>(static_cast<float*>(x) + i, k, y);
-  }
-}
-
 // `stream`: a full, 32-byte aligned vector goes out with a non-temporal store (the copy-out is write-only and
 // usually pinned staging the GPU reads next: no read-for-ownership, no cache pollution). Caller fences.
 template <bool kTail>
@@ -86,6 +72,14 @@ EBT_AVX512_INLINE void store_bf16(uint16_t* out, __m512 p, __mmask16 k, bool str
   if constexpr (kTail) _mm256_mask_storeu_epi16(out, k, h);
   else if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(out), h);
   else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+}
+
+// A moment: fp32, or bf16 bits rounded exactly as the copy-out (adam_kernel.h Note [bf16 moments]); the
+// avx512_bf16 kernel converts with VCVTNEPS2BF16 and fixes subnormal/NaN lanes, so the bits equal the integer path.
+template <bool kTail>
+EBT_AVX512_INLINE void store_moment(void* x, bool bf16, int64_t i, __mmask16 k, __m512 y) {
+  if (bf16) store_bf16<kTail>(static_cast<uint16_t*>(x) + i, y, k, false);
+  else store_ps<kTail>(static_cast<float*>(x) + i, k, y);
 }
 
 inline __m512 max_nan(__m512 a, __m512 b) {

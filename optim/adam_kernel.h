@@ -34,8 +34,8 @@
  *
  * Note [bf16 moments]: with `moments_bf16`, m and v are loaded as bf16 -> fp32 (exact: a shift), the element
  * goes through exactly the fp32 arithmetic above, and the new m and v are stored rounded to nearest even by the
- * same integer rounding as the copy-out (every NaN -> 0xFFFF; every ISA uses the integer path, so the bits agree
- * across ISAs, subnormals included). The new p is computed from the unrounded fp32 m and v of this step, and the
+ * same rounding as the copy-out (every NaN -> 0xFFFF; the avx512_bf16 kernel's VCVTNEPS2BF16 result is fixed in
+ * subnormal and NaN lanes exactly as for the copy-out, so the bits agree across ISAs, subnormals included). The new p is computed from the unrounded fp32 m and v of this step, and the
  * rounding happens only at the store. So exact mode equals torch.optim.Adam/AdamW(foreach=False) run on
  * `m.float()`, `v.float()` followed by `.to(torch.bfloat16)` of the new moments, bit for bit.
  */
