@@ -88,12 +88,22 @@ ebt_status_t check_flavor(int flavor) {
 }
 
 bool spans_overlap(const AdamSpan& s) {
-  // The three state arrays of a span must be distinct buffers (aliasing would silently corrupt).
-  const float* a[4] = {s.p, s.m, s.v, s.vmax};
+  // The state arrays of a span must be distinct buffers (aliasing would silently corrupt); byte ranges, since
+  // bf16 moments are half the size of the fp32 master.
+  const uintptr_t mom = s.moments_bf16 ? 2 : 4;
+  const uintptr_t lo[4] = {uintptr_t(s.p), uintptr_t(s.m), uintptr_t(s.v), uintptr_t(s.vmax)};
+  const uintptr_t size[4] = {4, mom, mom, 4};
   for (int i = 0; i < 4; ++i)
     for (int j = i + 1; j < 4; ++j)
-      if (a[i] && a[j] && a[i] < a[j] + s.n && a[j] < a[i] + s.n) return true;
+      if (lo[i] && lo[j] && lo[i] < lo[j] + size[j] * s.n && lo[j] < lo[i] + size[i] * s.n) return true;
   return false;
+}
+
+// Every array at a multiple of its element size (what a tensor's data pointer always is).
+bool spans_aligned(const AdamSpan& s) {
+  const uintptr_t mom = s.moments_bf16 ? 2 : 4, gsz = s.grad_bf16 ? 2 : 4;
+  return uintptr_t(s.p) % 4 == 0 && uintptr_t(s.m) % mom == 0 && uintptr_t(s.v) % mom == 0 &&
+         uintptr_t(s.vmax) % 4 == 0 && uintptr_t(s.g) % gsz == 0 && uintptr_t(s.out) % 2 == 0;
 }
 
 ebt_status_t validate(const AdamHyper& h, const AdamSpan* spans, size_t n_spans) {
@@ -112,6 +122,8 @@ ebt_status_t validate(const AdamHyper& h, const AdamSpan* spans, size_t n_spans)
     if (s.n == 0) continue;
     EBT_REQUIRE_ARG(s.p && s.m && s.v && s.g, "span %zu: null param/exp_avg/exp_avg_sq/grad pointer", i);
     EBT_REQUIRE_ARG(!h.amsgrad || s.vmax, "span %zu: amsgrad needs max_exp_avg_sq", i);
+    EBT_REQUIRE_ARG(!(h.amsgrad && s.moments_bf16), "span %zu: amsgrad needs fp32 moments (bf16 moments refused)", i);
+    EBT_REQUIRE_ARG(spans_aligned(s), "span %zu: a buffer is not aligned to its element size", i);
     EBT_REQUIRE_ARG(!spans_overlap(s), "span %zu: param and state buffers overlap", i);
     EBT_REQUIRE_ARG(s.step_counter || (std::isfinite(s.step) && s.step >= 1 && s.step == std::floor(s.step)),
                     "span %zu: step must be an integer >= 1 (got %g)", i, s.step);
@@ -128,6 +140,7 @@ KernelArgs resolve(const AdamHyper& h, const AdamSpan& s, double step) {
   KernelArgs a;
   a.p = s.p, a.m = s.m, a.v = s.v, a.vmax = h.amsgrad ? s.vmax : nullptr, a.g = s.g, a.out = s.out;
   a.grad_bf16 = s.grad_bf16;
+  a.moments_bf16 = s.moments_bf16;
   a.sqrt_flavor = static_cast<SqrtFlavor>(h.sqrt_flavor);
   a.wd_kind = h.weight_decay == 0 ? WeightDecay::kNone : (h.adamw ? WeightDecay::kDecoupled : WeightDecay::kL2);
   a.gs = static_cast<float>(h.maximize ? -h.grad_scale : h.grad_scale);

@@ -5,6 +5,9 @@
  * Policies:
  *  - One pass per element: fp32 master/exp_avg/exp_avg_sq (and max_exp_avg_sq) updated in place, gradient fp32
  *    or bf16 read once and never written, optional bf16 copy-out of the new master written in the same pass.
+ *    With `moments_bf16` a span's exp_avg and exp_avg_sq are bf16 bits: read as fp32, the step computed exactly
+ *    as in fp32, the new moments stored rounded to nearest even (adam_kernel.h Note [bf16 moments]); 20 instead of
+ *    28 bytes of host traffic per element. amsgrad with bf16 moments is refused.
  *  - Numerics: `exact` is bit-identical to torch.optim.Adam/AdamW(foreach=False) in fp32; `fast` fuses
  *    (adam_kernel.h, Notes [Exact mode] and [Fast mode]). Both give the same bits on every ISA and thread count.
  *  - Step counts are integers carried in float32 (torch's state['step']); bias corrections are computed per span
@@ -50,13 +53,14 @@ struct AdamHyper {
 
 struct AdamSpan {
   float* p = nullptr;
-  float* m = nullptr;
-  float* v = nullptr;
-  float* vmax = nullptr;          // required iff amsgrad
+  void* m = nullptr;              // exp_avg: fp32, or bf16 bits when moments_bf16
+  void* v = nullptr;              // exp_avg_sq: same dtype as m
+  float* vmax = nullptr;          // required iff amsgrad (fp32 moments only)
   const void* g = nullptr;        // fp32, or bf16 bits when grad_bf16
   uint16_t* out = nullptr;        // optional bf16 copy-out of the new p
   int64_t n = 0;                  // elements
   bool grad_bf16 = false;
+  bool moments_bf16 = false;      // m and v are bf16 (uint16 bits, 2-byte aligned)
   float* step_counter = nullptr;  // torch's float32 state['step']: incremented by one per applied step
   double step = 0;                // used when step_counter is null: the step number of this update (>= 1)
 };

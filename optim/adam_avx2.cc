@@ -10,6 +10,7 @@
 namespace ebbtide::optim {
 namespace {
 
+// A gradient or moment: fp32, or bf16 bits widened exactly.
 inline __m256 load_g(const void* g, bool bf16, int64_t i) {
   if (bf16) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
@@ -18,16 +19,26 @@ inline __m256 load_g(const void* g, bool bf16, int64_t i) {
   return _mm256_loadu_ps(static_cast<const float*>(g) + i);
 }
 
-// `stream`: 16-byte aligned output goes out with a non-temporal store (see adam_avx512_impl.h). Caller fences.
-inline void store_bf16(uint16_t* out, __m256 p, bool stream) {
+// 8 floats as bf16 bits, round to nearest even, every NaN -> 0xFFFF (adam_kernel.h Note [bf16 copy-out]).
+inline __m128i bf16_rne(__m256 p) {
   const __m256i u = _mm256_castps_si256(p);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
-  else _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+// `stream`: 16-byte aligned output goes out with a non-temporal store (see adam_avx512_impl.h). Caller fences.
+inline void store_bf16(uint16_t* out, __m256 p, bool stream) {
+  if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(out), bf16_rne(p));
+  else _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bf16_rne(p));
+}
+
+// A moment: fp32, or bf16 bits with RNE (adam_kernel.h Note [bf16 moments]).
+inline void store_moment(void* x, bool bf16, int64_t i, __m256 y) {
+  if (bf16) _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(x) + i), bf16_rne(y));
+  else _mm256_storeu_ps(static_cast<float*>(x) + i, y);
 }
 
 inline __m256 max_nan(__m256 a, __m256 b) {
@@ -55,7 +66,7 @@ void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     __m256 g = _mm256_mul_ps(load_g(a.g, a.grad_bf16, i), gs);
-    __m256 p = _mm256_loadu_ps(a.p + i), m = _mm256_loadu_ps(a.m + i), v = _mm256_loadu_ps(a.v + i);
+    __m256 p = _mm256_loadu_ps(a.p + i), m = load_g(a.m, a.moments_bf16, i), v = load_g(a.v, a.moments_bf16, i);
     if (kExact) {
       if (decoupled) p = _mm256_mul_ps(p, decay);
       if (l2) g = _mm256_fmadd_ps(p, wd, g);
@@ -81,8 +92,8 @@ void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
       p = _mm256_fmadd_ps(ss, _mm256_div_ps(m, den), p);
     }
     _mm256_storeu_ps(a.p + i, p);
-    _mm256_storeu_ps(a.m + i, m);
-    _mm256_storeu_ps(a.v + i, v);
+    store_moment(a.m, a.moments_bf16, i, m);
+    store_moment(a.v, a.moments_bf16, i, v);
     if (a.out) store_bf16(a.out + i, p, stream);
   }
   if (stream) _mm_sfence();  // order the streaming stores before the pool reports completion

@@ -33,6 +33,7 @@ EBT_AVX512_INLINE void store_ps(float* x, __mmask16 k, __m512 y) {
   else _mm512_storeu_ps(x, y);
 }
 
+// A gradient or moment: fp32, or bf16 bits widened exactly.
 template <bool kTail>
 EBT_AVX512_INLINE __m512 load_g(const void* g, bool bf16, int64_t i, __mmask16 k) {
   if (bf16) {
@@ -71,6 +72,14 @@ EBT_AVX512_INLINE void store_bf16(uint16_t* out, __m512 p, __mmask16 k, bool str
   if constexpr (kTail) _mm256_mask_storeu_epi16(out, k, h);
   else if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(out), h);
   else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+}
+
+// A moment: fp32, or bf16 bits rounded exactly as the copy-out (adam_kernel.h Note [bf16 moments]); the
+// avx512_bf16 kernel converts with VCVTNEPS2BF16 and fixes subnormal/NaN lanes, so the bits equal the integer path.
+template <bool kTail>
+EBT_AVX512_INLINE void store_moment(void* x, bool bf16, int64_t i, __mmask16 k, __m512 y) {
+  if (bf16) store_bf16<kTail>(static_cast<uint16_t*>(x) + i, y, k, false);
+  else store_ps<kTail>(static_cast<float*>(x) + i, k, y);
 }
 
 inline __m512 max_nan(__m512 a, __m512 b) {
@@ -117,8 +126,8 @@ template <bool kExact, bool kTail>
 EBT_AVX512_INLINE void step_vec(const KernelArgs& a, const Consts& c, int64_t i, __mmask16 k, bool stream) {
   const bool decoupled = a.wd_kind == WeightDecay::kDecoupled, l2 = a.wd_kind == WeightDecay::kL2;
   __m512 g = _mm512_mul_ps(load_g<kTail>(a.g, a.grad_bf16, i, k), c.gs);
-  __m512 p = load_ps<kTail>(a.p + i, k), m = load_ps<kTail>(a.m + i, k);
-  __m512 v = load_ps<kTail>(a.v + i, k);
+  __m512 p = load_ps<kTail>(a.p + i, k), m = load_g<kTail>(a.m, a.moments_bf16, i, k);
+  __m512 v = load_g<kTail>(a.v, a.moments_bf16, i, k);
   if constexpr (kExact) {
     if (decoupled) p = _mm512_mul_ps(p, c.decay);
     if (l2) g = _mm512_fmadd_ps(p, c.wd, g);
@@ -144,8 +153,8 @@ EBT_AVX512_INLINE void step_vec(const KernelArgs& a, const Consts& c, int64_t i,
     p = _mm512_fmadd_ps(c.ss, _mm512_div_ps(m, den), p);
   }
   store_ps<kTail>(a.p + i, k, p);
-  store_ps<kTail>(a.m + i, k, m);
-  store_ps<kTail>(a.v + i, k, v);
+  store_moment<kTail>(a.m, a.moments_bf16, i, k, m);
+  store_moment<kTail>(a.v, a.moments_bf16, i, k, v);
   if (a.out) store_bf16<kTail>(a.out + i, p, k, stream);
 }
 

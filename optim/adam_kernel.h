@@ -2,7 +2,7 @@
  * adam_kernel.h — the per-element Adam/AdamW arithmetic shared by every ISA kernel, and the kernel table.
  *
  * Contract of a kernel: `fn(args, begin, end)` updates elements [begin, end) of ONE span in place (master p,
- * exp_avg m, exp_avg_sq v, optional max_exp_avg_sq), reading the gradient (fp32 or bf16, never written) and
+ * exp_avg m, exp_avg_sq v (fp32, or both bf16), optional max_exp_avg_sq), reading the gradient (fp32 or bf16, never written) and
  * optionally writing the bf16 copy of the new p. All scalars arrive already rounded to float (adam.cc derives
  * them from the hyper-parameters exactly as torch does), so a kernel is pure elementwise arithmetic.
  *
@@ -31,6 +31,13 @@
  * `.to(torch.bfloat16)` on x86 for every non-NaN input including subnormals; every NaN becomes 0xFFFF, which is
  * what torch's vectorized conversion writes. (VCVTNEPS2BF16 treats subnormal inputs as zero, so the avx512_bf16
  * kernel blends the integer result back into subnormal and NaN lanes.)
+ *
+ * Note [bf16 moments]: with `moments_bf16`, m and v are loaded as bf16 -> fp32 (exact: a shift), the element
+ * goes through exactly the fp32 arithmetic above, and the new m and v are stored rounded to nearest even by the
+ * same rounding as the copy-out (every NaN -> 0xFFFF; the avx512_bf16 kernel's VCVTNEPS2BF16 result is fixed in
+ * subnormal and NaN lanes exactly as for the copy-out, so the bits agree across ISAs, subnormals included). The new p is computed from the unrounded fp32 m and v of this step, and the
+ * rounding happens only at the store. So exact mode equals torch.optim.Adam/AdamW(foreach=False) run on
+ * `m.float()`, `v.float()` followed by `.to(torch.bfloat16)` of the new moments, bit for bit.
  */
 #ifndef EBBTIDE_OPTIM_ADAM_KERNEL_H_
 #define EBBTIDE_OPTIM_ADAM_KERNEL_H_
@@ -68,12 +75,13 @@ void sqrt_mkl_sse(const float* x, float* out, int64_t n);
 // One span with every scalar resolved for its step. Pointers are not required to be aligned.
 struct KernelArgs {
   float* p = nullptr;            // fp32 master, updated in place
-  float* m = nullptr;            // exp_avg
-  float* v = nullptr;            // exp_avg_sq
+  void* m = nullptr;             // exp_avg, fp32 or bf16 bits (moments_bf16)
+  void* v = nullptr;             // exp_avg_sq, same dtype as m
   float* vmax = nullptr;         // max_exp_avg_sq (amsgrad) or null
   const void* g = nullptr;       // gradient, fp32 or bf16 bits (read only)
   uint16_t* out = nullptr;       // bf16 copy of the new p, or null
   bool grad_bf16 = false;
+  bool moments_bf16 = false;
   SqrtFlavor sqrt_flavor = SqrtFlavor::kCorrectlyRounded;  // exact mode only
   WeightDecay wd_kind = WeightDecay::kNone;
   // exact-mode scalars (torch's roundings)
@@ -133,6 +141,12 @@ inline uint16_t to_bf16_rne(float f) {
   uint32_t u = float_to_bits(f);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+// A moment (exp_avg or exp_avg_sq) is fp32 or bf16 bits: loaded as the gradient is, stored with RNE.
+inline float load_moment(const void* x, bool bf16, int64_t i) { return load_grad(x, bf16, i); }
+inline void store_moment(void* x, bool bf16, int64_t i, float f) {
+  if (bf16) static_cast<uint16_t*>(x)[i] = to_bf16_rne(f);
+  else static_cast<float*>(x)[i] = f;
+}
 // torch.maximum(a, b) as ATen's vectorized code computes it: max_ps(a, b) (b on ties such as ±0), and an
 // all-ones NaN when either input is NaN. The SIMD kernels do the same, so even NaN bits agree across ISAs.
 inline float max_nan(float a, float b) {
@@ -143,7 +157,7 @@ inline float max_nan(float a, float b) {
 template <bool kExact>
 inline void adam_element(const KernelArgs& a, int64_t i) {
   float g = load_grad(a.g, a.grad_bf16, i) * a.gs;
-  float p = a.p[i], m = a.m[i], v = a.v[i];
+  float p = a.p[i], m = load_moment(a.m, a.moments_bf16, i), v = load_moment(a.v, a.moments_bf16, i);
   if (kExact) {
     if (a.wd_kind == WeightDecay::kDecoupled) p = p * a.decay;
     if (a.wd_kind == WeightDecay::kL2) g = std::fmaf(p, a.wd, g);
@@ -173,8 +187,8 @@ inline void adam_element(const KernelArgs& a, int64_t i) {
     p = std::fmaf(a.ss, m / den, p);
   }
   a.p[i] = p;
-  a.m[i] = m;
-  a.v[i] = v;
+  store_moment(a.m, a.moments_bf16, i, m);
+  store_moment(a.v, a.moments_bf16, i, v);
   if (a.out) a.out[i] = to_bf16_rne(p);
 }
 

@@ -26,20 +26,21 @@ bool engine_step(AdamEngine& eng, const AdamHyper& h, const std::vector<uint64_t
                  const std::vector<uint64_t>& max_exp_avg_sqs, const std::vector<uint64_t>& grads,
                  const std::vector<bool>& grad_bf16, const std::vector<uint64_t>& outs,
                  const std::vector<int64_t>& numels, const std::vector<uint64_t>& step_counters,
-                 const std::vector<double>& steps) {
+                 const std::vector<double>& steps, const std::vector<bool>& moments_bf16) {
   const size_t n = params.size();
   auto same = [n](size_t k) { return k == n; };
   if (!same(exp_avgs.size()) || !same(exp_avg_sqs.size()) || !same(grads.size()) || !same(grad_bf16.size()) ||
       !same(numels.size()) || (!max_exp_avg_sqs.empty() && !same(max_exp_avg_sqs.size())) ||
       (!outs.empty() && !same(outs.size())) || (!step_counters.empty() && !same(step_counters.size())) ||
-      (!steps.empty() && !same(steps.size())))
+      (!steps.empty() && !same(steps.size())) || (!moments_bf16.empty() && !same(moments_bf16.size())))
     EBT_PY_CHECK(ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "adam step: per-span lists differ in length"));
   std::vector<AdamSpan> spans(n);
   for (size_t i = 0; i < n; ++i) {
     AdamSpan& s = spans[i];
     s.p = ptr<float>(params[i]);
-    s.m = ptr<float>(exp_avgs[i]);
-    s.v = ptr<float>(exp_avg_sqs[i]);
+    s.m = ptr<void>(exp_avgs[i]);
+    s.v = ptr<void>(exp_avg_sqs[i]);
+    s.moments_bf16 = !moments_bf16.empty() && moments_bf16[i];
     s.vmax = max_exp_avg_sqs.empty() ? nullptr : ptr<float>(max_exp_avg_sqs[i]);
     s.g = ptr<const void>(grads[i]);
     s.grad_bf16 = grad_bf16[i];
@@ -102,10 +103,10 @@ void register_bindings(py::module_& m) {
       .def_property_readonly("isa", &AdamEngine::isa)
       .def("step", &engine_step, py::arg("hyper"), py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
            py::arg("max_exp_avg_sqs"), py::arg("grads"), py::arg("grad_bf16"), py::arg("outs"), py::arg("numels"),
-           py::arg("step_counters"), py::arg("steps"),
+           py::arg("step_counters"), py::arg("steps"), py::arg("moments_bf16") = std::vector<bool>{},
            "One Adam step over spans given as data pointers (fp32 params/states, fp32 or bf16 grads, optional bf16 "
            "outs; empty optional lists mean none). Per span, step_counters (float32 scalars, incremented) or steps "
-           "(the step number). Returns False when skip_non_finite found a bad gradient (nothing changed). "
+           "(the step number). moments_bf16 (empty: all fp32): per span, exp_avg and exp_avg_sq are bf16 bits. Returns False when skip_non_finite found a bad gradient (nothing changed). "
            "Blocking; releases the GIL.");
 }
 

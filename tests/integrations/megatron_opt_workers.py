@@ -20,6 +20,7 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params 
 import ebbtide.integrations.megatron as ebt  # noqa: E402
 from ebbtide.bench._spawn import join_store  # noqa: E402
 from ebbtide.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
+from ebbtide.optim._testing import round_moments_to_bf16  # noqa: E402
 
 WD = 0.1
 
@@ -225,7 +226,8 @@ def bad_configs(rank, world, init):
         "optimizer='sgd'": dict(optimizer="sgd"),
         # Megatron's own config validation needs Transformer Engine for the precision-aware optimizer: the
         # fields are set after construction, as a config built on a TE machine carries them.
-        "exp_avg_dtype": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+        "exp_avg_dtype": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float32),
+        "main_params_dtype": dict(main_params_dtype=torch.float16),
     }
     for key, kw in cases.items():
         model = _model()
@@ -257,3 +259,60 @@ def bad_configs(rank, world, init):
     else:
         raise AssertionError("TrainingState accepted a plain module")
     return msgs
+
+
+def _precision_aware_config(**kw):
+    """exp_avg/exp_avg_sq in bf16 as Megatron carries them: Megatron's own config validation needs Transformer Engine
+    for the precision-aware optimizer (and demands use_distributed_optimizer=True), so the fields are set after
+    construction, as a config built on a TE machine carries them."""
+    cfg = _config(**kw)
+    cfg.use_precision_aware_optimizer = True
+    cfg.use_distributed_optimizer = True
+    cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.bfloat16
+    return cfg
+
+
+def bf16_moments(rank, world, init, steps=3):
+    """Precision-aware bf16 moments: exact steps equal torch AdamW on fp32 copies of the moments rounded to bf16
+    after every step; Megatron's Float16 optimizer loads the checkpoint (moments upcast, exactly) and ours loads it
+    back and continues bit for bit."""
+    _setup(rank, world, init)
+    cfg = _precision_aware_config(clip_grad=0.05)
+    model = _model()
+    opt = ebt.get_optimizer(cfg, [model], mode="exact", bucket_numel=256)
+    assert opt.optimizer.moments_dtype == torch.bfloat16
+    _apply_schedule(opt.param_groups)
+    ref = _Reference(opt)
+    for step in range(steps):
+        _fill_main_grads(model, step, rank, world)
+        ok, norm, _ = opt.step()
+        assert ok
+        ref.step(min(1.0, 0.05 / (norm + 1e-6)))
+        round_moments_to_bf16(ref.opt)
+        _assert_masters(opt, ref)
+    for g, ms in zip(ref.groups_params, ref.masters):
+        for p, m in zip(g, ms):
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = opt.optimizer.state[p][key]
+                assert got.dtype == torch.bfloat16 and torch.equal(got, ref.opt.state[m][key].to(torch.bfloat16))
+    sd = _roundtrip(opt.state_dict())
+    other = _Reference(opt)
+    other.megatron_view(cfg).load_state_dict(_roundtrip(sd))
+    for a, b in zip(other.masters, ref.masters):
+        for x, y in zip(a, b):
+            assert other.opt.state[x]["exp_avg_sq"].dtype == torch.float32
+            assert torch.equal(other.opt.state[x]["exp_avg_sq"], ref.opt.state[y]["exp_avg_sq"])
+    m2 = _model()
+    with torch.no_grad():
+        for p, q in zip(m2.parameters(), model.parameters()):
+            p.copy_(q)
+    o2 = ebt.get_optimizer(cfg, [m2], mode="exact", bucket_numel=512)
+    o2.load_state_dict(_roundtrip(sd))
+    for step in range(steps, steps + 2):
+        _fill_main_grads(model, step, rank, world)
+        opt.step()
+        for p, q in zip(m2.parameters(), model.parameters()):
+            p.main_grad = q.main_grad.clone()
+        o2.step()
+    assert all(torch.equal(p, q) for p, q in zip(m2.parameters(), model.parameters()))
+    return {"steps": steps}

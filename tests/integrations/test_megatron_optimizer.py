@@ -24,10 +24,16 @@ def test_state_dict_round_trips_with_megatron():
     assert all("masters" in r["refused"] for r in res)
 
 
+def test_precision_aware_bf16_moments():
+    res = spawn.run("bf16_moments", 2, module=M)
+    assert all(r["steps"] == 3 for r in res)
+
+
 def test_refused_configs():
     res = spawn.run("bad_configs", 1, module=M)
     r = res[0]
     assert "not sharded" in r["use_distributed_optimizer"]
-    assert "fp32 master weights and moments" in r["exp_avg_dtype"]
+    assert "both moments fp32 or both bf16" in r["exp_avg_dtype"]
+    assert "fp32 master weights" in r["main_params_dtype"]
     assert "bf16" in r["fp32 params"]
     assert "GPU" in r["training_state"] or "DistributedDataParallel" in r["training_state"]

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import ebbtide  # noqa: E402
 from ebbtide.optim import OffloadedAdam  # noqa: E402
-from ebbtide.optim._testing import bits_equal  # noqa: E402
+from ebbtide.optim._testing import bits_equal, round_moments_to_bf16  # noqa: E402
 
 
 def make_model(seed=0, device="cpu"):
@@ -169,3 +169,64 @@ def test_skip_non_finite_and_bad_input():
     bad["state"][0]["step"] = torch.tensor(7.0)
     with pytest.raises(E, match="steps differ"):
         opt.load_state_dict(bad)
+
+
+class RoundedReference(Reference):
+    """The bf16-moments reference: torch AdamW on fp32 copies of the moments, rounded to bf16 after every step."""
+
+    def step(self):
+        super().step()
+        round_moments_to_bf16(self.opt)
+
+    def check(self, opt):
+        super().check(opt)
+        for m, p in zip(self.masters, self.params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert opt.state[p][key].dtype == torch.bfloat16
+                assert bits_equal(opt.state[p][key], self.opt.state[m][key].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bucket_numel,slots", [(192, 2), (10**6, 3)])
+def test_bf16_moments_match_torch_adamw_with_rounded_moments(bucket_numel, slots):
+    model = make_model(7)
+    params = list(model.parameters())
+    groups = [([0, 1], {}), ([2, 3], {"lr": 3e-3, "weight_decay": 0.0})]
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    ref = RoundedReference(model, groups, **hyper)
+    opt = OffloadedAdam([{"params": [params[i] for i in idx], **kw} for idx, kw in groups], mode="exact",
+                        bucket_numel=bucket_numel, slots=slots, threads=2, moments_dtype=torch.bfloat16, **hyper)
+    assert opt.moments_dtype == torch.bfloat16
+    for step in range(5):
+        train_step(model, opt, step, ref)
+        ref.check(opt)
+
+
+def test_bf16_moments_state_dict_round_trip_and_fp32_load():
+    a, c = make_model(8), make_model(9)
+    oa = OffloadedAdam(a.parameters(), lr=1e-2, mode="exact", bucket_numel=256, moments_dtype=torch.bfloat16)
+    for step in range(3):
+        train_step(a, oa, step)
+    sd = oa.state_dict()
+    assert sd["state"][0]["exp_avg"].dtype == torch.bfloat16 and sd["state"][0]["master_param"].dtype == torch.float32
+    c.load_state_dict(a.state_dict())
+    oc = OffloadedAdam(c.parameters(), lr=0.5, mode="exact", bucket_numel=128, moments_dtype=torch.bfloat16)
+    oc.load_state_dict(sd)
+    for step in range(3, 5):
+        train_step(a, oa, step)
+        train_step(c, oc, step)
+    for p, q in zip(a.parameters(), c.parameters()):
+        assert bits_equal(p.detach(), q.detach())
+        assert bits_equal(oa.state[p]["exp_avg_sq"], oc.state[q]["exp_avg_sq"])
+    # fp32 moments (the default OffloadedAdam's) load rounded to nearest even, and the other way exactly
+    f = OffloadedAdam(make_model(8).parameters(), lr=1e-2, mode="exact")
+    f.load_state_dict(oa.state_dict())
+    fp = next(iter(f.state.values()))
+    assert fp["exp_avg"].dtype == torch.float32
+    assert bits_equal(fp["exp_avg"], next(iter(oa.state.values()))["exp_avg"].float())
+    fp["exp_avg"].add_(1e-3)
+    oa.load_state_dict(f.state_dict())
+    assert bits_equal(next(iter(oa.state.values()))["exp_avg"], fp["exp_avg"].to(torch.bfloat16))
+    with pytest.raises(ebbtide.InvalidArgumentError, match="amsgrad"):
+        OffloadedAdam(make_model().parameters(), amsgrad=True, moments_dtype=torch.bfloat16)
+    with pytest.raises(ebbtide.InvalidArgumentError, match="moments_dtype"):
+        OffloadedAdam(make_model().parameters(), moments_dtype=torch.float16)

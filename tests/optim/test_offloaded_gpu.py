@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ebbtide.optim import OffloadedAdam  # noqa: E402
-from ebbtide.optim._testing import bits_equal  # noqa: E402
+from ebbtide.optim._testing import bits_equal, round_moments_to_bf16  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -163,3 +163,25 @@ def test_cpu_adam_refuses_cuda_tensors():
     opt = CPUAdam([p])
     with pytest.raises(ebbtide.InvalidArgumentError, match="CPU"):
         opt.step(grads={p: torch.zeros(4, device="cuda")})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bf16_moments_exact_matches_torch_cpu_adamw_with_rounded_moments(overlap):
+    """moments_dtype=torch.bfloat16 through the CUDA pipeline: master, GPU params and the bf16 host moments equal
+    torch's CPU AdamW on fp32 copies of the moments, rounded to bf16 after every step."""
+    model = make_model(3)
+    ref = CpuReference(model, **HYPER)
+    opt = OffloadedAdam(model.parameters(), mode="exact", bucket_numel=64 * 1024, slots=2,
+                        overlap_with_backward=overlap, moments_dtype=torch.bfloat16, **HYPER)
+    assert len(opt.buckets) > 2
+    for step in range(5):
+        opt.zero_grad()
+        backward(model, step)
+        ref.step()
+        round_moments_to_bf16(ref.opt)
+        opt.step()
+        for m, p in zip(ref.masters, model.parameters()):
+            assert bits_equal(opt.state[p]["master_param"], m)
+            assert bits_equal(p.detach().cpu(), m.to(torch.bfloat16))
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert bits_equal(opt.state[p][key], ref.opt.state[m][key].to(torch.bfloat16))

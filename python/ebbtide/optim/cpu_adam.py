@@ -9,6 +9,12 @@ Contract:
   ``torch.optim.Adam`` (``adamw=False``) in fp32, for float lr or a float32/float64 tensor lr, on every ISA and
   thread count. Betas given as tensors are read as floats (torch then computes bias corrections in tensor
   arithmetic, which exact mode does not replicate). ``mode="fast"``: fused arithmetic, error bound tested.
+- ``moments_dtype=torch.bfloat16``: ``exp_avg`` and ``exp_avg_sq`` are kept as bf16 (the master stays fp32): 20
+  instead of 28 bytes of host memory traffic per element and step. Each step reads them as fp32, computes exactly
+  as the fp32 path does and stores the new moments rounded to nearest even, so in ``exact`` mode p is
+  bit-identical to torch's AdamW on fp32 copies of the moments and the new moments to that result's
+  ``.to(torch.bfloat16)`` (optim/adam_kernel.h Note [bf16 moments]). Not with amsgrad. Loaded fp32 moments are
+  rounded the same way; ``state_dict`` carries the bf16 tensors.
 - One native call per param group per step; the kernel runs on the optimizer's own thread pool (``threads``,
   default the process's CPU affinity count; OMP_NUM_THREADS and torch.set_num_threads do not apply).
 - ``attach_bf16_copy(param, target)`` makes every step also write ``param.to(bfloat16)`` into ``target`` in the
@@ -34,6 +40,18 @@ from ._validate import (MODES, STATE_TENSORS, check_distinct, check_grad_scale, 
                         check_state_dict, param_list, scalar_value)
 
 __all__ = ["CPUAdam", "available_isas", "torch_sqrt_flavor", "probe_torch_sqrt_flavor"]
+
+MOMENTS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_moments_dtype(moments_dtype, amsgrad, owner: str) -> torch.dtype:
+    """The ``moments_dtype`` argument (float32 or bfloat16; bf16 moments exclude amsgrad)."""
+    if moments_dtype not in MOMENTS_DTYPES:
+        raise InvalidArgumentError(f"{owner}: moments_dtype must be torch.float32 or torch.bfloat16 (got "
+                                   f"{moments_dtype!r})")
+    if moments_dtype == torch.bfloat16 and amsgrad:
+        raise InvalidArgumentError(f"{owner}: amsgrad needs fp32 moments (moments_dtype=torch.bfloat16 given)")
+    return moments_dtype
 
 _MODES = MODES
 
@@ -155,10 +173,11 @@ class CPUAdam(torch.optim.Optimizer):
     """Adam/AdamW with fp32 master weights and state in host memory, stepped by ebbtide's SIMD kernel."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
-                 amsgrad=False, maximize=False, mode="fast", threads=None, isa=None):
+                 amsgrad=False, maximize=False, mode="fast", threads=None, isa=None, moments_dtype=torch.float32):
         _check_hyper(lr, betas, eps, weight_decay, mode, "CPUAdam", amsgrad=amsgrad, maximize=maximize,
                      decoupled_weight_decay=adamw)
         _check_threads_isa(threads, isa)
+        self._moments_dtype = check_moments_dtype(moments_dtype, amsgrad, "CPUAdam")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=bool(maximize), decoupled_weight_decay=bool(adamw), mode=mode)
         params = param_list(params, "CPUAdam")
@@ -182,6 +201,8 @@ class CPUAdam(torch.optim.Optimizer):
             self._engine = None
             self._threads, self._isa = None, ""
             self._copy_out, self.last_step_applied = {}, []
+        if not hasattr(self, "_moments_dtype"):
+            self._moments_dtype = torch.float32
 
     def add_param_group(self, param_group):
         """torch's add_param_group, after checking the group's params (tensors we can step, none already held,
@@ -199,6 +220,9 @@ class CPUAdam(torch.optim.Optimizer):
         for p in params:
             self._check_param(p)
         check_group(param_group, f"param_groups[{len(self.param_groups)}]")
+        if param_group.get("amsgrad") and getattr(self, "_moments_dtype", torch.float32) != torch.float32:
+            raise InvalidArgumentError(f"param_groups[{len(self.param_groups)}]: amsgrad needs fp32 moments "
+                                       "(this optimizer keeps bf16 moments)")
         super().add_param_group({**param_group, "params": params})
 
     def load_state_dict(self, state_dict):
@@ -206,6 +230,18 @@ class CPUAdam(torch.optim.Optimizer):
         against its param (a mismatch is refused, never reshaped)."""
         check_state_dict(state_dict, self.param_groups)
         super().load_state_dict(state_dict)
+        # torch casts loaded state to the param's dtype (fp32): bf16 moments go back to bf16 (exact), fp32 ones
+        # from another optimizer are rounded to nearest even.
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = state.get(key)
+                if isinstance(t, torch.Tensor) and t.dtype != self._moments_dtype:
+                    state[key] = t.to(self._moments_dtype)
+
+    @property
+    def moments_dtype(self) -> torch.dtype:
+        """dtype of ``exp_avg`` and ``exp_avg_sq`` (float32 or bfloat16)."""
+        return self._moments_dtype
 
     @property
     def engine(self):
@@ -263,19 +299,20 @@ class CPUAdam(torch.optim.Optimizer):
 
     def _state_of(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
+        mdt = self._moments_dtype
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=mdt, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=mdt, memory_format=torch.contiguous_format)
         step = state["step"]
         if not isinstance(step, torch.Tensor) or step.dtype != torch.float32 or step.device.type != "cpu":
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        for key, dt in (("exp_avg", mdt), ("exp_avg_sq", mdt), ("max_exp_avg_sq", torch.float32)):
             t = state.get(key)
-            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()):
-                state[key] = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            if t is not None and (t.dtype != dt or t.device.type != "cpu" or not t.is_contiguous()):
+                state[key] = t.detach().to(device="cpu", dtype=dt).contiguous()
         return state
 
     def _check_state(self, p: torch.Tensor) -> None:
@@ -304,8 +341,12 @@ class CPUAdam(torch.optim.Optimizer):
         # Validate every group before touching any state (bad input changes nothing).
         check_groups(self.param_groups)
         plans = []
-        for group in self.param_groups:
+        bf16_moments = self._moments_dtype == torch.bfloat16
+        for gi, group in enumerate(self.param_groups):
             hyper = make_hyper(group, grad_scale=scale, skip_non_finite=skip_non_finite)
+            if bf16_moments and hyper.amsgrad:
+                raise InvalidArgumentError(f"param_groups[{gi}]: amsgrad needs fp32 moments (this optimizer keeps "
+                                           "bf16 moments)")
             live, live_grads = [], []
             for p in group["params"]:
                 g = override.get(id(p), p.grad)
@@ -339,6 +380,7 @@ class CPUAdam(torch.optim.Optimizer):
                 [p.numel() for p in live],
                 [s["step"].data_ptr() for s in states],
                 [],
+                [bf16_moments] * len(live) if bf16_moments else [],
             )
             applied_all.append(bool(applied))
         self.last_step_applied = applied_all

@@ -6,6 +6,9 @@ bf16 grads + bf16 copy-out; higher is better), at 1, half and all threads of the
   - ours fast vs DeepSpeed CPUAdam (anchor_note "not installed" when deepspeed is missing, or why it failed)
   - ours exact vs ours fast (the goal: exact within 10% of fast)
   - ours bf16 grads + fused bf16 copy-out vs torch's three passes (grad.float(), fused step, p.to(bf16))
+  - the same step with bf16 moments (``moments_dtype=torch.bfloat16``: 20 B/param, effective GB/s at 20 B) vs
+    the same fp32-moment step timed alternately with it, its time also counted at 20 B/param, so value/anchor is
+    the speed-up; the note gives both times and the ratio to torch fused fp32 AdamW
   - torch for-loop AdamW (foreach=False) vs torch fused, all threads only (the common default)
   limit: the in-place triad measured in this run with the same thread count.
 GPU rows (seconds per step, lower is better) for ~1B bf16 params (quick: 64M): OffloadedAdam.step beside the
@@ -34,6 +37,19 @@ def _median_time(fn, repeats: int, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _paired_median_times(fa, fb, repeats: int) -> tuple[float, float]:
+    """Median times of fa and fb run alternately (one warm-up each)."""
+    fa()
+    fb()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, acc in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def _set_openmp_threads(torch, n: int) -> None:
@@ -99,6 +115,14 @@ def _cpu_rows(ctx, torch):
             fast.attach_bf16_copy(p_ours, out16)
             t_bf16 = _median_time(lambda: fast.step(grads={p_ours: g16}), reps)
             fast.attach_bf16_copy(p_ours, None)
+            m16 = CPUAdam([p_ours], lr=1e-3, weight_decay=0.1, mode="fast", threads=t, moments_dtype=torch.bfloat16)
+            m16.attach_bf16_copy(p_ours, out16)
+            fast.attach_bf16_copy(p_ours, out16)
+            # interleaved, so both see the same machine state (the ratio is the result)
+            t_m32, t_m16 = _paired_median_times(lambda: fast.step(grads={p_ours: g16}),
+                                                lambda: m16.step(grads={p_ours: g16}), max(reps, 9))
+            fast.attach_bf16_copy(p_ours, None)
+            del m16
             torch.set_num_threads(t)
             try:
                 t_fused = _median_time(fused.step, reps)
@@ -123,6 +147,12 @@ def _cpu_rows(ctx, torch):
             yield Row(SUITE, f"bf16 grad + bf16 copy-out, one pass, {label}, {t} thr", "GB/s", eff(t_bf16),
                       anchor=eff(t_three), anchor_name="torch 3 passes (cast, fused step, cast)",
                       note=f"{t_bf16 * 1e3:.2f} ms vs {t_three * 1e3:.2f} ms; goal >= 1.7x", **common)
+            eff20 = lambda sec: 20.0 * n / sec / GB  # noqa: E731
+            yield Row(SUITE, f"bf16 moments, bf16 grad + copy-out (20 B/param), {label}, {t} thr", "GB/s",
+                      eff20(t_m16), anchor=eff20(t_m32), anchor_name="ours, fp32 moments (time at 20 B/param)",
+                      note=(f"{t_m16 * 1e3:.2f} ms vs {t_m32 * 1e3:.2f} ms fp32 moments (interleaved); "
+                            f"{t_fused / t_m16:.2f}x torch fused fp32 ({t_fused * 1e3:.2f} ms); goal >= 1.3x"),
+                      **common)
             yield from _deepspeed_row(ctx, torch, n, label, t, eff(t_fast), common)
             if t == affinity:
                 p_loop = p_ours.clone().requires_grad_()

@@ -20,9 +20,18 @@ Policies:
   bf16 optimizer): ``{"optimizer": torch Adam state (step, exp_avg, exp_avg_sq per param), "fp32_from_fp16_params":
   fp32 masters per group[, "grad_scaler"]}``, so each loads into the other. The distributed optimizer's sharded
   parameter state (``get_parameter_state_dp_zero`` and friends) is not produced or read.
+- Precision-aware options. ``use_precision_aware_optimizer`` with ``exp_avg_dtype`` and ``exp_avg_sq_dtype`` both
+  ``torch.bfloat16`` keeps the host moments in bf16 (OffloadedAdam ``moments_dtype=torch.bfloat16``: 20 instead of
+  28 bytes of host memory traffic per param and step; in ``exact`` mode the master equals torch AdamW on fp32
+  copies of the moments, the new moments rounded to nearest even); both fp32 is the default path. Megatron's own
+  config check demands ``use_distributed_optimizer=True`` with the precision-aware optimizer, so that flag of the
+  ``OptimizerConfig`` is accepted together with it; the model's DDP must still be plain (checked in
+  :func:`get_optimizer`). ``main_params_dtype`` stays fp32 (the master weights are the fp32 CPU masters).
+  Checkpoints carry the moments in their dtype; Megatron's Float16 optimizer loads bf16 moments upcast (exact), and
+  fp32 moments loaded here are rounded to bf16.
 - Refused (UnsupportedError, before anything is built): the distributed optimizer, Megatron-FSDP, fp16, fp32
-  params, SGD/Muon, Megatron's own CPU offload flags, expert-parallel params, and the precision-aware dtypes other
-  than fp32 (the CPU kernel keeps fp32 master and moments).
+  params, SGD/Muon, Megatron's own CPU offload flags, expert-parallel params, ``main_params_dtype`` other than fp32,
+  and moment dtypes other than both fp32 or both bf16.
 """
 from __future__ import annotations
 
@@ -46,13 +55,23 @@ except ImportError as e:  # the package is usable without Megatron; this module 
 __all__ = ["EbbtideOptimizer", "get_optimizer", "check_config"]
 
 
+_MOMENTS = {(torch.float32, torch.float32): torch.float32, (torch.bfloat16, torch.bfloat16): torch.bfloat16}
+
+
+def moments_dtype(config) -> torch.dtype:
+    """OffloadedAdam's ``moments_dtype`` for a config that passed :func:`check_config`."""
+    return _MOMENTS[(getattr(config, "exp_avg_dtype", torch.float32),
+                     getattr(config, "exp_avg_sq_dtype", torch.float32))]
+
+
 def check_config(config) -> None:
     """Raise UnsupportedError naming every setting of Megatron's ``OptimizerConfig`` this optimizer cannot honour
     (what is refused, and why, is in the module doc)."""
     bad = []
     if getattr(config, "optimizer", "adam") != "adam":
         bad.append(f"optimizer={config.optimizer!r} (only 'adam': Adam/AdamW)")
-    if config.use_distributed_optimizer:
+    precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
+    if config.use_distributed_optimizer and not precision_aware:
         bad.append("use_distributed_optimizer=True (the host state is not sharded across data-parallel ranks; "
                    "build DDP and the optimizer with use_distributed_optimizer=False)")
     if config.fp16:
@@ -61,12 +80,13 @@ def check_config(config) -> None:
         bad.append("bf16=False (params must be bf16: wrap the model in Float16Module with bf16=True)")
     if config.optimizer_cpu_offload:
         bad.append("optimizer_cpu_offload=True (Megatron's HybridDeviceOptimizer; this optimizer offloads by itself)")
-    for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        dt = getattr(config, name, torch.float32)
-        if dt != torch.float32:
-            bad.append(f"{name}={dt} (the CPU Adam kernel keeps fp32 master weights and moments)")
-    if getattr(config, "use_precision_aware_optimizer", False) and not bad:
-        bad.append("use_precision_aware_optimizer=True (it requires Megatron's distributed optimizer)")
+    main = getattr(config, "main_params_dtype", torch.float32)
+    if main != torch.float32:
+        bad.append(f"main_params_dtype={main} (the CPU Adam kernel keeps fp32 master weights)")
+    moments = (getattr(config, "exp_avg_dtype", torch.float32), getattr(config, "exp_avg_sq_dtype", torch.float32))
+    if moments not in _MOMENTS:
+        bad.append(f"exp_avg_dtype={moments[0]}, exp_avg_sq_dtype={moments[1]} (the CPU Adam kernel keeps both "
+                   "moments fp32 or both bf16)")
     if getattr(config, "overlap_param_gather_with_optimizer_step", False):
         bad.append("overlap_param_gather_with_optimizer_step=True (a distributed-optimizer feature)")
     if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
@@ -296,7 +316,7 @@ def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "f
                           betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                           weight_decay=config.weight_decay, adamw=config.decoupled_weight_decay, mode=mode,
                           threads=threads, bucket_numel=bucket_numel, slots=slots, buffer_factory=buffer_factory,
-                          attach_grads=False)
+                          attach_grads=False, moments_dtype=moments_dtype(config))
     return EbbtideOptimizer(inner, config, grad_scaler,
                             grad_stats_parallel_group=parallel_state.get_model_parallel_group(),
                             tp_group=parallel_state.get_tensor_model_parallel_group())
