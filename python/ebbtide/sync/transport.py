@@ -33,7 +33,7 @@ import os
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, StateError
+from ..errors import EbbtideError, InvalidArgumentError, StateError
 from .errors import PartialUpdateError, PlanMismatchError, WeightVersionError
 
 __all__ = ["SharedHostBuffer", "HostSender", "HostReceiver", "IpcSender", "IpcReceiver", "HEADER_BYTES"]
@@ -335,8 +335,11 @@ class IpcReceiver:
             return
         self.gen += 1  # a staging the sender has not mapped yet (first update, a new receiver, or an fd export)
         if not vmm:
+            try:  # pickling makes the handle; a failure raises before anything is written to the connection
+                self.conn.send(("begun", self.gen, ("torch", staging)))
+            except RuntimeError as e:
+                self._fail(StateError(f"the receiver's staging cannot be shared by CUDA IPC ({e})"))
             self._shared = staging
-            self.conn.send(("begun", self.gen, ("torch", staging)))
             return
         from multiprocessing.reduction import send_handle  # noqa: PLC0415
 
@@ -348,6 +351,8 @@ class IpcReceiver:
             self._fail(StateError(f"the receiver's staging is ebbtide.memory region memory that cannot be shared "
                                   f"({e}); allocate it in a region entered with shareable=True, or inside "
                                   f"ebbtide.memory.disable()"))
+        except EbbtideError as e:  # e.g. the staging's tag is paused: resume it before receiving
+            self._fail(StateError(f"the receiver's staging cannot be exported now ({type(e).__name__}: {e})"))
         try:
             self._shared = None
             self.conn.send(("begun", self.gen, ("vmm", handle)))
