@@ -116,24 +116,14 @@ class _Layer(nn.Module):
         return x + self.mlp(self.pre_mlp_layernorm(x))
 
     def forward(self, x, layer: int, cache: KVCache | None, start: int, cos, sin):
-        B, T, _ = x.shape
         q, k, v = self.self_attention.qkv(self.input_layernorm(x), cos, sin)
         if cache is None:
             return self._finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        cache.k[layer, :B, :, start:start + T] = k
-        cache.v[layer, :B, :, start:start + T] = v
-        keys, vals = cache.k[layer, :B, :, :start + T], cache.v[layer, :B, :, :start + T]
-        qpos = torch.arange(start, start + T, device=x.device)[:, None]
-        mask = torch.arange(start + T, device=x.device)[None, :] <= qpos  # query i sees keys [0, start + i]
-        return self._finish(x, F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask))
+        return self._finish(x, cache.attend(q, k, v, layer, start))
 
     def step(self, x, layer: int, cache: KVCache, pos, mask, cos, sin):
-        B = x.shape[0]
         q, k, v = self.self_attention.qkv(self.input_layernorm(x), cos, sin)
-        keys, vals = cache.k[layer, :B], cache.v[layer, :B]
-        keys.index_copy_(2, pos, k)
-        vals.index_copy_(2, pos, v)
-        return self._finish(x, F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask))
+        return self._finish(x, cache.attend_step(q, k, v, layer, pos, mask))
 
 
 class _Embedding(nn.Module):

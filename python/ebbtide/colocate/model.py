@@ -85,6 +85,28 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def attend(self, q, k, v, layer: int, start: int):
+        """Write k/v ([B, H, T, hd]) at positions [start, start + T) of ``layer`` and attend q over the keys so
+        far: query i (absolute start + i) sees keys [0, start + i]."""
+        B, T = q.shape[0], q.shape[2]
+        self.k[layer, :B, :, start:start + T] = k
+        self.v[layer, :B, :, start:start + T] = v
+        keys, vals = self.k[layer, :B, :, :start + T], self.v[layer, :B, :, :start + T]
+        if T == 1:  # the one new query sees every key
+            return F.scaled_dot_product_attention(q, keys, vals)
+        qpos = torch.arange(start, start + T, device=q.device)[:, None]
+        mask = torch.arange(start + T, device=q.device)[None, :] <= qpos
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+    def attend_step(self, q, k, v, layer: int, pos, mask):
+        """Static-shape decode (q, k, v [B, H, 1, hd]): k/v written at device position ``pos`` ([1] long),
+        attention over the whole cache under ``mask`` ([1, 1, 1, max_len] bool)."""
+        B = q.shape[0]
+        keys, vals = self.k[layer, :B], self.v[layer, :B]  # views of fixed shape [B, H, max_len, hd]
+        keys.index_copy_(2, pos, k)
+        vals.index_copy_(2, pos, v)
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -108,31 +130,14 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
 
     def forward(self, x, layer: int, cache: KVCache | None, start: int):
-        B, T, _ = x.shape
         q, k, v = self._qkv(x)
         if cache is None:
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            cache.k[layer, :B, :, start:start + T] = k
-            cache.v[layer, :B, :, start:start + T] = v
-            keys, vals = cache.k[layer, :B, :, :start + T], cache.v[layer, :B, :, :start + T]
-            if T == 1:
-                a = F.scaled_dot_product_attention(q, keys, vals)
-            else:  # query i (absolute start + i) sees keys [0, start + i]
-                qpos = torch.arange(start, start + T, device=x.device)[:, None]
-                mask = torch.arange(start + T, device=x.device)[None, :] <= qpos
-                a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        return self._out(x, a)
+            return self._out(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self._out(x, cache.attend(q, k, v, layer, start))
 
     def step(self, x, layer: int, cache: KVCache, pos, mask):
-        """Static-shape decode (x [B, 1, D]): k/v written at device position ``pos`` ([1] long), attention over
-        the whole cache under ``mask`` ([1, 1, 1, max_len] bool)."""
-        B = x.shape[0]
-        q, k, v = self._qkv(x)
-        keys, vals = cache.k[layer, :B], cache.v[layer, :B]  # views of fixed shape [B, H, max_len, hd]
-        keys.index_copy_(2, pos, k)
-        vals.index_copy_(2, pos, v)
-        return self._out(x, F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask))
+        """Static-shape decode (x [B, 1, D]); see ``KVCache.attend_step``."""
+        return self._out(x, cache.attend_step(*self._qkv(x), layer, pos, mask))
 
 
 class TinyLM(nn.Module):
