@@ -89,12 +89,18 @@ def test_plan_kinds_and_a_sync_through_ebbtide_sync_on_cpu():
 
 def test_arguments_pick_the_megatron_loop_and_its_sizes():
     cfg = parse_args(["--trainer", "megatron"])
-    assert cfg.model == MEGATRON_MODEL and cfg.variants == ("ebbtide", "slime", "gpu-tms")
+    assert cfg.model == MEGATRON_MODEL and cfg.variants == ("ebbtide", "slime", "slime-ebbtide", "gpu-tms")
     assert cfg.worker_spec("slime")["trainer"] == "megatron"
     q = parse_args(["--trainer", "megatron", "--quick", "--variants", "ebbtide,slime"])
     assert q.model == MEGATRON_QUICK and q.variants == ("ebbtide", "slime") and q.steps == 5
     assert parse_args([]).trainer == "toy" and parse_args([]).variants == ("ebbtide", "anchor")
-    assert RunConfig(trainer="megatron").validate().variants == ("ebbtide", "slime", "gpu-tms")
+    assert RunConfig(trainer="megatron").validate().variants == ("ebbtide", "slime", "slime-ebbtide", "gpu-tms")
+    assert cfg.worker_spec("ebbtide")["groups"] == "lazy"
+    assert parse_args(["--trainer", "megatron", "--groups", "eager"]).worker_spec("ebbtide")["groups"] == "eager"
+    # the drop-in variant runs on ebbtide alone: it is not skipped where the torch_memory_saver package is missing
+    assert "slime-ebbtide" not in launcher.NEEDS_TMS and {"slime", "gpu-tms", "anchor"} <= set(launcher.NEEDS_TMS)
+    with pytest.raises(InvalidArgumentError, match="groups must be one of"):
+        RunConfig(trainer="megatron", groups="sometimes").validate()
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -173,4 +179,6 @@ def test_report_and_bench_rows_of_three_variants():
     assert by["colocated loop: process groups release + reload (vs slime)"].anchor == pytest.approx(0.08)
     mem = by["colocated loop: trainer GPU memory while the rollout generates, above its CUDA context (vs slime)"]
     assert mem.ours == pytest.approx(0.5) and mem.anchor == pytest.approx(3.0) and mem.unit == "GB"
-    assert len(rows) == 2 * 2 + 9 + 2
+    # three anchors: step and overhead against each, the phases against slime, memory against each
+    assert len(rows) == 3 * 2 + 9 + 3
+    assert by["colocated loop: RL step (vs slime-ebbtide)"].anchor_note == "not measured"

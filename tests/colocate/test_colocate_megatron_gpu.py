@@ -1,6 +1,7 @@
 """The colocated loop with a Megatron-core GPT on one GPU (``python -m ebbtide.colocate --trainer megatron
 --quick``), one variant per test so each fits gpu-check's per-test deadline: ebbtide (the adapter, ebbtide.sync over
-CUDA IPC, ebbtide.memory in the rollout), slime (HDO + torch_memory_saver + the slime-style update) and gpu-tms.
+CUDA IPC, ebbtide.memory in the rollout; lazy and eager groups), slime (HDO + torch_memory_saver + the slime-style
+update), slime-ebbtide (the same with ebbtide.compat.torch_memory_saver) and gpu-tms.
 Each checks: the rollout holds the trainer's weights bit for bit after the sync and its logits match Megatron's
 forward on them, no memory growth, memory handed over both ways, every phase timed, finite losses.
 Megatron's DDP buffers and rotary embeddings allocate on the GPU, so these skip without CUDA."""
@@ -27,13 +28,13 @@ pytestmark = [
 ]
 
 
-def _run(tmp_path, variant: str):
+def _run(tmp_path, variant: str, *extra: str):
     art = os.environ.get("EBBTIDE_TEST_ARTIFACTS")
     if art:
         tmp_path = pathlib.Path(art) / f"colocate-megatron-{variant}"
         tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ebbtide.colocate", "--trainer", "megatron", "--quick", "--steps", "3", "--warmup",
-           "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200"]
+           "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     logs = "".join(f"\n--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(tmp_path.glob("*.log")))
     print(p.stdout)  # the table, shown with -s or on failure
@@ -63,24 +64,27 @@ def _check(res: dict, name: str, diag: str):
     return v
 
 
-def test_megatron_loop_ebbtide(tmp_path):
-    p, res, diag = _run(tmp_path, "ebbtide")
+@pytest.mark.parametrize("groups", ["lazy", "eager"])
+def test_megatron_loop_ebbtide(tmp_path, groups):
+    p, res, diag = _run(tmp_path, "ebbtide", "--groups", groups)
     assert p.returncode == 0, diag
     v = _check(res, "ebbtide", diag)
     setup = v["ranks"][0]["setup"]
     assert setup["optimizer"].startswith("EbbtideOptimizer") and setup["sync"] == "ebbtide", setup
+    assert setup["groups"] == groups, setup
     rel = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "comm_release"]
     assert rel and "release" in rel[0]["report"]
 
 
-@pytest.mark.parametrize("variant", ["slime", "gpu-tms"])
+@pytest.mark.parametrize("variant", ["slime", "slime-ebbtide", "gpu-tms"])
 def test_megatron_loop_anchor(tmp_path, variant):
-    if importlib.util.find_spec("torch_memory_saver") is None:
+    if variant != "slime-ebbtide" and importlib.util.find_spec("torch_memory_saver") is None:
         pytest.skip("torch_memory_saver is not installed (scripts/fetch-anchor-wheels)")
     p, res, diag = _run(tmp_path, variant)
     assert p.returncode == 0, diag
     v = _check(res, variant, diag)
     setup = v["ranks"][0]["setup"]
-    assert setup["sync"] == "slime", setup
-    want = "HybridDeviceOptimizer" if variant == "slime" else "Adam"
+    assert setup["sync"] == "slime" and setup["groups"] == "lazy", setup
+    assert (setup["rollout"]["hook_mode"] == "ebbtide-compat-torch") == (variant == "slime-ebbtide"), setup
+    want = "HybridDeviceOptimizer" if variant.startswith("slime") else "Adam"
     assert want in setup["optimizer"], setup

@@ -659,3 +659,63 @@ def destroyed_while_released(rank, world, init):
     out["names"] = {"both": both.group_name, "one": one.group_name}
     dist.destroy_process_group()
     return out
+
+
+def background_release(rank, world, init, cycles=3):
+    """release(wait=False): the groups are released when it returns (ops raise StateError), the teardown finishes
+    in the background (its Future holds the Report), reload() and a second release() join it; a teardown that
+    fails in the background is raised by the next entry point, naming the cause."""
+    from concurrent.futures import Future
+
+    from ebbtide.comm import _teardown
+
+    _init(rank, world, init)
+    groups = {"pair": (dist.new_group([0, 1]), [0, 1])}
+    for r in range(world):  # singletons: every rank calls each creation
+        groups[f"one{r}"] = (dist.new_group([r]), [r])
+    mine = [(g, r) for g, r in groups.values() if rank in r]
+    for g, r in mine:
+        _expect_sum(g, r, rank)
+    out = {"released_errors": 0, "reports": []}
+    for cycle in range(cycles):
+        fut = comm.release(cycle % 2 == 1, include_cpu=True, wait=False)
+        assert isinstance(fut, Future) and comm.is_released()
+        out["released_errors"] += _released_checks(groups, rank)
+        if cycle == 0:  # a second release joins the first and is a no-op
+            again = comm.release(True, include_cpu=True, wait=False)
+            assert fut.done() and again.done() and again.result().noop
+        if cycle == 1:  # reload joins the background teardown itself
+            rl = comm.reload()
+            assert fut.done() and not rl.noop
+        else:
+            rep = fut.result(timeout=60)
+            assert not rep.noop and len(rep.groups) >= 2, rep.summary()
+            out["reports"].append(rep.summary())
+            comm.reload(eager=cycle % 2 == 0)
+        for g, r in mine:
+            _expect_sum(g, r, rank)
+    # A teardown that fails in the background: the Future holds the error, reload() raises it as StateError.
+    real = _teardown.B.teardown_concurrently
+
+    def broken(*a, **k):
+        raise RuntimeError("injected teardown failure")
+
+    _teardown.B.teardown_concurrently = broken
+    try:
+        fut = comm.release(include_cpu=True, wait=False)
+        try:
+            fut.result(timeout=60)
+        except RuntimeError as e:
+            assert "injected" in str(e), e
+        else:
+            raise AssertionError("the background failure did not reach the Future")
+        try:
+            comm.reload()
+        except StateError as e:
+            assert "background teardown" in str(e) and "injected" in str(e), e
+            out["failure"] = str(e)
+        else:
+            raise AssertionError("reload() after a failed background teardown did not raise")
+    finally:
+        _teardown.B.teardown_concurrently = real
+    return out

@@ -37,6 +37,13 @@ def test_threads_and_fork():
     _spawn.run("threads_and_fork", 2)
 
 
+def test_background_release_is_joined_by_the_next_call():
+    res = _spawn.run("background_release", 2, timeout=150)
+    for r in res:
+        assert r["released_errors"] > 0 and len(r["reports"]) == 2
+        assert "injected teardown failure" in r["failure"]
+
+
 def test_install_after_init_adopts_world():
     _spawn.run("install_after_init", 2)
 

@@ -1,4 +1,4 @@
-"""Release order of Runtime._release_all: every child before the group it was split from, whatever the two plans
+"""Release order of ``_teardown.release_all``: every child before the group it was split from, whatever the two plans
 (suspend / destroy) are, and one-at-a-time reverse journal order with install(concurrent_teardown=False). No NCCL
 on the CPU: the per-group work is recorded instead of done (the order is what is under test; the Gloo and NCCL
 tests run the real teardowns)."""
@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 from ebbtide.comm import _backend as B  # noqa: E402
 from ebbtide.comm import _runtime as R  # noqa: E402
 from ebbtide.comm import _strategy as S  # noqa: E402
+from ebbtide.comm import _teardown as T  # noqa: E402
 from ebbtide.comm._journal import Entry  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def _setup(monkeypatch, concurrent, plans):
     rt.concurrent_teardown = concurrent
     order, lock = [], threading.Lock()
 
-    def release_one(e, inner):
+    def release_one(rt_, e, inner):
         with lock:
             order.append((e.name, e.plan))
         return e.name
@@ -51,9 +52,9 @@ def _setup(monkeypatch, concurrent, plans):
             order.append((inner, "destroy"))
         return 0.0
 
-    monkeypatch.setattr(rt, "_release_one", release_one)
+    monkeypatch.setattr(T, "_release_one", release_one)
     monkeypatch.setattr(B, "timed_teardown", timed_teardown)
-    monkeypatch.setattr(R, "_global_ranks", lambda g: [])
+    monkeypatch.setattr(T, "_global_ranks", lambda g: [])
     todo = list(reversed(journal))
     detached = {e: e.name for e in journal}  # the "inner" handed to the teardown: its name, for the record
     return rt, todo, detached, order
@@ -68,7 +69,7 @@ def _setup(monkeypatch, concurrent, plans):
 ])
 def test_children_before_parents_whatever_the_plans(monkeypatch, concurrent, plans):
     rt, todo, detached, order = _setup(monkeypatch, concurrent, plans)
-    rt._release_all(todo, detached)
+    T.release_all(rt, todo, detached)
     done = [name for name, _ in order]
     assert sorted(done) == sorted(plans), order
     assert done.index("tp.sub") < done.index("tp") < done.index("world"), order
@@ -90,7 +91,7 @@ def test_a_slow_teardown_is_named_in_the_log(monkeypatch, caplog):
 
     monkeypatch.setattr(B, "timed_teardown", slow_for_pp)
     with caplog.at_level(logging.ERROR, logger=R.log.name):
-        rt._release_all(todo, detached, datetime.timedelta(seconds=0.1))
+        T.release_all(rt, todo, detached, datetime.timedelta(seconds=0.1))
     slow = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
     assert slow and all("'pp'" in m and "'tp'" not in m for m in slow), caplog.text
     assert [n for n, _ in order][-1] == "world"

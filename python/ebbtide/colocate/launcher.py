@@ -14,9 +14,10 @@ Policies:
   others: every rank's result file, exit code and log tail are kept in the results.
 - ``--trainer``: "toy" (default; the example's own model, ``trainer``; variants "ebbtide" and "anchor") or
   "megatron" (a Megatron-core GPT, ``mtrainer``; one GPU, CUDA only, megatron-core needed; variants "ebbtide",
-  "slime" and "gpu-tms"). Its default size is ``MEGATRON_MODEL`` (~1.3 B params), ``--quick`` ``MEGATRON_QUICK``.
-- Every variant other than "ebbtide" runs where torch_memory_saver is installed; otherwise it is reported as "not
-  installed".
+  "slime", "slime-ebbtide" and "gpu-tms"). Its default size is ``MEGATRON_MODEL`` (~1.3 B params), ``--quick``
+  ``MEGATRON_QUICK``.
+- The variants on the torch_memory_saver package (``NEEDS_TMS``) run where it is installed; otherwise they are
+  reported as "not installed".
 - Each trainer rank runs in a session of its own with its rollout child: killing a rank (deadline, failed peer,
   Ctrl-C) kills the whole group, and a rollout its trainer left behind is killed once the variant is over, so no
   process keeps holding GPU memory into the next variant. Ranks and rollouts also die with their parent
@@ -51,7 +52,10 @@ MEGATRON_QUICK = ModelConfig(vocab=32768, d_model=1024, n_layers=4, n_heads=16, 
 VARIANTS = ("ebbtide", "anchor")
 SCRATCH_BACKUPS = ("keep", "cpu", "none")
 TRAINERS = {"toy": ("ebbtide.colocate.trainer", VARIANTS),
-            "megatron": ("ebbtide.colocate.mtrainer", ("ebbtide", "slime", "gpu-tms"))}  # = mtrainer.VARIANTS
+            "megatron": ("ebbtide.colocate.mtrainer", ("ebbtide", "slime", "slime-ebbtide", "gpu-tms"))}
+# = mtrainer.VARIANTS; the variants that run on the torch_memory_saver package (the others need only ebbtide)
+NEEDS_TMS = ("anchor", "slime", "gpu-tms")
+GROUP_MODES = ("lazy", "eager")  # = mtrainer.GROUP_MODES
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
 
@@ -81,6 +85,10 @@ class RunConfig:
     out: str = "colocate-out"
     device: str = "cuda"
     store_bind: str = "127.0.0.1"  # where the ranks' rendezvous store listens (loopback unless asked)
+    # the ebbtide Megatron trainer's communicators: "lazy" (made at a group's first collective, as slime's are;
+    # release frees only those that exist) or "eager" (WORLD bound to the device: every group connects at creation
+    # and again at reload). The anchors always run slime's own settings (lazy, NCCL_CUMEM_ENABLE=0).
+    groups: str = "lazy"
 
     def validate(self) -> "RunConfig":
         if self.trainer not in TRAINERS:
@@ -130,6 +138,8 @@ class RunConfig:
             raise InvalidArgumentError(f"store_bind must be a host name or an IP address, got {self.store_bind!r}")
         if self.decode not in DECODE_MODES:
             raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
+        if self.groups not in GROUP_MODES:
+            raise InvalidArgumentError(f"groups must be one of {GROUP_MODES}, got {self.groups!r}")
         return self
 
     def worker_spec(self, variant: str) -> dict:
@@ -137,7 +147,7 @@ class RunConfig:
                 "steps": self.steps,
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
-                "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode,
+                "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
                 "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
@@ -171,7 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--variants", default=None,
-                   help="comma list of: ebbtide, anchor (toy); ebbtide, slime, gpu-tms (megatron); default all")
+                   help="comma list of: ebbtide, anchor (toy); ebbtide, slime, slime-ebbtide, gpu-tms (megatron); "
+                        "default all")
     p.add_argument("--scratch-backup", default=d.scratch_backup, choices=SCRATCH_BACKUPS,
                    help="the rollout's untagged allocations (cuBLAS workspaces, decode scratch) across its pause: "
                         "keep (default: stay resident and are not paused, as torch_memory_saver leaves untagged "
@@ -180,6 +191,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="rollout decode: the per-token step captured once in a CUDA graph and replayed (default), "
                         "or eager forwards (same code in both variants; the anchor rollout keeps the graph's memory while "
                         "paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
+    p.add_argument("--groups", default=d.groups, choices=GROUP_MODES,
+                   help="megatron, ebbtide variant: communicators made at each group's first collective (lazy, "
+                        "default; release frees those that exist) or at creation and reload (eager: WORLD bound to "
+                        "the device). The anchors run slime's settings whatever this says")
     p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
     p.add_argument("--out", default=d.out, help="directory for results.json, timeline.png and logs")
     p.add_argument("--store-bind", default=d.store_bind,
@@ -198,7 +213,7 @@ def parse_args(argv=None) -> RunConfig:
     model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
     kw = {k: getattr(a, k) for k in ("gpus", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
-                                     "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode",
+                                     "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode", "groups",
                                      "timeout_s",
                                      "verify_batch", "verify_len",
                                      "out", "device", "store_bind")}
@@ -399,7 +414,7 @@ def run(cfg: RunConfig, log=print) -> dict:
         raise InvalidArgumentError(f"--gpus {cfg.gpus} but {have} CUDA device(s) are visible")
     results = {"config": dataclasses.asdict(cfg), "variants": {}}
     for variant in cfg.variants:
-        if variant != "ebbtide" and importlib.util.find_spec("torch_memory_saver") is None:
+        if variant in NEEDS_TMS and importlib.util.find_spec("torch_memory_saver") is None:
             results["variants"][variant] = {"why": "not installed (torch_memory_saver)"}
             continue
         vr = run_variant(cfg, variant, log)

@@ -26,7 +26,7 @@ __all__ = ["PHASES", "MEGATRON_PHASES", "Recorder", "NvmlProbe", "nvml_all_pids"
 PHASES = ("train", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",
           "rollout_pause", "trainer_resume", "comm_reload")
 # The Megatron loop's step (one GPU; Megatron's groups are released and reloaded there too).
-MEGATRON_PHASES = ("train", "optimizer", "rollout_resume", "sync", "offload", "comm_release", "generate",
+MEGATRON_PHASES = ("train", "optimizer", "rollout_resume", "sync", "comm_release", "offload", "generate",
                    "rollout_pause", "onload", "comm_reload")
 KNOWN_PHASES = tuple(dict.fromkeys(PHASES + MEGATRON_PHASES))
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")

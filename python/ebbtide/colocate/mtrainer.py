@@ -8,27 +8,35 @@ Policies:
   task (``train_tokens``), fp32 loss; gradient clipping at 1.0. The rollout generates with ``gpt.MegatronGPT``, the
   same architecture under the same parameter names.
 - The step: train (zero the grad buffer, forward, backward, ``finish_grad_sync``) -> optimizer -> rollout_resume
-  -> sync (the rollout holds the new weights) -> offload -> comm_release -> generate -> rollout_pause -> onload ->
-  comm_reload. Each phase ends when its device work is complete.
+  -> sync (the rollout holds the new weights) -> comm_release -> offload -> generate -> rollout_pause -> onload ->
+  comm_reload (slime's sleep() destroys the groups, then pauses its memory; wake_up() resumes, then reloads). Each
+  phase ends when its device work is complete.
 - Variant "ebbtide", through the public adapter only: ``install_groups()`` before ``init_process_group``,
   ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
-  restore, ``release_groups(include_world=True)`` / ``reload_groups()``; weights by ``ebbtide.sync`` (``Sender`` +
-  ``IpcSender``); the rollout on ebbtide.memory (preload shim).
+  restore, ``release_groups(include_world=True, wait=False)`` (the communicators' teardown overlaps the offload
+  and the rollout's generate; comm_reload joins it, so a teardown longer than both is paid there) /
+  ``reload_groups()``;
+  weights by ``ebbtide.sync`` (``Sender`` + ``IpcSender``); the rollout on ebbtide.memory (preload shim).
 - Variant "slime", the configuration slime runs colocated: Megatron's DistributedOptimizer + HybridDeviceOptimizer
   (offload fraction 1.0, D2H/H2D overlap); torch_memory_saver (torch hook mode, ``retain_cpu_backup``) with the
   optimizer in a region with CPU backup, the DDP param and grad buffers allocated in a region without backup and
   the weights kept in a pinned per-parameter CPU copy, refreshed before the pause and copied back after the resume
   (slime's ``--offload-train`` patch and ``TensorBackuper``); the slime-style weight update; the rollout on
   torch_memory_saver (discard).
+- Variant "slime-ebbtide": "slime" with one import swapped, ``ebbtide.compat.torch_memory_saver`` for the
+  ``torch_memory_saver`` package in the trainer and the rollout (ebbtide as a plain drop-in; nothing else changes).
 - Variant "gpu-tms": Megatron's GPU-resident DistributedOptimizer, the DDP buffers and the optimizer state in one
   torch_memory_saver region with CPU backup; weight update and rollout as "slime".
 - Anchors build the model outside torch_memory_saver and only the DDP construction inside it, so the model's
   construction-time storages (freed once DDP copied them into its buffers) are not cached in a region pool that
   every pause would copy. After each step every variant calls the optimizer's ``zero_grad()``, so the fp32 main
   grads a DistributedOptimizer makes for its step are freed before the offload, not carried through it.
-- Groups, every variant: every Megatron group (WORLD included) is destroyed and re-created around the rollout by
-  ebbtide.comm's destroy-and-rebuild (what slime's ReloadableProcessGroup does: destroy each NCCL communicator,
-  replay the group creations in order), reloaded eagerly; the groups phases cost the same mechanism in all three.
+- Groups: every Megatron group (WORLD included) is destroyed and re-created around the rollout by ebbtide.comm's
+  destroy-and-rebuild. The anchors run it with slime's own settings: what its ReloadableProcessGroup does
+  (destroy each NCCL communicator, replay the group creations in order), WORLD initialised without a device (so
+  each communicator is made at its group's first collective, after every reload too) and ``NCCL_CUMEM_ENABLE=0``
+  (slime's actor environment). The ebbtide variant: ``spec["groups"]`` "lazy" (the same laziness, cuMem as NCCL
+  defaults) or "eager" (WORLD bound to the device: every group connects at creation and at reload).
 - torch_memory_saver is configured after ``import megatron.core.models.gpt`` (that import sets its hook mode, which
   it refuses once initialised). Anchors run the optimizer step inside their region, so state the step creates
   lazily (Adam's moments) is paused with the rest.
@@ -57,7 +65,8 @@ __all__ = ["main", "VARIANTS", "LOGITS_RTOL"]
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
-VARIANTS = ("ebbtide", "slime", "gpu-tms")
+VARIANTS = ("ebbtide", "slime", "slime-ebbtide", "gpu-tms")
+GROUP_MODES = ("lazy", "eager")
 # Megatron's forward and the rollout's plain-PyTorch one on the same bf16 weights: same math, other kernels and
 # operation order (fused QKV split, softmax, LayerNorm) through every layer; a wrong name or layout differs by O(1).
 LOGITS_RTOL = 2.0 ** -4
@@ -74,11 +83,19 @@ class _MegatronTrainer:
         torch.cuda.set_device(self.dev)
         self.cfg = ModelConfig(**spec["model"])
         self.rec, self.checks = Recorder(), {"verify": []}
-        self.em = self.tms = self.backup = self.state = None
+        self.em = self.tms = self.backup = self.state = self.releasing = None
         if self.variant == "ebbtide":
             import ebbtide.memory as em  # noqa: PLC0415
 
             self.em = em
+        elif self.variant == "slime-ebbtide":
+            import megatron.core.models.gpt  # noqa: F401, PLC0415  (as below, for the same import order)
+
+            from ebbtide.compat.torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+
+            tms.hook_mode = "torch"
+            tms.retain_cpu_backup = True
+            self.tms = tms
         else:
             import megatron.core.models.gpt  # noqa: F401, PLC0415  (sets TMS's hook mode on import: before TMS)
             from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
@@ -112,11 +129,20 @@ class _MegatronTrainer:
         import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
 
         self.ebt = ebt
-        ebt.install_groups(**({} if self.variant == "ebbtide" else {"strategy": "destroy"}))
+        ours = self.variant == "ebbtide"
+        mode = self.spec.get("groups", "lazy") if ours else "lazy"
+        if mode not in GROUP_MODES:
+            raise RuntimeError(f"groups must be one of {GROUP_MODES}, not {mode!r}")
+        self.eager_groups = mode == "eager"
+        self.setup["groups"] = mode
+        if not ours:  # slime's actor environment (SGLang needs it off; slime sets it for every actor)
+            os.environ["NCCL_CUMEM_ENABLE"] = "0"
+        ebt.install_groups(**({} if ours else {"strategy": "destroy"}))
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
-        dist.init_process_group("nccl", store=self.store, rank=0, world_size=1, device_id=self.dev,
-                                timeout=timedelta(minutes=10))
+        bound = {"device_id": self.dev} if self.eager_groups else {}
+        dist.init_process_group("nccl", store=self.store, rank=0, world_size=1, timeout=timedelta(minutes=10),
+                                **bound)
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(self.spec["seed"] + 1234)
 
@@ -137,7 +163,7 @@ class _MegatronTrainer:
             self.state = self.ebt.TrainingState([self.model], self.opt)
             self.setup["optimizer"] = f"EbbtideOptimizer(OffloadedAdam, isa={self.opt.optimizer.isa})"
         else:
-            slime = self.variant == "slime"
+            slime = self.variant.startswith("slime")
             extra = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                          overlap_cpu_optimizer_d2h_h2d=True) if slime else {}
             # the DDP param and grad buffers: without backup for slime (--offload-train), else with the rest
@@ -282,12 +308,16 @@ class _MegatronTrainer:
             info.update(_only(R.reply(timeout=tmo), "inside_s"))
         self._sample(step, "sync")
         loaded = R.call("verify_load", timeout=tmo) if verify else None
+        with rec.phase(step, "comm_release") as info:
+            if self.em is not None:  # agreed and detached now; the teardown overlaps the offload and generate
+                self.releasing = self.ebt.release_groups(include_world=True, wait=False)
+                info["report"] = "teardown in the background (its report: comm_reload's release_report)"
+            else:
+                info["report"] = self.ebt.release_groups(include_world=True).summary()
+        self._sample(step, "comm_release")
         with rec.phase(step, "offload") as info:
             info.update(self._offload())
         self._sample(step, "offload")
-        with rec.phase(step, "comm_release") as info:
-            info["report"] = self.ebt.release_groups(include_world=True).summary()
-        self._sample(step, "comm_release")
         with rec.phase(step, "generate") as info:
             gen = R.call("generate", timeout=tmo)
             info.update(_only(gen, "tokens", "inside_s"))
@@ -306,7 +336,12 @@ class _MegatronTrainer:
             info.update(self._onload())
         self._sample(step, "onload")
         with rec.phase(step, "comm_reload") as info:
-            info["report"] = self.ebt.reload_groups().summary()
+            if self.releasing is not None:  # a teardown still running (a short generate) is waited for here
+                bg, self.releasing = self.releasing.result(), None
+                slow = sorted(bg.groups, key=lambda g: -g.seconds)[:3]
+                info.update(release_report=bg.summary(), release_background_s=bg.seconds,
+                            release_slowest={g.name: round(g.seconds, 4) for g in slow})
+            info["report"] = self.ebt.reload_groups(eager=self.eager_groups).summary()
         self._sample(step, "comm_reload")
 
     def _note_decode(self, gen: dict):

@@ -26,7 +26,7 @@ Policies:
 - ``spec["arch"]``: "tiny" (``TinyLM``, the toy trainer's model; weights through the shared host buffer
   ``buf_fd``) or "megatron" (``gpt.MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
   the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``). Every variant other than
-  "ebbtide" runs the rollout on torch_memory_saver.
+  "ebbtide" runs the rollout on torch_memory_saver ("slime-ebbtide": on ebbtide.compat.torch_memory_saver).
 """
 from __future__ import annotations
 
@@ -115,7 +115,10 @@ class _Rollout:
             self.em = em
             region = lambda tag: em.region(tag)  # noqa: E731  (backup "none": discarded on pause)
         else:
-            from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+            if self.variant == "slime-ebbtide":  # ebbtide as a drop-in: the one import swapped
+                from ebbtide.compat.torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+            else:
+                from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
 
             self.tms = tms
             tms.hook_mode = "torch"  # its default is preload (LD_PRELOAD of its own shim)
@@ -158,7 +161,7 @@ class _Rollout:
                      "weights_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
                      "kv_cache_bytes": self.cache.nbytes + extra,
                      "staging_bytes": 0 if self.staging is None else self.staging.numel(),
-                     "hook_mode": self.em.hook_mode() if self.em else "tms-torch" if self.tms else "none (cpu)",
+                     "hook_mode": self.em.hook_mode() if self.em else ("tms-torch" if self.variant != "slime-ebbtide" else "ebbtide-compat-torch") if self.tms else "none (cpu)",
                      "decode": self.decode}
 
     def _sync(self):

@@ -20,7 +20,8 @@ Contract:
   WORLD (references to the WORLD object taken earlier are not managed) and leaves earlier subgroups alone.
 - release(), reload() and released() are collective over WORLD: all ranks, same order, same arguments. They are
   idempotent (a repeated call returns a report with ``noop=True``), thread-safe (one lock) and fork-safe (a
-  child starts empty).
+  child starts empty). ``release(wait=False)`` leaves the teardown to a background thread and returns a Future;
+  every later entry point joins it first.
 - Strategy per group, chosen at run time and reported: "auto" (the default) destroys and rebuilds every device
   group, the strategy this project's GPU tests run. Native NCCL suspend/resume is opt-in
   (``install(strategy="suspend")``): UnsupportedError where torch < 2.12 or NCCL < 2.29.7; where the versions have
@@ -36,6 +37,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 
 from ._backend import DEFAULT_TEARDOWN, TEARDOWNS
 from ._group import ReloadableGroup
@@ -72,10 +74,17 @@ def uninstall() -> None:
     _RT.uninstall()
 
 
-def release(include_world: bool = False, *, include_cpu: bool = False, timeout: float | None = None) -> Report:
+def release(include_world: bool = False, *, include_cpu: bool = False, timeout: float | None = None,
+            wait: bool = True) -> Report | Future:
     """Free the communicators of every managed group (WORLD too with ``include_world``; Gloo-only groups too with
-    ``include_cpu``). Collective. Returns a :class:`Report`; a second call without reload() is a no-op."""
-    return _RT.release(include_world=include_world, include_cpu=include_cpu, timeout=timeout)
+    ``include_cpu``). Collective. Returns a :class:`Report`; a second call without reload() is a no-op.
+
+    ``wait=False``: return once the ranks have agreed and the groups are detached (their ops raise StateError
+    from then on); the teardowns and the trailing barrier go on in a background thread, and the call returns a
+    ``concurrent.futures.Future`` of the Report. The memory comes back when that Future is done. The next
+    release() or reload() joins it first (a failure there raises StateError naming the cause), so
+    a rollout can start while the communicators shut down and reload() needs nothing extra."""
+    return _RT.release(include_world=include_world, include_cpu=include_cpu, timeout=timeout, wait=wait)
 
 
 def reload(eager: bool = True, *, timeout: float | None = None) -> Report:

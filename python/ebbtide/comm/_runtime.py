@@ -14,7 +14,9 @@ What holds (the caller's contract is in ``__init__.py``):
   plane (journal hash, options, per-group strategy) -> tear down or suspend in reverse journal order (children
   before the WORLD they were split from, as c10d does; a global order, so overlapping groups never wait on each
   other in a cycle; teardowns of one split level run concurrently, Note [Concurrent teardown] in ``_backend.py``)
-  -> trailing barrier (peers' mappings of our buffers are gone too).
+  -> trailing barrier (peers' mappings of our buffers are gone too). With ``wait=False`` the state is RELEASED
+  once the inners are detached and agreed on, and the teardown and trailing barrier run on one background thread
+  (``_teardown.in_background``); every entry point joins it (``settle``) before touching the journal.
 - Order of reload: agree (journal hash, which communicators existed, which groups are gone) -> rebuild WORLD first
   (subgroups split from it) -> every journal entry in order, with a fresh store prefix per generation
   (``<name>.ebt<gen>``) -> eager connect of communicators that existed before release, except where replaying the
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from concurrent.futures import Future
 import inspect
 import json
 import logging
@@ -49,10 +52,11 @@ from ._control import ControlPlane
 from ._group import ReloadableGroup
 from ._hooks import Hooks
 from ._journal import (Entry, OptionsSnapshot, check_agreement, combine_plans, creation_connects, is_local_name,
-                       journal_hash, split_depth)
+                       journal_hash)
 from ._registry import (_forget_registration, _global_ranks, _move_registration, _register_native,
                         _world_creation_call)
 from ._report import GroupReport, Report, device_free_bytes
+from ._teardown import done, in_background, release_all
 
 log = logging.getLogger("ebbtide.comm")
 
@@ -85,6 +89,7 @@ class Runtime:
         self.hooks = Hooks(lambda pg: self.inner_to_wrapper.get(pg, pg))
         self.helper_sig: inspect.Signature | None = None
         self.last_release: Report | None = None
+        self.pending: Future | None = None  # a release(wait=False) whose teardown is still running
         self._rebuilt_now: set = set()  # wrappers rebuilt by the reload in progress
         self._connected_now: set = set()  # ... of which the communicator exists now
 
@@ -140,6 +145,7 @@ class Runtime:
     def _reset_after_fork(self) -> None:
         self.lock = threading.RLock()
         self.pid = os.getpid()
+        self.pending = None  # the teardown thread is not in the child
         self._reset_journal()
         self.replaying = False
 
@@ -253,13 +259,16 @@ class Runtime:
                           "old WORLD object taken before install() are not managed).", RuntimeWarning, stacklevel=4)
 
     # ---- release ------------------------------------------------------------------------------------------
-    def release(self, *, include_world: bool, include_cpu: bool, timeout: float | None) -> Report:
+    def release(self, *, include_world: bool, include_cpu: bool, timeout: float | None,
+                wait: bool = True) -> Report | Future:
         t0 = time.perf_counter()
         with self.lock:
             self._check_pid()
             self._require_installed("release")
+            self.settle("release")
             if self.state == RELEASED:
-                return Report("release", True, self.generation, time.perf_counter() - t0, 0.0, None, None)
+                rep = Report("release", True, self.generation, time.perf_counter() - t0, 0.0, None, None)
+                return rep if wait else done(rep)
             tmo = self._timeout(timeout)
             control = self._control()
             free_before = device_free_bytes()
@@ -309,90 +318,54 @@ class Runtime:
                 if e.plan != choices[e]:
                     e.reason = f"{choices[e]} here, {e.plan} on a peer: {e.reason}"
                 todo.append(e)
-            reports = self._release_all(todo, detached, tmo)
-            reports.reverse()  # report in journal order
             for e in detached:
                 if e.plan is not None:
                     # Name lookups now reach the wrapper, whose ops raise StateError.
                     _register_native(e.group._ebt_name, e.group)
-            self.state = RELEASED  # before the barrier: a timeout there leaves a consistent RELEASED state
-            # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
-            #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
-            #    a rank that measures (or allocates) before its peers finish sees part of its memory still held.
-            tb2 = time.perf_counter()
-            control.barrier("released", tmo)
-            barrier_s += time.perf_counter() - tb2
-            rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
-                         device_free_bytes(), reports)
-            self.last_release = rep
-            log.info("%s", rep.summary())
-            log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "
-                      "NCCL memory never goes through it)", B.reserved_mib())
-            return rep
+            # Before the teardown: from here every entry point (reload, release, group creation) sees RELEASED,
+            # and a timeout in the trailing barrier leaves a consistent RELEASED state.
+            self.state = RELEASED
+            finish = lambda: self._finish_release(todo, detached, tmo, control, t0, barrier_s,  # noqa: E731
+                                                  free_before)
+            if wait:
+                return finish()
+            self.pending = in_background(finish, B.current_cuda_device())
+            log.debug("ebbtide.comm: release: %d group(s) agreed; teardown continues in the background", len(todo))
+            return self.pending
 
-    def _release_all(self, todo: list[Entry], detached: dict, tmo: datetime.timedelta | None = None
-                     ) -> list[GroupReport]:
-        """Suspend or tear down ``todo`` (reverse journal order). With ``install(concurrent_teardown=False)``: one
-        at a time in that order. Otherwise in waves by split level, deepest first, WORLD last (see Note
-        [Concurrent teardown]); inside a wave the suspends (collective) run one at a time in reverse journal order,
-        then the wave's teardowns run concurrently. Either way every child is handled before the group it was
-        split from, whatever the two plans are (a suspended parent must not lose resources a child being aborted
-        after it may still share), and every rank follows the same order."""
-        if not self.concurrent_teardown:
-            return [self._release_one(e, detached[e]) for e in todo]
-        reports: dict[Entry, GroupReport] = {}
-        by_group = {x.group: x for x in self.journal if x.group is not None}
-        waves: dict[int, list[Entry]] = {}
-        for e in todo:
-            waves.setdefault(split_depth(e, by_group), []).append(e)
-        for level in sorted(waves, reverse=True):
-            destroy = []
-            for e in waves[level]:
-                if e.plan == S.SUSPEND:
-                    reports[e] = self._release_one(e, detached[e])  # falls back to destroy itself on failure
-                else:
-                    destroy.append(e)
-            if destroy:
-                self._destroy_wave(level, destroy, detached, reports, tmo or self._timeout(None))
-        return [reports[e] for e in todo]
+    def _finish_release(self, todo: list[Entry], detached: dict, tmo, control: ControlPlane, t0: float,
+                        barrier_s: float, free_before: int | None) -> Report:
+        """Steps 4 and 5 of release(): on the caller's thread, or on a background thread for release(wait=False)
+        (then nothing else touches the journal until :meth:`settle` has joined it: every entry point settles
+        first, and the released groups' own ops raise StateError)."""
+        reports = release_all(self, todo, detached, tmo)
+        reports.reverse()  # report in journal order
+        # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
+        #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
+        #    a rank that measures (or allocates) before its peers finish sees part of its memory still held.
+        tb2 = time.perf_counter()
+        control.barrier("released", tmo)
+        barrier_s += time.perf_counter() - tb2
+        rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
+                     device_free_bytes(), reports)
+        self.last_release = rep
+        log.info("%s", rep.summary())
+        log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "
+                  "NCCL memory never goes through it)", B.reserved_mib())
+        return rep
 
-    def _destroy_wave(self, level: int, wave: list[Entry], detached: dict, reports: dict,
-                      tmo: datetime.timedelta) -> None:
-        """Tear down the groups of one split level concurrently (``_backend.teardown_concurrently``)."""
-        before = device_free_bytes()
-        t0 = time.perf_counter()
-        log.debug("ebbtide.comm: release: %s %d group(s) concurrently (split level %d): %s", self.teardown,
-                  len(wave), level, [e.group._ebt_name for e in wave])
-        for e in wave:
-            self.inner_to_wrapper.pop(detached[e], None)
-        secs = B.teardown_concurrently({e: detached[e] for e in wave}, self.teardown, tmo,
-                                       {e: e.group._ebt_name for e in wave})
-        after = device_free_bytes()
-        freed = None if before is None or after is None else after - before
-        log.debug("ebbtide.comm: release: wave at split level %d done in %.3f s (slowest group %.3f s), device "
-                  "free %+.0f MiB", level, time.perf_counter() - t0, max(secs.values()),
-                  (freed or 0) / 2**20)
-        for e in wave:  # per-group bytes are not separable in a wave
-            reports[e] = _released(e, secs[e], freed if len(wave) == 1 else None)
-
-    def _release_one(self, e: Entry, inner: ProcessGroup) -> GroupReport:
-        g = e.group
-        t = time.perf_counter()
-        log.debug("ebbtide.comm: release: %s group %s (%s)", e.plan, g._ebt_name, g._ebt_desc)
-        before = device_free_bytes()
-        if e.plan == S.SUSPEND:
-            try:
-                B.suspend(inner)
-                g._ebt_hold(inner)
-            except Exception as err:  # fall back to destroying it; reload() makes the peers agree (see there)
-                log.warning("ebbtide.comm: suspend of group %s failed (%s); destroying it instead", g._ebt_name, err)
-                e.plan, e.reason = S.DESTROY, f"suspend failed: {err}"
-        if e.plan != S.SUSPEND:
-            self.inner_to_wrapper.pop(inner, None)
-            B.teardown(inner, self.teardown)
-            del inner
-        after = device_free_bytes()
-        return _released(e, time.perf_counter() - t, None if before is None or after is None else after - before)
+    def settle(self, what: str) -> None:
+        """Join a background release before ``what`` goes on. Its failure is raised here once, as StateError
+        naming the cause (the groups stay released; their teardown may be partial: restart the process group
+        stack, as after a failed release())."""
+        fut, self.pending = self.pending, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except BaseException as err:
+            raise StateError(f"ebbtide.comm.{what}(): the background teardown of release(wait=False) failed: "
+                             f"{type(err).__name__}: {err}") from err
 
     # ---- reload -------------------------------------------------------------------------------------------
     def reload(self, *, eager: bool, timeout: float | None) -> Report:
@@ -400,6 +373,7 @@ class Runtime:
         with self.lock:
             self._check_pid()
             self._require_installed("reload")
+            self.settle("reload")
             if self.state != RELEASED:
                 return Report("reload", True, self.generation, time.perf_counter() - t0, 0.0, None, None)
             tmo = self._timeout(timeout)
@@ -578,17 +552,6 @@ class Runtime:
     def _exchange(self, control: ControlPlane, tag: str, payload: dict, tmo) -> list[dict]:
         raw = control.allgather(tag, json.dumps(payload).encode(), tmo)
         return [json.loads(r.decode()) for r in raw]
-
-
-def _released(e: Entry, secs: float, freed: int | None) -> GroupReport:
-    """Book entry ``e`` as released (``freed``: device bytes its release gave back, None when not measurable) and
-    report it. A group whose release freed more than 1 MiB had a communicator: reload reconnects it."""
-    g = e.group
-    g._ebt_mark_released(e.plan)
-    e.freed = freed
-    if freed is not None and freed > (1 << 20):
-        e.initialized = True
-    return GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason, secs, freed)
 
 
 RUNTIME = Runtime()

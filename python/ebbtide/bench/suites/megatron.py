@@ -106,7 +106,9 @@ def run(ctx):
 
 
 LOOP_ANCHORS = {"slime": "slime's configuration: HDO (offload 1.0, overlap) + torch_memory_saver + groups destroyed "
-                         "and re-created + slime-style FP8 update by IPC",
+                         "and re-created lazily (NCCL_CUMEM_ENABLE=0) + slime-style FP8 update by IPC",
+                "slime-ebbtide": "slime's configuration with ebbtide.compat.torch_memory_saver swapped in for "
+                                 "torch_memory_saver (ebbtide as a plain drop-in)",
                 "gpu-tms": "Megatron GPU DistributedOptimizer + torch_memory_saver (CPU backup), same groups and sync"}
 LOOP_PHASES = (("optimizer", "optimizer step"), ("sync", "weight sync (trainer -> rollout holds it)"),
                ("offload", "trainer offload"), ("onload", "trainer onload"),

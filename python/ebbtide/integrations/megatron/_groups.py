@@ -46,11 +46,13 @@ def install_groups(**comm_install_kwargs) -> list[str]:
     return comm.install(**comm_install_kwargs)
 
 
-def release_groups(include_world: bool = False, *, include_cpu: bool = False, timeout: float | None = None):
+def release_groups(include_world: bool = False, *, include_cpu: bool = False, timeout: float | None = None,
+                   wait: bool = True):
     """Free the communicators of every Megatron group (WORLD too with ``include_world``; Gloo groups too with
-    ``include_cpu``). Collective. Returns ebbtide.comm's Report (a second call is a no-op report)."""
+    ``include_cpu``). Collective. Returns ebbtide.comm's Report (a second call is a no-op report); with
+    ``wait=False`` a Future of it, the teardown going on in the background (see :func:`ebbtide.comm.release`)."""
     _require_installed("release_groups")
-    return comm.release(include_world, include_cpu=include_cpu, timeout=timeout)
+    return comm.release(include_world, include_cpu=include_cpu, timeout=timeout, wait=wait)
 
 
 def reload_groups(eager: bool = True, *, timeout: float | None = None):
