@@ -42,7 +42,7 @@ def _setup(monkeypatch, concurrent, plans):
     rt.concurrent_teardown = concurrent
     order, lock = [], threading.Lock()
 
-    def release_one(rt_, e, inner):
+    def release_one(rt_, e, inner, measure=True):
         with lock:
             order.append((e.name, e.plan))
         return e.name
@@ -95,3 +95,18 @@ def test_a_slow_teardown_is_named_in_the_log(monkeypatch, caplog):
     slow = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
     assert slow and all("'pp'" in m and "'tp'" not in m for m in slow), caplog.text
     assert [n for n, _ in order][-1] == "world"
+
+
+def test_a_background_teardown_takes_no_device_free_probes(monkeypatch):
+    # Beside the caller's own work (an offload freeing gigabytes) a probe would credit the teardown with that
+    # memory and mark groups as having had a communicator, which reload would then connect.
+    plans = {"world": S.DESTROY, "pp": S.DESTROY, "tp": S.DESTROY, "tp.sub": S.DESTROY}
+    free = iter(range(1 << 30, 1 << 40, 1 << 30))  # every probe sees 1 GiB more free: someone else is freeing
+    monkeypatch.setattr(T, "device_free_bytes", lambda: next(free))
+    for measure in (False, True):
+        rt, todo, detached, _order = _setup(monkeypatch, True, plans)
+        reports = T.release_all(rt, todo, detached, measure=measure)
+        if measure:  # single-group waves get a figure (here the other work's), and the entry counts as connected
+            assert any(r.bytes for r in reports) and any(e.initialized for e in todo)
+        else:
+            assert all(r.bytes is None for r in reports) and not any(e.initialized for e in todo)

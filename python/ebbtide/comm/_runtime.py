@@ -325,8 +325,9 @@ class Runtime:
             # Before the teardown: from here every entry point (reload, release, group creation) sees RELEASED,
             # and a timeout in the trailing barrier leaves a consistent RELEASED state.
             self.state = RELEASED
+            # In the background the device-free probes would count what the caller frees meanwhile: none taken.
             finish = lambda: self._finish_release(todo, detached, tmo, control, t0, barrier_s,  # noqa: E731
-                                                  free_before)
+                                                  free_before if wait else None, measure=wait)
             if wait:
                 return finish()
             self.pending = in_background(finish, B.current_cuda_device())
@@ -334,11 +335,11 @@ class Runtime:
             return self.pending
 
     def _finish_release(self, todo: list[Entry], detached: dict, tmo, control: ControlPlane, t0: float,
-                        barrier_s: float, free_before: int | None) -> Report:
+                        barrier_s: float, free_before: int | None, measure: bool = True) -> Report:
         """Steps 4 and 5 of release(): on the caller's thread, or on a background thread for release(wait=False)
         (then nothing else touches the journal until :meth:`settle` has joined it: every entry point settles
         first, and the released groups' own ops raise StateError)."""
-        reports = release_all(self, todo, detached, tmo)
+        reports = release_all(self, todo, detached, tmo, measure)
         reports.reverse()  # report in journal order
         # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
         #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
@@ -347,7 +348,7 @@ class Runtime:
         control.barrier("released", tmo)
         barrier_s += time.perf_counter() - tb2
         rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
-                     device_free_bytes(), reports)
+                     device_free_bytes() if measure else None, reports)
         self.last_release = rep
         log.info("%s", rep.summary())
         log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "

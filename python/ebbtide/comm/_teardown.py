@@ -21,8 +21,8 @@ from ._report import GroupReport, device_free_bytes
 log = logging.getLogger("ebbtide.comm")
 
 
-def release_all(rt, todo: list[Entry], detached: dict, tmo: datetime.timedelta | None = None
-                ) -> list[GroupReport]:
+def release_all(rt, todo: list[Entry], detached: dict, tmo: datetime.timedelta | None = None,
+                measure: bool = True) -> list[GroupReport]:
     """Suspend or tear down ``todo`` (reverse journal order). With ``install(concurrent_teardown=False)``: one
     at a time in that order. Otherwise in waves by split level, deepest first, WORLD last (see Note
     [Concurrent teardown]); inside a wave the suspends (collective) run one at a time in reverse journal order,
@@ -30,7 +30,7 @@ def release_all(rt, todo: list[Entry], detached: dict, tmo: datetime.timedelta |
     split from, whatever the two plans are (a suspended parent must not lose resources a child being aborted
     after it may still share), and every rank follows the same order."""
     if not rt.concurrent_teardown:
-        return [_release_one(rt, e, detached[e]) for e in todo]
+        return [_release_one(rt, e, detached[e], measure) for e in todo]
     reports: dict[Entry, GroupReport] = {}
     by_group = {x.group: x for x in rt.journal if x.group is not None}
     waves: dict[int, list[Entry]] = {}
@@ -40,18 +40,18 @@ def release_all(rt, todo: list[Entry], detached: dict, tmo: datetime.timedelta |
         destroy = []
         for e in waves[level]:
             if e.plan == S.SUSPEND:
-                reports[e] = _release_one(rt, e, detached[e])  # falls back to destroy itself on failure
+                reports[e] = _release_one(rt, e, detached[e], measure)  # falls back to destroy on failure
             else:
                 destroy.append(e)
         if destroy:
-            _destroy_wave(rt, level, destroy, detached, reports, tmo or rt._timeout(None))
+            _destroy_wave(rt, level, destroy, detached, reports, tmo or rt._timeout(None), measure)
     return [reports[e] for e in todo]
 
 
 def _destroy_wave(rt, level: int, wave: list[Entry], detached: dict, reports: dict,
-                  tmo: datetime.timedelta) -> None:
+                  tmo: datetime.timedelta, measure: bool = True) -> None:
     """Tear down the groups of one split level concurrently (``_backend.teardown_concurrently``)."""
-    before = device_free_bytes()
+    before = _free(measure)
     t0 = time.perf_counter()
     log.debug("ebbtide.comm: release: %s %d group(s) concurrently (split level %d): %s", rt.teardown,
               len(wave), level, [e.group._ebt_name for e in wave])
@@ -59,7 +59,7 @@ def _destroy_wave(rt, level: int, wave: list[Entry], detached: dict, reports: di
         rt.inner_to_wrapper.pop(detached[e], None)
     secs = B.teardown_concurrently({e: detached[e] for e in wave}, rt.teardown, tmo,
                                    {e: e.group._ebt_name for e in wave})
-    after = device_free_bytes()
+    after = _free(measure)
     freed = None if before is None or after is None else after - before
     log.debug("ebbtide.comm: release: wave at split level %d done in %.3f s (slowest group %.3f s), device "
               "free %+.0f MiB", level, time.perf_counter() - t0, max(secs.values()),
@@ -68,11 +68,11 @@ def _destroy_wave(rt, level: int, wave: list[Entry], detached: dict, reports: di
         reports[e] = released_entry(e, secs[e], freed if len(wave) == 1 else None)
 
 
-def _release_one(rt, e: Entry, inner: ProcessGroup) -> GroupReport:
+def _release_one(rt, e: Entry, inner: ProcessGroup, measure: bool = True) -> GroupReport:
     g = e.group
     t = time.perf_counter()
     log.debug("ebbtide.comm: release: %s group %s (%s)", e.plan, g._ebt_name, g._ebt_desc)
-    before = device_free_bytes()
+    before = _free(measure)
     if e.plan == S.SUSPEND:
         try:
             B.suspend(inner)
@@ -84,8 +84,16 @@ def _release_one(rt, e: Entry, inner: ProcessGroup) -> GroupReport:
         rt.inner_to_wrapper.pop(inner, None)
         B.teardown(inner, rt.teardown)
         del inner
-    after = device_free_bytes()
+    after = _free(measure)
     return released_entry(e, time.perf_counter() - t, None if before is None or after is None else after - before)
+
+
+def _free(measure: bool) -> int | None:
+    """Device free bytes, or None where the caller cannot attribute a difference to the teardown alone: a
+    background teardown runs beside the caller's own work (an offload frees gigabytes meanwhile), and a freed
+    count is also what marks a communicator as having existed (``released_entry``), so a wrong one would make
+    reload connect a group that never had one."""
+    return device_free_bytes() if measure else None
 
 
 def done(value) -> Future:
