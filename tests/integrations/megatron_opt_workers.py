@@ -112,6 +112,18 @@ def _roundtrip(sd):
     return torch.load(buf, weights_only=False)
 
 
+def _resumed(model, cfg, sd):
+    """A copy of ``model`` with an exact-mode ebbtide optimizer that loaded ``sd`` (through torch.save/load):
+    (model, optimizer), to continue beside the original."""
+    m2 = _model()
+    with torch.no_grad():
+        for p, q in zip(m2.parameters(), model.parameters()):
+            p.copy_(q)
+    o2 = ebt.get_optimizer(cfg, [m2], mode="exact", bucket_numel=512)
+    o2.load_state_dict(_roundtrip(sd))
+    return m2, o2
+
+
 def exact_steps(rank, world, init, steps=4):
     """Exact mode equals the reference bit for bit, with and without clipping; the step reports Megatron's tuple."""
     _setup(rank, world, init)
@@ -178,13 +190,7 @@ def state_dicts(rank, world, init):
     # Ours loads ours, and ours loads Megatron's: both continue exactly like the uninterrupted pair.
     loaded = []
     for src in (sd, meg_sd):
-        m2 = _model()
-        with torch.no_grad():
-            for p, q in zip(m2.parameters(), model.parameters()):
-                p.copy_(q)
-        o2 = ebt.get_optimizer(cfg, [m2], mode="exact", bucket_numel=512)
-        o2.load_state_dict(_roundtrip(src))
-        loaded.append((m2, o2))
+        loaded.append(_resumed(model, cfg, src))
     for step in range(3, 5):
         _fill_main_grads(model, step, rank, world)
         opt.step()
@@ -302,12 +308,7 @@ def bf16_moments(rank, world, init, steps=3):
         for x, y in zip(a, b):
             assert other.opt.state[x]["exp_avg_sq"].dtype == torch.float32
             assert torch.equal(other.opt.state[x]["exp_avg_sq"], ref.opt.state[y]["exp_avg_sq"])
-    m2 = _model()
-    with torch.no_grad():
-        for p, q in zip(m2.parameters(), model.parameters()):
-            p.copy_(q)
-    o2 = ebt.get_optimizer(cfg, [m2], mode="exact", bucket_numel=512)
-    o2.load_state_dict(_roundtrip(sd))
+    m2, o2 = _resumed(model, cfg, sd)
     for step in range(steps, steps + 2):
         _fill_main_grads(model, step, rank, world)
         opt.step()

@@ -56,9 +56,10 @@ import torch
 from .gpt import megatron_names
 from .measure import NvmlProbe, Recorder
 from .model import ModelConfig
-from .rollout import prompts, weight_digests
+from .rollout import prompts
 from .sync import IpcTrainerSync
-from .trainer import _only, _RolloutClient, main as _rank_main, rollout_env, train_tokens, verify_entry
+from .trainer import (_only, _RolloutClient, main as _rank_main, reference_entry, rollout_env, train_tokens,
+                      verify_entry)
 
 __all__ = ["main", "VARIANTS", "LOGITS_RTOL"]
 
@@ -273,22 +274,12 @@ class _MegatronTrainer:
         torch.cuda.synchronize(self.dev)
         return {}
 
-    @torch.no_grad()
     def _reference(self) -> dict:
-        ref = self.sync.reference()
-        named = megatron_names(self.model.named_parameters())
-        saved = {n: p.detach().clone() for n, p in named.items()}
-        for n, p in named.items():
-            p.copy_(ref[n])
         B, T = self.verify_tokens.shape
         pos = torch.arange(T, device=self.dev).unsqueeze(0).expand(B, -1)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=self.dev), 1).view(1, 1, T, T)
-        logits = self.model(self.verify_tokens, pos, mask)[:, -1].float().cpu()
-        for n, p in named.items():
-            p.copy_(saved[n])
-        out = {"logits": logits, "digests": weight_digests(ref)}
-        del ref, saved
-        return out
+        return reference_entry(megatron_names(self.model.named_parameters()), self.sync.reference(),
+                               lambda: self.model(self.verify_tokens, pos, mask))
 
     def step(self, step: int, verify: bool):
         R, rec, tmo, version = self.rollout, self.rec, self.spec["timeout_s"], step + 1

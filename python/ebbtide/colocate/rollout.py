@@ -97,6 +97,7 @@ class _Rollout:
         self.cfg = ModelConfig(**spec["model"])
         self.codec = "ebbtide" if self.variant == "ebbtide" else "torch"
         self.em = self.tms = None
+        self.hook_label = "none (cpu)"  # what runs the pauses where ebbtide.memory does not (its own label there)
         self.decode = spec.get("decode", "eager")
         if self.decode not in DECODE_MODES:
             raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
@@ -117,9 +118,12 @@ class _Rollout:
         else:
             if self.variant == "slime-ebbtide":  # ebbtide as a drop-in: the one import swapped
                 from ebbtide.compat.torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+
+                self.hook_label = "ebbtide-compat-torch"
             else:
                 from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
 
+                self.hook_label = "tms-torch"
             self.tms = tms
             tms.hook_mode = "torch"  # its default is preload (LD_PRELOAD of its own shim)
             region = lambda tag: tms.region(tag=tag)  # noqa: E731
@@ -161,7 +165,7 @@ class _Rollout:
                      "weights_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
                      "kv_cache_bytes": self.cache.nbytes + extra,
                      "staging_bytes": 0 if self.staging is None else self.staging.numel(),
-                     "hook_mode": self.em.hook_mode() if self.em else ("tms-torch" if self.variant != "slime-ebbtide" else "ebbtide-compat-torch") if self.tms else "none (cpu)",
+                     "hook_mode": self.em.hook_mode() if self.em else self.hook_label,
                      "decode": self.decode}
 
     def _sync(self):

@@ -42,7 +42,8 @@ from .model import ModelConfig, TinyLM
 from .rollout import SCRATCH_TAG, die_with_parent, prompts, weight_digests
 from .sync import TrainerSync
 
-__all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments", "verify_entry", "rollout_env"]
+__all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments", "verify_entry", "reference_entry",
+           "rollout_env"]
 
 # The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
 # pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
@@ -343,19 +344,9 @@ class _Trainer:
         if self.cuda:
             torch.cuda.synchronize(self.dev)
 
-    @torch.no_grad()
     def _reference(self) -> dict:
-        ref = self.sync.reference()
-        named = dict(self.model.named_parameters())
-        saved = {n: p.detach().clone() for n, p in named.items()}
-        for n, p in named.items():
-            p.copy_(ref[n])
-        logits = self.model(self.verify_tokens)[:, -1].float().cpu()
-        for n, p in named.items():
-            p.copy_(saved[n])
-        out = {"logits": logits, "digests": weight_digests(ref)}
-        del ref, saved
-        return out
+        return reference_entry(dict(self.model.named_parameters()), self.sync.reference(),
+                               lambda: self.model(self.verify_tokens))
 
     def _verify(self, step: int, ref: dict, got: dict, gen: dict):
         self.checks["verify"].append(verify_entry(step, self.rank, ref, got, gen, LOGITS_RTOL))
@@ -448,6 +439,22 @@ class _Trainer:
     def close(self):
         self.rollout.close()
         self.sync.close()
+
+
+@torch.no_grad()
+def reference_entry(named: dict, ref: dict, forward) -> dict:
+    """What the rollout must show after the sync: the last-position logits of ``forward()`` run with ``ref`` (the
+    weights the rollout must hold) copied into the parameters ``named`` (put back afterwards), and ``ref``'s
+    digests."""
+    saved = {n: p.detach().clone() for n, p in named.items()}
+    try:
+        for n, p in named.items():
+            p.copy_(ref[n])
+        logits = forward()[:, -1].float().cpu()
+    finally:
+        for n, p in named.items():
+            p.copy_(saved[n])
+    return {"logits": logits, "digests": weight_digests(ref)}
 
 
 def verify_entry(step: int, rank: int, ref: dict, got: dict, gen: dict, rtol: float) -> dict:

@@ -327,7 +327,7 @@ class Runtime:
             self.state = RELEASED
             # In the background the device-free probes would count what the caller frees meanwhile: none taken.
             finish = lambda: self._finish_release(todo, detached, tmo, control, t0, barrier_s,  # noqa: E731
-                                                  free_before if wait else None, measure=wait)
+                                                  free_before, measure=wait)
             if wait:
                 return finish()
             self.pending = in_background(finish, B.current_cuda_device())
@@ -347,8 +347,8 @@ class Runtime:
         tb2 = time.perf_counter()
         control.barrier("released", tmo)
         barrier_s += time.perf_counter() - tb2
-        rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
-                     device_free_bytes() if measure else None, reports)
+        rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s,
+                     free_before if measure else None, device_free_bytes() if measure else None, reports)
         self.last_release = rep
         log.info("%s", rep.summary())
         log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "
