@@ -57,6 +57,16 @@ void register_bindings(py::module_& m) {
       py::arg("host_entries"), py::arg("device_entries"), py::arg("count"), py::arg("eps"), py::arg("stream"),
       "Block quant of `count` tensors in one launch; entries are int64[count, 8] tables (host copy validated, "
       "device copy read by the kernel).");
+  m.attr("COPY_SEGMENT_CHUNK") = int64_t(kCopySegmentChunk);
+  m.def(
+      "copy_segments",
+      [](uintptr_t host_segments, uintptr_t device_segments, int64_t count, uintptr_t stream) {
+        EBT_QUANT_CALL(sm90_copy_segments(reinterpret_cast<const CopySegment*>(host_segments), ptr(device_segments),
+                                          count, ptr(stream)));
+      },
+      py::arg("host_segments"), py::arg("device_segments"), py::arg("count"), py::arg("stream"),
+      "Byte copies of `count` segments in one launch; segments are int64[count, 4] tables (dst, src, nbytes, "
+      "chunk_begin): the host copy validated, the device copy read by the kernel.");
   m.def(
       "fp8_block_dequant",
       [](uintptr_t q, uintptr_t scale, int64_t experts, int64_t rows, int64_t cols, uintptr_t out, uintptr_t stream) {

@@ -1,5 +1,5 @@
 /*
- * launchers.h — host entry points of the quant CUDA kernels (one kernel family per sm90_bf16_<op>.cu file, each
+ * launchers.h — host entry points of the quant CUDA kernels (one kernel family per sm90_<op>.cu file, each
  * launcher named as its file). Plain C++ types only (no CUDA or torch headers), so bindings.cc compiles without
  * nvcc; streams travel as void* (a cudaStream_t).
  *
@@ -61,6 +61,21 @@ static_assert(sizeof(BlockListEntry) == 64, "BlockListEntry is read as int64[8] 
 constexpr int kBlockListParamEntries = 128;
 ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, const void* device_entries,
                                             int64_t count, float eps, void* stream);
+
+// Byte copies dst <- src of `count` segments in one launch (not a quant kernel: the bucket unpack of weight sync,
+// next to the bucket layout it serves). Segment i covers chunks [chunk_begin, chunk_begin + ceil(nbytes /
+// kCopySegmentChunk)) of the launch; chunk_begin is the prefix sum. `host_segments` is validated; the kernel reads
+// `device_segments`, which must hold the same bytes (stream-ordered before the launch). Segments do not overlap.
+struct CopySegment {
+  int64_t dst;
+  int64_t src;
+  int64_t nbytes;       // >= 1
+  int64_t chunk_begin;
+};
+static_assert(sizeof(CopySegment) == 32, "CopySegment is read as int64[4] by Python");
+constexpr int64_t kCopySegmentChunk = 32768;
+ebt_status_t sm90_copy_segments(const CopySegment* host_segments, const void* device_segments, int64_t count,
+                                void* stream);
 
 // Dequant: bf16 out[e, r, c] = RNbf16(RN32(float(q) * scale[e, r/128, c/128])); scale fp32 (or UE8M0-valued fp32)
 // [experts, ceil(rows/128), ceil(cols/128)] contiguous; q and out contiguous [experts, rows, cols].

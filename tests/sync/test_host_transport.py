@@ -210,14 +210,14 @@ def test_served_form_follows_a_moved_parameter_and_both_copy_paths(monkeypatch):
         buf.close()
 
 
-def test_served_form_copies_odd_sized_outputs_in_the_widest_words_they_allow():
+def test_served_form_copies_odd_sized_outputs_in_one_segment_copy():
     import ebbtide.sync.receiver as receiver_mod
 
     g = torch.Generator().manual_seed(5)
-    src = {"m.norm.weight": torch.randn(3, generator=g).to(torch.bfloat16),       # 6 bytes: 2-byte words
-           "m.proj.bias": torch.randn(3, generator=g),                              # 12 bytes: 4-byte words
-           "m.gate.weight": torch.randn(5, generator=g).to(torch.bfloat16),         # 10 bytes: 2-byte words
-           "m.proj.weight": torch.randn(256, 128, generator=g).to(torch.bfloat16)}  # FP8 + scales: 8-byte words
+    src = {"m.norm.weight": torch.randn(3, generator=g).to(torch.bfloat16),       # 6 bytes
+           "m.proj.bias": torch.randn(3, generator=g),                              # 12 bytes
+           "m.gate.weight": torch.randn(5, generator=g).to(torch.bfloat16),         # 10 bytes
+           "m.proj.weight": torch.randn(256, 128, generator=g).to(torch.bfloat16)}  # FP8 + scales
     plan = Plan.of(src)
     buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
     try:
@@ -231,8 +231,9 @@ def test_served_form_copies_odd_sized_outputs_in_the_widest_words_they_allow():
             for o in b.outputs:
                 assert torch.equal(served[o.name].reshape(-1).view(torch.uint8),
                                    o.view(region).reshape(-1).view(torch.uint8)), o.name
-        words = {dst[0].dtype for dst, _ in r._copies[1][1]}
-        assert {torch.int64, torch.int32, torch.int16} <= words, words
-        assert receiver_mod._BIG_COPY > max(o.nbytes for o in outs.values())  # all went through the fused path
+        big, small = r._copies[1]
+        assert not big and small.count == len(outs)  # every output in the one batched copy
+        assert small.nbytes == sum(o.nbytes for o in outs.values())
+        assert receiver_mod._BIG_COPY > max(o.nbytes for o in outs.values())
     finally:
         buf.close()

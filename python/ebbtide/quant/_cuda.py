@@ -68,28 +68,54 @@ def fp8_block_quant_list(tensors: list[torch.Tensor], scale: str, eps: float):
     return q_buf, s_buf, layout
 
 
-def fp8_block_quant_into(tensors: list[torch.Tensor], layout: Fp8BucketLayout, q_buf: torch.Tensor,
-                         s_buf: torch.Tensor, scale: str, eps: float) -> None:
-    """One launch that quantizes ``tensors[i]`` to ``layout.entries[i]`` of ``q_buf`` / ``s_buf`` (which may be
-    the same buffer). Host work per tensor is a few attribute reads and one table row (a 100-tensor bucket
-    quantizes in well under a millisecond of GPU time, so Python must not be slower)."""
+def list_table(tensors: list[torch.Tensor], layout: Fp8BucketLayout, qp: int, sp: int, scale: str) -> torch.Tensor:
+    """The list kernel's entry table (int64 [count, 8], CPU) for ``tensors`` at ``layout``'s offsets from the q and
+    scale buffer addresses ``qp`` / ``sp``."""
     mode = MODES[scale]
-    qp, sp = q_buf.data_ptr(), s_buf.data_ptr()
     flat = []
     # BlockListEntry: src, q, scale, ld, rows, cols, tile_begin, mode
     for w, (a, b, N, K), t in zip(tensors, layout.entries, layout.tile_begin):
         flat += (w.data_ptr(), qp + a, sp + b, w.stride(0), N, K, t, mode)
-    table = torch.tensor(flat, dtype=torch.int64)
-    device = tensors[0].device
-    with torch.cuda.device(device):
-        dev_table = None  # the table travels inside the launch: no copy ahead of the kernel
-        if len(tensors) > PARAM_ENTRIES:
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def launch_list(host: torch.Tensor, dev: torch.Tensor | None, count: int, eps: float, like: torch.Tensor) -> None:
+    """One list-kernel launch on ``like``'s device and current stream: the table travels in the launch (up to
+    PARAM_ENTRIES entries, ``dev`` None) or is read from ``dev``, a device copy of ``host``."""
+    with torch.cuda.device(like.device):
+        _q().fp8_block_quant_list(host_entries=host.data_ptr(), device_entries=0 if dev is None else dev.data_ptr(),
+                                  count=count, eps=eps, stream=_stream(like))
+
+
+def fp8_block_quant_into(tensors: list[torch.Tensor], layout: Fp8BucketLayout, q_buf: torch.Tensor,
+                         s_buf: torch.Tensor, scale: str, eps: float) -> None:
+    """One launch that quantizes ``tensors[i]`` to ``layout.entries[i]`` of ``q_buf`` / ``s_buf`` (which may be
+    the same buffer). Host work per tensor is a few attribute reads and one table row; a caller that sends the
+    same tensors again keeps the table (``prepared.Fp8BucketQuant``)."""
+    table = list_table(tensors, layout, q_buf.data_ptr(), s_buf.data_ptr(), scale)
+    dev_table = None  # the table travels inside the launch: no copy ahead of the kernel
+    if len(tensors) > PARAM_ENTRIES:
+        with torch.cuda.device(tensors[0].device):
             # Pinned, so the copy is truly asynchronous; torch's host allocator keeps the block until it completes.
-            table = table.pin_memory()
-            dev_table = table.to(device, non_blocking=True)
-        _q().fp8_block_quant_list(host_entries=table.data_ptr(),
-                                  device_entries=0 if dev_table is None else dev_table.data_ptr(),
-                                  count=len(tensors), eps=eps, stream=_stream(tensors[0]))
+            dev_table = table.pin_memory().to(tensors[0].device, non_blocking=True)
+    launch_list(table, dev_table, len(tensors), eps, tensors[0])
+
+
+def segment_table(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> torch.Tensor:
+    """The copy kernel's segment table (int64 [count, 4], CPU): dst, src, bytes, first chunk."""
+    chunk = _q().COPY_SEGMENT_CHUNK
+    flat, c = [], 0
+    for d, s in zip(dsts, srcs):
+        n = d.numel() * d.element_size()
+        flat += (d.data_ptr(), s.data_ptr(), n, c)
+        c += -(-n // chunk)
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def launch_segments(host: torch.Tensor, dev: torch.Tensor, count: int, device) -> None:
+    with torch.cuda.device(device):
+        _q().copy_segments(host_segments=host.data_ptr(), device_segments=dev.data_ptr(), count=count,
+                           stream=torch.cuda.current_stream(device).cuda_stream)
 
 
 def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:

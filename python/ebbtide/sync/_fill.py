@@ -1,7 +1,7 @@
 """Writing one bucket (the sender) and reading it back into live parameters (the receiver), per the plan.
 
 A bucket is filled by one FP8 launch for all its FP8 weights (``fp8_block_quant_into`` at the plan's offsets,
-experts of a stacked weight one entry each), one INT4 pack per INT4 weight and one copy per raw tensor; on CUDA
+experts of a stacked weight one entry each; a sender's ``Fp8BucketQuant`` keeps the launch table), one INT4 pack per INT4 weight and one copy per raw tensor; on CUDA
 everything is queued on the current stream. CPU tensors take ``ebbtide.quant``'s reference: the same bits.
 """
 from __future__ import annotations
@@ -24,11 +24,16 @@ def _fp8_sources(bucket: BucketPlan, sources) -> list:
 
 
 @torch.no_grad()
-def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor) -> None:
+def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor, fp8=None) -> None:
     """Write ``bucket``'s outputs from ``sources`` (name -> full tensor, on ``buf``'s device) into ``buf`` (uint8,
-    at least ``bucket.nbytes``)."""
+    at least ``bucket.nbytes``). ``fp8``: the bucket's ``Fp8BucketQuant`` (a sender keeps one per bucket, so the
+    launch table is built once), or None for a one-off launch."""
     if bucket.fp8 is not None:
-        Q.fp8_block_quant_into(_fp8_sources(bucket, sources), bucket.fp8, buf, buf, scale=plan.scale, eps=plan.eps)
+        if fp8 is not None:
+            fp8(_fp8_sources(bucket, sources), buf, buf)
+        else:
+            Q.fp8_block_quant_into(_fp8_sources(bucket, sources), bucket.fp8, buf, buf, scale=plan.scale,
+                                   eps=plan.eps)
     for it in bucket.items:
         if it.kind == "raw":
             it.outputs[0].view(buf).copy_(sources[it.source])

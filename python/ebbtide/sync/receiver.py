@@ -14,10 +14,10 @@ Policies:
   tensors copied. ``form="served"`` (a rollout that serves the quantized weights): parameters are named as the
   plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes and shapes, and every output is copied.
 - On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. The
-  served form's copies are byte views built once (rebuilt if a parameter's storage moves): outputs of 32 MiB and
-  more get one copy each, the smaller ones (scales, norms, experts of an MoE layer: thousands) go in a few fused
-  ``torch._foreach_copy_`` launches, viewed as the widest word (8, 4, 2 or 1 bytes) their size and both addresses
-  allow, so an update's host time does not grow with its tensor count and the fused copy moves words.
+  served form's copies are byte views built once (rebuilt if a parameter's storage moves; checking costs one
+  address read per output): outputs of 32 MiB and more get one copy each, the smaller ones (scales, norms,
+  experts of an MoE layer: thousands) go in one ``ebbtide.quant.SegmentCopy`` launch whose table stays on the
+  device, so an update's host time hardly grows with its tensor count.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import InvalidArgumentError
+from ..quant.prepared import SegmentCopy
 from ._fill import load_bucket
 from .errors import PlanMismatchError, WeightVersionError
 from .plan import Plan, _dtype
@@ -33,7 +34,6 @@ from .plan import Plan, _dtype
 __all__ = ["Receiver"]
 
 _BIG_COPY = 32 << 20  # outputs this large get their own copy (a memcpy at full bandwidth); smaller ones are batched
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 class Receiver:
@@ -74,7 +74,9 @@ class Receiver:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.version: int | None = None  # the last complete version the parameters hold
-        self._copies = None  # (parameter addresses, cached byte views) of the served form
+        self._copies = None  # (parameter addresses, cached copies) of the served form
+        # the served form's destination of every output, in bucket order (the addresses checked per apply)
+        self._outs = [self.params[o.name] for b in plan.buckets for o in b.outputs] if self.served else []
 
     def region(self, bucket) -> torch.Tensor:
         """Where bucket ``bucket`` (a BucketPlan or its index) is staged."""
@@ -93,12 +95,13 @@ class Receiver:
             raise WeightVersionError(f"version {version} is not newer than the held version {self.version}")
 
     def _served_copies(self) -> tuple:
-        """(big destination and source byte views, small ones) of every output, built once and rebuilt only when a
-        parameter's storage moved; ``None`` when a parameter is not contiguous (then ``load_bucket`` copies)."""
-        ptrs = [self.params[o.name].data_ptr() for b in self.plan.buckets for o in b.outputs]
+        """(big (destination, source) byte views, one SegmentCopy of the small ones or None) of every output, built
+        once and rebuilt only when a parameter's storage moved; ``None`` when a parameter is not contiguous (then
+        ``load_bucket`` copies)."""
+        ptrs = [p.data_ptr() for p in self._outs]
         if self._copies is not None and self._copies[0] == ptrs:
             return self._copies[1]
-        big, small = ([], []), {}
+        big, small_dst, small_src = [], [], []
         for b in self.plan.buckets:
             region = self.region(b)
             for o in b.outputs:
@@ -108,16 +111,11 @@ class Receiver:
                     return None
                 dst, src = p.detach().reshape(-1).view(torch.uint8), region[o.offset:o.offset + o.nbytes]
                 if o.nbytes >= _BIG_COPY:
-                    big[0].append(dst)
-                    big[1].append(src)
-                    continue
-                # the widest word both ends are aligned to and the size divides: a fused copy moves words, not bytes
-                w = next(w for w in (8, 4, 2, 1) if o.nbytes % w == 0 and dst.data_ptr() % w == 0
-                         and src.data_ptr() % w == 0)
-                pair = small.setdefault(w, ([], []))
-                pair[0].append(dst.view(_WORDS[w]))
-                pair[1].append(src.view(_WORDS[w]))
-        self._copies = (ptrs, (big, list(small.values())))
+                    big.append((dst, src))
+                else:
+                    small_dst.append(dst)
+                    small_src.append(src)
+        self._copies = (ptrs, (big, SegmentCopy(small_dst, small_src) if small_dst else None))
         return self._copies[1]
 
     def _load_all(self) -> None:
@@ -126,11 +124,11 @@ class Receiver:
             for b in self.plan.buckets:
                 load_bucket(b, self.region(b), self.params, served=self.served)
             return
-        (big_dst, big_src), small = copies
-        for d, s in zip(big_dst, big_src):
+        big, small = copies
+        for d, s in big:
             d.copy_(s)
-        for small_dst, small_src in small:  # many small outputs (scales, norms, experts): a few fused launches
-            torch._foreach_copy_(small_dst, small_src)
+        if small is not None:  # many small outputs (scales, norms, experts): one launch
+            small()
 
     @torch.no_grad()
     def apply(self, version: int) -> None:

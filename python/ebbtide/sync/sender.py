@@ -9,6 +9,9 @@ Policies:
   plan is built on full shapes; every TP rank joins one all-gather per sharded tensor of a bucket, right before
   that bucket is quantized, and only TP rank 0 (``is_source``) quantizes and sends. Gather buffers live for one
   bucket.
+- Host work: each bucket's FP8 launch table is built at the first push and kept while the tensors and the
+  transport's buffer stay where they are (``ebbtide.quant.prepared``), so an update's host time hardly grows with
+  its tensor count (an MoE layer's experts are thousands).
 - Overlap: on CUDA the gathers and quantization of every bucket run on the sender's own stream, which first waits
   for the caller's current stream ("optimizer done"); the transport moves bucket k (copy, IPC hand-off or
   broadcast on its own stream) while bucket k+1 is quantized. A producer buffer is written again only after the
@@ -24,6 +27,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..errors import InvalidArgumentError
+from ..quant.prepared import Fp8BucketQuant
 from ._fill import fill_bucket
 from .plan import Plan
 
@@ -69,6 +73,8 @@ class Sender:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.is_source = self.tp_rank == 0
+        # one prepared FP8 launch per bucket: its table is rebuilt only when an address changes
+        self._fp8 = {b.index: Fp8BucketQuant(b.fp8, plan.scale, plan.eps) for b in plan.buckets if b.fp8 is not None}
 
     def _full_shape(self, name: str, t: torch.Tensor) -> tuple:
         shape = list(t.shape)
@@ -81,7 +87,7 @@ class Sender:
         ones (new allocations)."""
         out, new = {}, []
         for it in bucket.items:
-            t = tensors[it.source].detach()
+            t = tensors[it.source]  # read by raw address under no_grad: no detach (1-3 us per tensor)
             d = self.tp_dims.get(it.source)
             if d is None or self.tp_size == 1:
                 out[it.source] = t
@@ -113,7 +119,7 @@ class Sender:
                 buf = end.buffer(bucket, self.stream) if end is not None else None
                 sources, gathered = self._gather(bucket, tensors)
                 if end is not None:
-                    fill_bucket(self.plan, bucket, sources, buf)
+                    fill_bucket(self.plan, bucket, sources, buf, self._fp8.get(bucket.index))
                     end.send(bucket, buf, self.stream)
                 if self.cuda:  # gather buffers go back to the pool only after this stream's work on them
                     for g in gathered:

@@ -71,6 +71,14 @@ def torch_int4(torch, w, group=128, pack=False):
     return u.sum(dim=-1, dtype=torch.int32), s.view(n, -1).to(torch.bfloat16)
 
 
+def _same_size_copy(torch, nbytes: int, reps: int, rounds: int) -> float:
+    """GB/s (read + write) of a device copy of nbytes / 2 bytes, timed like the kernels (back-to-back calls)."""
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return nbytes / _timer(torch, lambda: dst.copy_(src), reps, rounds) / GB
+
+
 # ---- cases -----------------------------------------------------------------------------------------------------
 def _cases(quick: bool):
     """(name, kind, params, bytes moved). Shapes: 7168^2 and >= 256 MB weights, 16384x7168
@@ -196,9 +204,13 @@ def run(ctx):
             continue
         finally:
             torch.cuda.empty_cache()
+        same = {}
+        if kind in ("block", "list1"):  # a device copy moving the same bytes: the limit's own small-size share
+            same = {"copy_same_bytes_gbps": round(_same_size_copy(torch, nbytes, reps, rounds), 1)}
         yield Row("quant", name, "GB/s", nbytes / t_ours / GB,
                   anchor=None if t_anchor is None else nbytes / t_anchor / GB, anchor_name=anchor_name,
                   anchor_note=anote, limit=limit, limit_name="device copy (read + write)",
-                  params={"bytes": nbytes, "us": t_ours * 1e6,
+                  params={"bytes": nbytes, "us": t_ours * 1e6, **same,
                           "anchor_us": None if t_anchor is None else t_anchor * 1e6, **{k: str(v) for k, v in p.items()}},
-                  note=f"{t_ours * 1e6:.1f} us" + ("" if t_anchor is None else f" vs {t_anchor * 1e6:.1f} us"))
+                  note=f"{t_ours * 1e6:.1f} us" + ("" if t_anchor is None else f" vs {t_anchor * 1e6:.1f} us")
+                  + (f"; a copy of the same bytes: {same['copy_same_bytes_gbps']:.0f} GB/s" if same else ""))

@@ -1,0 +1,114 @@
+"""ebbtide.quant.prepared on CPU: Fp8BucketQuant gives fp8_block_quant_into's bits, SegmentCopy copies every byte
+and nothing else, the native copy launcher validates its table before any CUDA call, and bad input is a typed
+error. The CUDA launches are tests/quant/test_prepared_gpu.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ebbtide.quant as Q
+from ebbtide.errors import InvalidArgumentError
+from ebbtide.quant import Fp8BucketLayout, Fp8BucketQuant, SegmentCopy
+from quant_oracle import heavy_tailed
+
+
+def test_fp8_bucket_quant_is_fp8_block_quant_into():
+    shapes = [(128, 256), (130, 200), (64, 128)]
+    ts = [heavy_tailed(s, seed=i) for i, s in enumerate(shapes)]
+    layout = Fp8BucketLayout.packed(shapes)
+    want_q = torch.zeros(layout.q_bytes, dtype=torch.uint8)
+    want_s = torch.zeros(layout.scale_bytes, dtype=torch.uint8)
+    Q.fp8_block_quant_into(ts, layout, want_q, want_s)
+    run = Fp8BucketQuant(layout)
+    for _ in range(2):
+        got_q, got_s = torch.zeros_like(want_q), torch.zeros_like(want_s)
+        run(ts, got_q, got_s)
+        assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Fp8BucketQuant("not a layout"), "Fp8BucketLayout"),
+    (lambda: Fp8BucketQuant(Fp8BucketLayout.packed([(128, 128)]), scale="ue8m0_packed"), "scale"),
+    (lambda: Fp8BucketQuant(Fp8BucketLayout.packed([(128, 128)]), eps=-1.0), "eps"),
+])
+def test_fp8_bucket_quant_bad_arguments(make, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        make()
+
+
+def test_fp8_bucket_quant_checks_its_tensors():
+    layout = Fp8BucketLayout.packed([(128, 128)])
+    run = Fp8BucketQuant(layout)
+    q, s = torch.zeros(layout.q_bytes, dtype=torch.uint8), torch.zeros(layout.scale_bytes, dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        run([torch.zeros(128, 256, dtype=torch.bfloat16)], q, s)
+    assert not q.any() and not s.any()  # refused before anything was written
+
+
+def test_segment_copy_copies_exactly_the_segments():
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
+    dst = torch.full((5000,), 0x7B, dtype=torch.uint8)
+    spans = [(0, 1), (3, 17), (100, 1000), (1111, 3333), (4999, 1)]
+    copy = SegmentCopy([dst[a:a + n] for a, n in spans], [src[a:a + n] for a, n in spans])
+    assert copy.count == len(spans) and copy.nbytes == sum(n for _, n in spans)
+    copy()
+    mask = torch.zeros(5000, dtype=torch.bool)
+    for a, n in spans:
+        mask[a:a + n] = True
+    assert torch.equal(dst[mask], src[mask]) and bool((dst[~mask] == 0x7B).all())
+
+
+def test_segment_copy_moves_bytes_between_dtypes():
+    a = torch.randn(6, dtype=torch.float32)
+    b = torch.zeros(12, dtype=torch.bfloat16)  # same 24 bytes, other dtype
+    SegmentCopy([b], [a])()
+    assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dsts, srcs, match", [
+    ([], [], "at least one"),
+    ([torch.zeros(4)], [], "equally many"),
+    ([torch.zeros(4)], [torch.zeros(5)], "bytes"),
+    ([torch.zeros(0)], [torch.zeros(0)], "bytes"),
+    ([torch.zeros(4, 4).t()], [torch.zeros(4, 4)], "contiguous"),
+    (["x"], [torch.zeros(4)], "tensors"),
+])
+def test_segment_copy_bad_arguments(dsts, srcs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        SegmentCopy(dsts, srcs)
+
+
+def test_native_copy_launcher_validates_before_launching():
+    from ebbtide import _native
+    try:
+        C = _native.load()
+    except ImportError as e:
+        pytest.skip(f"native extension not built here: {e}")
+    if not C.quant.WITH_CUDA:
+        pytest.skip("built without CUDA: every quant launcher raises UnsupportedError")
+    chunk = C.quant.COPY_SEGMENT_CHUNK
+    table = np.array([[16, 32, chunk + 1, 0], [64, 128, 8, 1]], dtype=np.int64)  # 2 chunks, then 1: prefix 2
+    with pytest.raises(InvalidArgumentError, match="prefix"):
+        C.quant.copy_segments(host_segments=table.ctypes.data, device_segments=16, count=2, stream=0)
+    table[1, 3], table[1, 2] = 2, 0
+    with pytest.raises(InvalidArgumentError, match="at least 1"):
+        C.quant.copy_segments(host_segments=table.ctypes.data, device_segments=16, count=2, stream=0)
+    table[1, 2], table[1, 0] = 8, 0
+    with pytest.raises(InvalidArgumentError, match="null"):
+        C.quant.copy_segments(host_segments=table.ctypes.data, device_segments=16, count=2, stream=0)
+
+
+def test_segment_table_prefix_sums():
+    from ebbtide.quant import _cuda
+    try:
+        chunk = _cuda._q().COPY_SEGMENT_CHUNK
+    except Exception as e:  # noqa: BLE001  (no CUDA build: nothing to check)
+        pytest.skip(f"quant kernels not built: {e}")
+    d = [torch.zeros(n, dtype=torch.uint8) for n in (1, chunk, chunk + 1, 7)]
+    s = [torch.zeros_like(t) for t in d]
+    table = _cuda.segment_table(d, s).view(-1, 4)
+    assert table[:, 2].tolist() == [1, chunk, chunk + 1, 7]
+    assert table[:, 3].tolist() == [0, 1, 2, 4]
+    assert table[:, 0].tolist() == [t.data_ptr() for t in d] and table[:, 1].tolist() == [t.data_ptr() for t in s]
