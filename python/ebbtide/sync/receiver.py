@@ -98,7 +98,7 @@ class Receiver:
         """(big (destination, source) byte views, one SegmentCopy of the small ones or None) of every output, built
         once and rebuilt only when a parameter's storage moved; ``None`` when a parameter is not contiguous (then
         ``load_bucket`` copies)."""
-        ptrs = [p.data_ptr() for p in self._outs]
+        ptrs = list(map(torch.Tensor.data_ptr, self._outs))
         if self._copies is not None and self._copies[0] == ptrs:
             return self._copies[1]
         big, small_dst, small_src = [], [], []
