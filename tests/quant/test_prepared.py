@@ -51,19 +51,20 @@ def test_fp8_bucket_quant_keeps_its_table_only_for_the_same_tensors():
     base = torch.zeros(256 * 256, dtype=torch.bfloat16)
     a, b = base[:128 * 256].view(128, 256), torch.zeros(256, 128, dtype=torch.bfloat16)
     run = Fp8BucketQuant(Fp8BucketLayout.packed([(128, 256), (256, 128)]))
-    run._remember([a, b], 1, 2)
-    assert run._matches([a, b], 1, 2)
-    assert run._matches([a.view(128, 256), b], 1, 2)  # another view object, same everything
-    assert not run._matches([a, b], 1, 3)  # another buffer
-    assert not run._matches([a.clone(), b], 1, 2)  # another address
-    assert not run._matches([a, b.t().contiguous().t()], 1, 2)  # same shape, other strides
-    assert not run._matches([base[:128 * 256].view(256, 128), b], 1, 2)  # same address, other shape
-    assert not run._matches([a.view(torch.float16), b], 1, 2)  # same bytes, other dtype
+    run._remember([a, b], (1, 64, 2, 8))
+    assert run._matches([a, b], (1, 64, 2, 8))
+    assert run._matches([a.view(128, 256), b], (1, 64, 2, 8))  # another view object, same everything
+    assert not run._matches([a, b], (1, 64, 3, 8))  # another buffer
+    assert not run._matches([a, b], (1, 32, 2, 8))  # a smaller buffer at the same address
+    assert not run._matches([a.clone(), b], (1, 64, 2, 8))  # another address
+    assert not run._matches([a, b.t().contiguous().t()], (1, 64, 2, 8))  # same shape, other strides
+    assert not run._matches([base[:128 * 256].view(256, 128), b], (1, 64, 2, 8))  # same address, other shape
+    assert not run._matches([a.view(torch.float16), b], (1, 64, 2, 8))  # same bytes, other dtype
     wide = torch.zeros(128, 300, dtype=torch.bfloat16)
     run2 = Fp8BucketQuant(Fp8BucketLayout.packed([(128, 256)]))
-    run2._remember([wide[:, :256]], 1, 2)  # rows not contiguous: the shape is compared too
-    assert run2._matches([wide[:, :256]], 1, 2)
-    assert not run2._matches([wide.view(-1)[:128 * 300].as_strided((64, 512), (300, 1))], 1, 2)
+    run2._remember([wide[:, :256]], (1, 64, 2, 8))  # rows not contiguous: the shape is compared too
+    assert run2._matches([wide[:, :256]], (1, 64, 2, 8))
+    assert not run2._matches([wide.view(-1)[:128 * 300].as_strided((64, 512), (300, 1))], (1, 64, 2, 8))
 
 
 def test_segment_copy_copies_exactly_the_segments():

@@ -60,21 +60,21 @@ class Fp8BucketQuant:
         self._host = self._dev = None
 
     @staticmethod
-    def _key_of(tensors, qp: int, sp: int) -> tuple:
-        """(addresses, strides, element counts, buffer addresses): with the dtype and, for rows that are not
+    def _key_of(tensors, where: tuple) -> tuple:
+        """(addresses, strides, element counts, the buffers' addresses and sizes): with the dtype and, for rows that are not
         contiguous, the shape, this pins every table row (a contiguous row's stride (K, 1) gives K, its element
         count N)."""
-        return (list(map(_PTR, tensors)), list(map(_STRIDE, tensors)), list(map(_NUMEL, tensors)), (qp, sp))
+        return (list(map(_PTR, tensors)), list(map(_STRIDE, tensors)), list(map(_NUMEL, tensors)), where)
 
-    def _remember(self, tensors, qp: int, sp: int) -> None:
-        self._key = self._key_of(tensors, qp, sp)
+    def _remember(self, tensors, where: tuple) -> None:
+        self._key = self._key_of(tensors, where)
         self._rows_contiguous = all(t.stride() == (K, 1) for t, (_, K) in zip(tensors, self._shapes))
 
-    def _matches(self, tensors, qp: int, sp: int) -> bool:
+    def _matches(self, tensors, where: tuple) -> bool:
         key = self._key
-        if key is None or key[3] != (qp, sp) or len(tensors) != len(self._shapes):
+        if key is None or key[3] != where or len(tensors) != len(self._shapes):
             return False
-        if self._key_of(tensors, qp, sp) != key or not all(t.dtype is _BF16 for t in tensors):
+        if self._key_of(tensors, where) != key or not all(t.dtype is _BF16 for t in tensors):
             return False
         return self._rows_contiguous or all(t.shape == s for t, s in zip(tensors, self._shapes))
 
@@ -87,13 +87,14 @@ class Fp8BucketQuant:
             api.fp8_block_quant_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)
             return
         qp, sp = q_buffer.data_ptr(), scale_buffer.data_ptr()
-        if not self._matches(tensors, qp, sp):
+        where = (qp, q_buffer.nbytes, sp, scale_buffer.nbytes)
+        if not self._matches(tensors, where):
             self._host = self._dev = self._key = None
             api.fp8_block_quant_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)  # checks
             self._host = _cuda.list_table(tensors, self.layout, qp, sp, self.scale)
             if len(tensors) > _cuda.PARAM_ENTRIES:
                 self._dev = _DeviceTable(self._host, tensors[0].device)
-            self._remember(tensors, qp, sp)
+            self._remember(tensors, where)
             return
         _cuda.launch_list(self._host, None if self._dev is None else self._dev.ready(), len(tensors), self.eps,
                           tensors[0])
