@@ -58,10 +58,8 @@ ebt_status_t sm90_copy_segments(const CopySegment* host_segments, const void* de
                                 void* stream) {
   EBT_QUANT_REQUIRE(count >= 0, "copy_segments: negative count");
   if (count == 0) return EBT_SUCCESS;
-  EBT_QUANT_REQUIRE(host_segments && device_segments,
-                    "copy_segments: null segment table (host copy and device copy are both required)");
-  EBT_QUANT_REQUIRE((reinterpret_cast<uintptr_t>(device_segments) & 7u) == 0,
-                    "copy_segments: device segment table is not 8-byte aligned");
+  EBT_QUANT_REQUIRE(host_segments, "copy_segments: null host segment table");
+  constexpr int64_t kMaxChunks = 0x7FFFFFFF;  // the grid's x extent
   int64_t chunks = 0;
   for (int64_t i = 0; i < count; ++i) {
     const CopySegment& g = host_segments[i];
@@ -71,9 +69,14 @@ ebt_status_t sm90_copy_segments(const CopySegment* host_segments, const void* de
     EBT_QUANT_REQUIRE(g.chunk_begin == chunks,
                       "copy_segments: segment %lld chunk_begin %lld, expected the prefix sum %lld", (long long)i,
                       (long long)g.chunk_begin, (long long)chunks);
-    chunks += (g.nbytes + kChunk - 1) / kChunk;
+    EBT_QUANT_REQUIRE((g.nbytes - 1) / kChunk < kMaxChunks - chunks, "copy_segments: too many chunks at segment %lld",
+                      (long long)i);  // never overflows: chunks <= kMaxChunks here
+    chunks += (g.nbytes - 1) / kChunk + 1;
   }
-  EBT_QUANT_REQUIRE(chunks <= 0x7FFFFFFF, "copy_segments: too many chunks (%lld)", (long long)chunks);
+  // the device copy is checked after the entries, so a test can pass a bad table with no device memory at all
+  EBT_QUANT_REQUIRE(device_segments, "copy_segments: null device segment table (a device copy of the host table)");
+  EBT_QUANT_REQUIRE((reinterpret_cast<uintptr_t>(device_segments) & 7u) == 0,
+                    "copy_segments: device segment table is not 8-byte aligned");
   copy_segments_kernel<<<(unsigned)chunks, kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const CopySegment*>(device_segments), count);
   return launch_status("copy_segments");

@@ -13,18 +13,28 @@ from ebbtide.quant import Fp8BucketLayout, Fp8BucketQuant, SegmentCopy
 from quant_oracle import heavy_tailed
 
 
-def test_fp8_bucket_quant_is_fp8_block_quant_into():
+def test_fp8_bucket_quant_gives_each_tensors_block_quant():
     shapes = [(128, 256), (130, 200), (64, 128)]
     ts = [heavy_tailed(s, seed=i) for i, s in enumerate(shapes)]
     layout = Fp8BucketLayout.packed(shapes)
-    want_q = torch.zeros(layout.q_bytes, dtype=torch.uint8)
-    want_s = torch.zeros(layout.scale_bytes, dtype=torch.uint8)
-    Q.fp8_block_quant_into(ts, layout, want_q, want_s)
     run = Fp8BucketQuant(layout)
     for _ in range(2):
-        got_q, got_s = torch.zeros_like(want_q), torch.zeros_like(want_s)
-        run(ts, got_q, got_s)
-        assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+        q_buf = torch.zeros(layout.q_bytes, dtype=torch.uint8)
+        s_buf = torch.zeros(layout.scale_bytes, dtype=torch.uint8)
+        run(ts, q_buf, s_buf)
+        qs, ss = layout.views(q_buf, s_buf)
+        for t, q, s in zip(ts, qs, ss):  # the oracle, one tensor at a time
+            qr, sr = Q.reference.fp8_block_quant(t)
+            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+def test_fp8_bucket_quant_refuses_what_is_not_a_list_of_tensors():
+    layout = Fp8BucketLayout.packed([(128, 128)])
+    run = Fp8BucketQuant(layout)
+    q, s = torch.zeros(layout.q_bytes, dtype=torch.uint8), torch.zeros(layout.scale_bytes, dtype=torch.uint8)
+    for bad in (torch.zeros(128, 128, dtype=torch.bfloat16), None, ["x"]):
+        with pytest.raises(InvalidArgumentError, match="tensors"):
+            run(bad, q, s)
 
 
 @pytest.mark.parametrize("make, match", [
@@ -60,9 +70,16 @@ def test_fp8_bucket_quant_keeps_its_table_only_for_the_same_tensors():
     assert not run._matches([a, b.t().contiguous().t()], (1, 64, 2, 8))  # same shape, other strides
     assert not run._matches([base[:128 * 256].view(256, 128), b], (1, 64, 2, 8))  # same address, other shape
     assert not run._matches([a.view(torch.float16), b], (1, 64, 2, 8))  # same bytes, other dtype
+    assert not run._matches([a, "b"], (1, 64, 2, 8)) and not run._matches([a], (1, 64, 2, 8))
+    # same address, row pitch and element count, fewer columns: x[:128] vs x[:, :128]
+    x = torch.zeros(256, 256, dtype=torch.bfloat16)
+    run1 = Fp8BucketQuant(Fp8BucketLayout.packed([(128, 256)]))
+    run1._remember([x[:128]], (1, 64, 2, 8))
+    assert run1._matches([x[:128]], (1, 64, 2, 8))
+    assert not run1._matches([x[:, :128]], (1, 64, 2, 8))
     wide = torch.zeros(128, 300, dtype=torch.bfloat16)
     run2 = Fp8BucketQuant(Fp8BucketLayout.packed([(128, 256)]))
-    run2._remember([wide[:, :256]], (1, 64, 2, 8))  # rows not contiguous: the shape is compared too
+    run2._remember([wide[:, :256]], (1, 64, 2, 8))  # rows not contiguous
     assert run2._matches([wide[:, :256]], (1, 64, 2, 8))
     assert not run2._matches([wide.view(-1)[:128 * 300].as_strided((64, 512), (300, 1))], (1, 64, 2, 8))
 
@@ -88,6 +105,18 @@ def test_segment_copy_moves_bytes_between_dtypes():
     assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
 
 
+def test_segment_copy_refuses_overlaps():
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    src = torch.zeros(1000, dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match="destinations overlap"):
+        SegmentCopy([buf[0:100], buf[50:150]], [src[0:100], src[200:300]])
+    with pytest.raises(InvalidArgumentError, match="overlaps segment 1's source"):
+        SegmentCopy([buf[0:100], buf[500:600]], [src[0:100], buf[50:150]])
+    with pytest.raises(InvalidArgumentError, match="overlaps segment 0's source"):
+        SegmentCopy([buf[0:100]], [buf[99:199]])
+    SegmentCopy([buf[0:100], buf[100:200]], [buf[200:300], buf[300:400]])()  # touching ranges are fine
+
+
 @pytest.mark.parametrize("dsts, srcs, match", [
     ([], [], "at least one"),
     ([torch.zeros(4)], [], "equally many"),
@@ -110,15 +139,23 @@ def test_native_copy_launcher_validates_before_launching():
     if not C.quant.WITH_CUDA:
         pytest.skip("built without CUDA: every quant launcher raises UnsupportedError")
     chunk = C.quant.COPY_SEGMENT_CHUNK
+    # no device table (0): the entries are checked first, and a launcher that skipped them would still stop there
+    # instead of launching on a made-up address
+    call = lambda t: C.quant.copy_segments(host_segments=t.ctypes.data, device_segments=0, count=len(t), stream=0)  # noqa: E731
     table = np.array([[16, 32, chunk + 1, 0], [64, 128, 8, 1]], dtype=np.int64)  # 2 chunks, then 1: prefix 2
     with pytest.raises(InvalidArgumentError, match="prefix"):
-        C.quant.copy_segments(host_segments=table.ctypes.data, device_segments=16, count=2, stream=0)
+        call(table)
     table[1, 3], table[1, 2] = 2, 0
     with pytest.raises(InvalidArgumentError, match="at least 1"):
-        C.quant.copy_segments(host_segments=table.ctypes.data, device_segments=16, count=2, stream=0)
+        call(table)
     table[1, 2], table[1, 0] = 8, 0
-    with pytest.raises(InvalidArgumentError, match="null"):
-        C.quant.copy_segments(host_segments=table.ctypes.data, device_segments=16, count=2, stream=0)
+    with pytest.raises(InvalidArgumentError, match="null pointer"):
+        call(table)
+    table[1, 0] = 64
+    with pytest.raises(InvalidArgumentError, match="too many chunks"):
+        call(np.array([[16, 32, 1 << 62, 0], [64, 128, 1 << 62, 1 << 47]], dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match="null device segment table"):
+        call(table)  # a valid table: only the missing device copy is left to refuse
 
 
 def test_segment_table_prefix_sums():

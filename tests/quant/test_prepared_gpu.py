@@ -37,6 +37,20 @@ def test_segment_copy_every_size_and_alignment():
     assert bad == 0, f"{bad} wrong bytes"
 
 
+def test_segment_copy_after_its_table_memory_was_reused():
+    """The device table is uploaded at every call: a copy made after the caching allocator handed the previous
+    upload's block to someone else (who scribbled on it) still copies right."""
+    a = torch.randn(3000, 1000, device=DEV)
+    b = torch.empty_like(a)
+    copy = SegmentCopy(list(b.unbind(0)), list(a.unbind(0)))  # 3000 segments: a 96 KB table
+    copy()
+    junk = torch.full((1 << 20,), -1, dtype=torch.int64, device=DEV)  # likely the freed table's block
+    copy()
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+    del junk
+
+
 def test_segment_copy_on_another_stream_and_repeated():
     a = torch.randn(1 << 20, device=DEV)
     b = torch.empty_like(a)
@@ -67,6 +81,7 @@ def test_fp8_bucket_quant_replays_bitwise(count):
 
     run = Fp8BucketQuant(layout)
     stream = torch.cuda.Stream()
+    tables = []
     for step in range(4):
         if step == 1:
             for t in ts:
@@ -82,6 +97,9 @@ def test_fp8_bucket_quant_replays_bitwise(count):
             torch.cuda.current_stream().wait_stream(stream)
         else:
             run(ts, buf_q, buf_s)
+        tables.append(run._table)
         q, s = want()
         assert torch.equal(buf_q, q) and torch.equal(buf_s, s), step
+    # kept for new values and on another stream, rebuilt for the new address
+    assert tables[1] is tables[0] and tables[2] is not tables[1] and tables[3] is tables[2]
     assert run._key[0][count // 2] == ts[count // 2].data_ptr()

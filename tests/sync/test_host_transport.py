@@ -210,6 +210,40 @@ def test_served_form_follows_a_moved_parameter_and_both_copy_paths(monkeypatch):
         buf.close()
 
 
+def test_served_form_follows_a_moved_parameter_and_copies_a_non_contiguous_one():
+    g = torch.Generator().manual_seed(6)
+    src = {"m.norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
+           "m.proj.weight": torch.randn(256, 128, generator=g).to(torch.bfloat16)}
+    plan = Plan.of(src)
+    outs = {o.name: o for it in plan.items for o in it.outputs}
+    served = {n: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for n, o in outs.items()}
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        r = Receiver(served, plan, form="served")
+
+        def push_and_check(version):
+            Sender(src, HostSender(buf), plan=plan).push(version)
+            HostReceiver(buf).receive(r, version)
+            for b in plan.buckets:
+                for o in b.outputs:
+                    want = o.view(r.region(b)).reshape(-1).view(torch.uint8)
+                    assert torch.equal(served[o.name].reshape(-1).view(torch.uint8), want), (version, o.name)
+
+        push_and_check(1)
+        first = r._copies[1]
+        served["m.norm.weight"].data = torch.zeros(64, dtype=torch.bfloat16)  # the storage moved
+        src["m.norm.weight"].mul_(2)
+        push_and_check(2)
+        assert r._copies[1] is not first and r._copies[1] is not None  # rebuilt for the new address
+        w = served["m.proj.weight"]
+        w.data = torch.zeros(w.shape[1], w.shape[0], dtype=w.dtype).t()  # same shape, not contiguous
+        src["m.proj.weight"].mul_(2)
+        push_and_check(3)
+        assert r._copies[1] is None  # the per-output path
+    finally:
+        buf.close()
+
+
 def test_served_form_copies_odd_sized_outputs_in_one_segment_copy():
     import ebbtide.sync.receiver as receiver_mod
 

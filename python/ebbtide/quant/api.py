@@ -138,6 +138,17 @@ def fp8_block_quant_into(tensors, layout: Fp8BucketLayout, q_buffer: torch.Tenso
     """``fp8_block_quant_list`` into buffers the caller owns, at the offsets of ``layout`` (``Fp8BucketLayout.at``
     places tensors anywhere; ``q_buffer`` and ``scale_buffer`` may be one uint8 buffer). One launch on CUDA,
     asynchronous on the current stream; bytes outside the layout's entries are left as they were."""
+    tensors, eps = check_into(tensors, layout, q_buffer, scale_buffer, scale, eps)
+    if tensors[0].device.type == "cuda":
+        _cuda.fp8_block_quant_into(tensors, layout, q_buffer, scale_buffer, scale, eps)
+    else:
+        _reference_into(tensors, layout, q_buffer, scale_buffer, scale, eps)
+    return Fp8Bucket(q_buffer, scale_buffer, layout=layout)
+
+
+def check_into(tensors, layout, q_buffer, scale_buffer, scale, eps) -> tuple[list, float]:
+    """``fp8_block_quant_into``'s argument checks (raising ``InvalidArgumentError`` with the reason); returns the
+    tensors as a list and eps as a float."""
     tensors = _check_list(tensors)
     _check_fixed(scale, "scale (packed UE8M0 has no flat bucket layout)", ("fp32", "ue8m0"))
     eps = _check_eps(eps)
@@ -157,11 +168,7 @@ def fp8_block_quant_into(tensors, layout: Fp8BucketLayout, q_buffer: torch.Tenso
             raise InvalidArgumentError(f"{name} has {buf.numel() * buf.element_size()} bytes, the layout needs {need}")
     if scale_buffer.data_ptr() % 4:
         raise InvalidArgumentError("scale_buffer must be 4-byte aligned")
-    if tensors[0].device.type == "cuda":
-        _cuda.fp8_block_quant_into(tensors, layout, q_buffer, scale_buffer, scale, eps)
-    else:
-        _reference_into(tensors, layout, q_buffer, scale_buffer, scale, eps)
-    return Fp8Bucket(q_buffer, scale_buffer, layout=layout)
+    return tensors, eps
 
 
 def fp8_group_quant(x: torch.Tensor, group: int = 128, scale_layout: str = "row", scale: str = "fp32",

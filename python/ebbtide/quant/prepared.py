@@ -1,47 +1,45 @@
 """Launches prepared once and replayed: the same tensors, every weight update.
 
 A weight update sends the same tensors at the same addresses every time, and an MoE layer has thousands of them:
-building a launch table per call (a row per tensor, checks, a host-to-device copy) costs more host time than the
-GPU spends on the bytes. These objects build their table on the first call, keep it (on the device where the kernel
-reads it from there) and rebuild it only when an address, shape or stride changed, running the full argument checks
-with every rebuild.
+building a launch table per call (a row per tensor, checks) costs more host time than the GPU spends on the bytes.
+These objects build their table once, keep it in pinned host memory, and reuse it while the tensors stay where they
+are; the full argument checks run with every (re)build.
 
-- ``Fp8BucketQuant(layout, scale, eps)``: ``fp8_block_quant_into`` for one bucket; per call an address, stride,
-  element count and dtype compare per tensor (~0.25 µs) instead of the checks and table row (~2-8 µs).
-- ``SegmentCopy(dsts, srcs)``: byte copies ``dsts[i] <- srcs[i]`` (contiguous tensors of equal byte size) in one
-  launch on CUDA (``sm90_copy_segments``), a ``copy_`` each on the CPU. The table is fixed at construction: the
-  caller makes a new one when an address changes.
+- ``Fp8BucketQuant(layout, scale, eps)``: ``fp8_block_quant_into`` for one bucket. Per call it compares, for every
+  tensor, the address, strides, element count, column count and dtype with the ones the table was built for (the
+  strides and the column count fix the row pitch and K, the element count then fixes N) and the two buffers'
+  addresses and sizes (~0.3 µs per tensor instead of ~2-8 µs for the checks and the table row); any difference
+  rebuilds the table.
+- ``SegmentCopy(dsts, srcs)``: byte copies ``dsts[i] <- srcs[i]`` (contiguous tensors of equal byte size, any
+  dtypes, on one device) in one launch on CUDA (``sm90_copy_segments``), a ``copy_`` each on the CPU or where the
+  kernels were not built. Destinations must not overlap each other or any source (checked at construction). The
+  table is fixed at construction: the caller makes a new one when an address changes.
 
-Both enqueue on the current stream and return at once. A table that changes is replaced by a new allocation (the
-old one is released stream-ordered), never written while a launch may read it.
+Both enqueue on the current stream and return at once. A table longer than what travels inside the launch is
+uploaded from its pinned copy on the current stream at every call (a few KB, asynchronous): a device copy kept
+between calls could sit in memory that a pause discards.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedError
 from .layout import Fp8BucketLayout
 
 __all__ = ["Fp8BucketQuant", "SegmentCopy"]
 
-_PTR, _STRIDE, _NUMEL, _BF16 = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.numel, torch.bfloat16
+_PTR, _STRIDE, _NUMEL, _SIZE = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.size
+_BF16 = torch.bfloat16
 
 
-class _DeviceTable:
-    """A device copy of a host table, made on the stream current at construction (pinned, so the copy is
-    asynchronous and torch's host allocator keeps the pinned block until it completed); ``ready()`` makes the
-    current stream wait for the copy (a no-op wait once it completed), so a launch on any stream reads it whole."""
-
-    def __init__(self, host: torch.Tensor, device):
-        with torch.cuda.device(device):
-            self.tensor = host.pin_memory().to(device, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def ready(self) -> torch.Tensor:
-        torch.cuda.current_stream(self.tensor.device).wait_event(self.event)
-        self.tensor.record_stream(torch.cuda.current_stream(self.tensor.device))
-        return self.tensor
+def _upload(pinned: torch.Tensor, device) -> torch.Tensor:
+    """A device copy of ``pinned``, ordered on the current stream (torch's host allocator keeps the pinned block
+    until the copy completed; the device block is released stream-ordered after the launch that reads it)."""
+    with torch.cuda.device(device):
+        return pinned.to(device, non_blocking=True)
 
 
 class Fp8BucketQuant:
@@ -54,50 +52,58 @@ class Fp8BucketQuant:
             raise InvalidArgumentError(f"layout must be an Fp8BucketLayout, got {layout!r}")
         api._check_fixed(scale, "scale (packed UE8M0 has no flat bucket layout)", ("fp32", "ue8m0"))
         self.layout, self.scale, self.eps = layout, scale, api._check_eps(eps)
-        self._shapes = [(N, K) for _, _, N, K in layout.entries]
         self._key = None  # what the table was built for (_key_of)
-        self._rows_contiguous = False
-        self._host = self._dev = None
+        self._table = None  # pinned int64 [count, 8] (host copy: validated natively at every launch)
 
     @staticmethod
     def _key_of(tensors, where: tuple) -> tuple:
-        """(addresses, strides, element counts, the buffers' addresses and sizes): with the dtype and, for rows that are not
-        contiguous, the shape, this pins every table row (a contiguous row's stride (K, 1) gives K, its element
-        count N)."""
-        return (list(map(_PTR, tensors)), list(map(_STRIDE, tensors)), list(map(_NUMEL, tensors)), where)
+        return (list(map(_PTR, tensors)), list(map(_STRIDE, tensors)), list(map(_NUMEL, tensors)),
+                list(map(_SIZE, tensors, itertools.repeat(-1))), where)
 
     def _remember(self, tensors, where: tuple) -> None:
         self._key = self._key_of(tensors, where)
-        self._rows_contiguous = all(t.stride() == (K, 1) for t, (_, K) in zip(tensors, self._shapes))
 
     def _matches(self, tensors, where: tuple) -> bool:
         key = self._key
-        if key is None or key[3] != where or len(tensors) != len(self._shapes):
+        if key is None or key[4] != where or len(tensors) != len(key[0]):
             return False
-        if self._key_of(tensors, where) != key or not all(t.dtype is _BF16 for t in tensors):
+        try:
+            return self._key_of(tensors, where) == key and all(t.dtype is _BF16 for t in tensors)
+        except (TypeError, AttributeError, IndexError, RuntimeError):  # not tensors, or not 2-D: the checks say why
             return False
-        return self._rows_contiguous or all(t.shape == s for t, s in zip(tensors, self._shapes))
 
     @torch.no_grad()
     def __call__(self, tensors, q_buffer: torch.Tensor, scale_buffer: torch.Tensor) -> None:
         from . import _cuda, api  # noqa: PLC0415
 
-        tensors = tensors if isinstance(tensors, list) else list(tensors)
-        if not tensors or tensors[0].device.type != "cuda":
+        if not isinstance(tensors, (list, tuple)):
+            raise InvalidArgumentError(f"tensors must be a list of bf16 2-D tensors, got {type(tensors).__name__}")
+        if not tensors or not isinstance(tensors[0], torch.Tensor) or tensors[0].device.type != "cuda":
             api.fp8_block_quant_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)
             return
-        qp, sp = q_buffer.data_ptr(), scale_buffer.data_ptr()
-        where = (qp, q_buffer.nbytes, sp, scale_buffer.nbytes)
+        where = (q_buffer.data_ptr(), q_buffer.nbytes, scale_buffer.data_ptr(), scale_buffer.nbytes)
         if not self._matches(tensors, where):
-            self._host = self._dev = self._key = None
-            api.fp8_block_quant_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)  # checks
-            self._host = _cuda.list_table(tensors, self.layout, qp, sp, self.scale)
-            if len(tensors) > _cuda.PARAM_ENTRIES:
-                self._dev = _DeviceTable(self._host, tensors[0].device)
+            self._key = self._table = None
+            tensors, _ = api.check_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)
+            self._table = _cuda.list_table(tensors, self.layout, where[0], where[2], self.scale).pin_memory()
             self._remember(tensors, where)
-            return
-        _cuda.launch_list(self._host, None if self._dev is None else self._dev.ready(), len(tensors), self.eps,
-                          tensors[0])
+        dev = _upload(self._table, tensors[0].device) if len(tensors) > _cuda.PARAM_ENTRIES else None
+        _cuda.launch_list(self._table, dev, len(tensors), self.eps, tensors[0])
+
+
+def _check_disjoint(dsts, srcs) -> None:
+    """Raise unless no destination overlaps another destination or any source (byte ranges by address)."""
+    spans = sorted((d.data_ptr(), d.data_ptr() + d.numel() * d.element_size(), i) for i, d in enumerate(dsts))
+    for (a0, a1, i), (b0, _, j) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise InvalidArgumentError(f"segments {i} and {j}: the destinations overlap")
+    starts = [a for a, _, _ in spans]
+    for j, s in enumerate(srcs):
+        s0, s1 = s.data_ptr(), s.data_ptr() + s.numel() * s.element_size()
+        k = bisect.bisect_right(starts, s0) - 1  # the last destination starting at or before s0, then the next
+        for a0, a1, i in spans[max(k, 0):k + 2]:
+            if a0 < s1 and s0 < a1:
+                raise InvalidArgumentError(f"segment {i}'s destination overlaps segment {j}'s source")
 
 
 class SegmentCopy:
@@ -121,22 +127,25 @@ class SegmentCopy:
             nd, ns = d.numel() * d.element_size(), s.numel() * s.element_size()
             if nd != ns or nd == 0:
                 raise InvalidArgumentError(f"segment {i}: {nd} destination bytes, {ns} source bytes (equal, >= 1)")
+        _check_disjoint(dsts, srcs)
         self.device, self.count = device, len(dsts)
         self._dsts, self._srcs = dsts, srcs  # kept: the table holds their addresses
         self.nbytes = sum(d.numel() * d.element_size() for d in dsts)
-        self._host = self._dev = None
+        self._table = None  # pinned int64 [count, 4]; None: copy_ each
         if device.type == "cuda":
             from . import _cuda  # noqa: PLC0415
 
-            self._host = _cuda.segment_table(dsts, srcs)
-            self._dev = _DeviceTable(self._host, device)
+            try:
+                self._table = _cuda.segment_table(dsts, srcs).pin_memory()
+            except UnsupportedError:  # built without the CUDA kernels: one copy_ per segment
+                self._table = None
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if self._host is None:
+        if self._table is None:
             for d, s in zip(self._dsts, self._srcs):
                 d.reshape(-1).view(torch.uint8).copy_(s.reshape(-1).view(torch.uint8))
             return
         from . import _cuda  # noqa: PLC0415
 
-        _cuda.launch_segments(self._host, self._dev.ready(), self.count, self.device)
+        _cuda.launch_segments(self._table, _upload(self._table, self.device), self.count, self.device)

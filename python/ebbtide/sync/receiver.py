@@ -96,8 +96,8 @@ class Receiver:
 
     def _served_copies(self) -> tuple:
         """(big (destination, source) byte views, one SegmentCopy of the small ones or None) of every output, built
-        once and rebuilt only when a parameter's storage moved; ``None`` when a parameter is not contiguous (then
-        ``load_bucket`` copies)."""
+        once and rebuilt only when a parameter's storage moved; ``None`` when a parameter is not contiguous or not on
+        the staging's device (then ``load_bucket`` copies)."""
         ptrs = list(map(torch.Tensor.data_ptr, self._outs))
         if self._copies is not None and self._copies[0] == ptrs:
             return self._copies[1]
@@ -106,7 +106,7 @@ class Receiver:
             region = self.region(b)
             for o in b.outputs:
                 p = self.params[o.name]
-                if not p.is_contiguous():
+                if not p.is_contiguous() or p.device != region.device:
                     self._copies = (ptrs, None)
                     return None
                 dst, src = p.detach().reshape(-1).view(torch.uint8), region[o.offset:o.offset + o.nbytes]
