@@ -35,6 +35,10 @@ def test_fp8_bucket_quant_refuses_what_is_not_a_list_of_tensors():
     for bad in (torch.zeros(128, 128, dtype=torch.bfloat16), None, ["x"]):
         with pytest.raises(InvalidArgumentError, match="tensors"):
             run(bad, q, s)
+    w = [torch.zeros(128, 128, dtype=torch.bfloat16)]
+    for qb, sb, what in ((None, s, "q_buffer"), (q, q.numpy(), "scale_buffer"), (q.view(2, -1), s, "q_buffer")):
+        with pytest.raises(InvalidArgumentError, match=what):
+            run(w, qb, sb)
 
 
 @pytest.mark.parametrize("make, match", [
@@ -156,6 +160,13 @@ def test_native_copy_launcher_validates_before_launching():
         call(np.array([[16, 32, 1 << 62, 0], [64, 128, 1 << 62, 1 << 47]], dtype=np.int64))
     with pytest.raises(InvalidArgumentError, match="null device segment table"):
         call(table)  # a valid table: only the missing device copy is left to refuse
+    top = (1 << 31) - 1  # the most chunks one launch takes
+    edge = np.array([[16, 32, (top - 1) * chunk, 0], [64, 128, chunk, top - 1]], dtype=np.int64)
+    with pytest.raises(InvalidArgumentError, match="null device segment table"):
+        call(edge)  # exactly 2^31 - 1 chunks: accepted
+    edge[1, 2] = chunk + 1
+    with pytest.raises(InvalidArgumentError, match="too many chunks at segment 1"):
+        call(edge)
 
 
 def test_segment_table_prefix_sums():

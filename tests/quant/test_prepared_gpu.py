@@ -37,14 +37,20 @@ def test_segment_copy_every_size_and_alignment():
     assert bad == 0, f"{bad} wrong bytes"
 
 
-def test_segment_copy_after_its_table_memory_was_reused():
-    """The device table is uploaded at every call: a copy made after the caching allocator handed the previous
-    upload's block to someone else (who scribbled on it) still copies right."""
+def test_segment_copy_keeps_no_device_table_between_calls():
+    """The device table is uploaded at every call and released after it (nothing of it stays on the device, where
+    a pause could discard it): a copy made after the caching allocator handed the previous upload's block to
+    someone who scribbled on it still copies right."""
     a = torch.randn(3000, 1000, device=DEV)
     b = torch.empty_like(a)
     copy = SegmentCopy(list(b.unbind(0)), list(a.unbind(0)))  # 3000 segments: a 96 KB table
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     copy()
-    junk = torch.full((1 << 20,), -1, dtype=torch.int64, device=DEV)  # likely the freed table's block
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before  # the upload went back to the pool
+    junk = torch.full((3000 * 4,), -1, dtype=torch.int64, device=DEV)  # the table's size: its freed block
+    b.zero_()
     copy()
     torch.cuda.synchronize()
     assert torch.equal(a, b)

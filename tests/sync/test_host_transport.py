@@ -244,6 +244,27 @@ def test_served_form_follows_a_moved_parameter_and_copies_a_non_contiguous_one()
         buf.close()
 
 
+def test_served_form_with_parameters_sharing_storage():
+    """Tied names (two outputs into one tensor, e.g. a state_dict's aliases) take the per-output path, in order."""
+    g = torch.Generator().manual_seed(7)
+    src = {"a.weight": torch.randn(64, generator=g).to(torch.bfloat16),
+           "b.weight": torch.randn(64, generator=g).to(torch.bfloat16)}
+    plan = Plan.of(src)
+    shared = torch.zeros(64, dtype=torch.bfloat16)
+    served = {"a.weight": shared, "b.weight": shared}
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        r = Receiver(served, plan, form="served")
+        for v in (1, 2):
+            Sender(src, HostSender(buf), plan=plan).push(v)
+            HostReceiver(buf).receive(r, v)
+            assert r.version == v and r._copies[1] is None
+            last = [o for b in plan.buckets for o in b.outputs][-1]  # the later copy wins, as in order
+            assert torch.equal(shared, src[last.name])
+    finally:
+        buf.close()
+
+
 def test_served_form_copies_odd_sized_outputs_in_one_segment_copy():
     import ebbtide.sync.receiver as receiver_mod
 

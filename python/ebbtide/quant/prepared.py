@@ -8,7 +8,7 @@ are; the full argument checks run with every (re)build.
 - ``Fp8BucketQuant(layout, scale, eps)``: ``fp8_block_quant_into`` for one bucket. Per call it compares, for every
   tensor, the address, strides, element count, column count and dtype with the ones the table was built for (the
   strides and the column count fix the row pitch and K, the element count then fixes N) and the two buffers'
-  addresses and sizes (~0.3 µs per tensor instead of ~2-8 µs for the checks and the table row); any difference
+  addresses, sizes, dimensions and contiguity (~0.3 µs per tensor instead of ~2-8 µs for the checks and the table row); any difference
   rebuilds the table.
 - ``SegmentCopy(dsts, srcs)``: byte copies ``dsts[i] <- srcs[i]`` (contiguous tensors of equal byte size, any
   dtypes, on one device) in one launch on CUDA (``sm90_copy_segments``), a ``copy_`` each on the CPU or where the
@@ -81,11 +81,14 @@ class Fp8BucketQuant:
         if not tensors or not isinstance(tensors[0], torch.Tensor) or tensors[0].device.type != "cuda":
             api.fp8_block_quant_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)
             return
-        where = (q_buffer.data_ptr(), q_buffer.nbytes, scale_buffer.data_ptr(), scale_buffer.nbytes)
+        if not (isinstance(q_buffer, torch.Tensor) and isinstance(scale_buffer, torch.Tensor)):
+            api.check_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)  # raises the reason
+        where = tuple(x for b in (q_buffer, scale_buffer) for x in (b.data_ptr(), b.nbytes, b.dim(),
+                                                                    b.is_contiguous()))
         if not self._matches(tensors, where):
             self._key = self._table = None
             tensors, _ = api.check_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)
-            self._table = _cuda.list_table(tensors, self.layout, where[0], where[2], self.scale).pin_memory()
+            self._table = _cuda.list_table(tensors, self.layout, where[0], where[4], self.scale).pin_memory()
             self._remember(tensors, where)
         dev = _upload(self._table, tensors[0].device) if len(tensors) > _cuda.PARAM_ENTRIES else None
         _cuda.launch_list(self._table, dev, len(tensors), self.eps, tensors[0])

@@ -96,8 +96,8 @@ class Receiver:
 
     def _served_copies(self) -> tuple:
         """(big (destination, source) byte views, one SegmentCopy of the small ones or None) of every output, built
-        once and rebuilt only when a parameter's storage moved; ``None`` when a parameter is not contiguous or not on
-        the staging's device (then ``load_bucket`` copies)."""
+        once and rebuilt only when a parameter's storage moved; ``None`` when a parameter is not contiguous, not on
+        the staging's device or shares storage with another (then ``load_bucket`` copies)."""
         ptrs = list(map(torch.Tensor.data_ptr, self._outs))
         if self._copies is not None and self._copies[0] == ptrs:
             return self._copies[1]
@@ -115,7 +115,14 @@ class Receiver:
                 else:
                     small_dst.append(dst)
                     small_src.append(src)
-        self._copies = (ptrs, (big, SegmentCopy(small_dst, small_src) if small_dst else None))
+        small = None
+        if small_dst:
+            try:
+                small = SegmentCopy(small_dst, small_src)
+            except InvalidArgumentError:  # parameters sharing storage (tied names): one copy each, in order
+                self._copies = (ptrs, None)
+                return None
+        self._copies = (ptrs, (big, small))
         return self._copies[1]
 
     def _load_all(self) -> None:
