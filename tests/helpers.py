@@ -17,3 +17,15 @@ def run_python(code: str, *, env: dict | None = None, timeout: float = 120, chec
     if check and p.returncode != 0:
         raise AssertionError(f"subprocess failed ({p.returncode})\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
     return p
+
+
+def native_or_skip():
+    """The native extension module, or a pytest skip saying why it is not built here."""
+    import pytest  # noqa: PLC0415
+
+    from ebbtide import _native  # noqa: PLC0415
+
+    try:
+        return _native.load()
+    except ImportError as e:
+        pytest.skip(f"native extension not built here: {e}")

@@ -10,6 +10,7 @@ import torch
 import ebbtide.quant as Q
 from ebbtide.errors import InvalidArgumentError
 from ebbtide.quant import Fp8BucketLayout, Fp8BucketQuant, SegmentCopy
+from helpers import native_or_skip
 from quant_oracle import heavy_tailed
 
 
@@ -135,11 +136,7 @@ def test_segment_copy_bad_arguments(dsts, srcs, match):
 
 
 def test_native_copy_launcher_validates_before_launching():
-    from ebbtide import _native
-    try:
-        C = _native.load()
-    except ImportError as e:
-        pytest.skip(f"native extension not built here: {e}")
+    C = native_or_skip()
     if not C.quant.WITH_CUDA:
         pytest.skip("built without CUDA: every quant launcher raises UnsupportedError")
     chunk = C.quant.COPY_SEGMENT_CHUNK

@@ -11,6 +11,7 @@ import torch
 import ebbtide
 import ebbtide.quant as Q
 from ebbtide.errors import InvalidArgumentError
+from helpers import native_or_skip
 from quant_oracle import heavy_tailed
 
 
@@ -185,11 +186,7 @@ def test_bad_input_changes_nothing():
 
 def test_cuda_sources_were_compiled_when_nvcc_is_present():
     """CI has nvcc: the extension must then contain the kernels (the quant component and cuda=True)."""
-    from ebbtide import _native
-    try:
-        C = _native.load()
-    except ImportError as e:
-        pytest.skip(f"native extension not built here: {e}")
+    C = native_or_skip()
     info = C.build_info()
     assert "quant" in info["components"].split(",")
     assert hasattr(C, "quant") and C.quant.WITH_CUDA == info["cuda"]
@@ -200,11 +197,7 @@ def test_cuda_sources_were_compiled_when_nvcc_is_present():
 
 def test_native_launchers_validate_before_launching():
     """Argument checks run natively, before any CUDA call — so they work (and raise typed errors) with no GPU."""
-    from ebbtide import _native
-    try:
-        C = _native.load()
-    except ImportError as e:
-        pytest.skip(f"native extension not built here: {e}")
+    C = native_or_skip()
     if not C.quant.WITH_CUDA:
         with pytest.raises(ebbtide.UnsupportedError):
             C.quant.int4_unpack(0, 0, 0, 0, 32, 0, 0, 0)

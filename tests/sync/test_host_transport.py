@@ -151,13 +151,27 @@ def test_host_transport_between_two_processes():
         buf.close()
 
 
+def _served_zeros(plan) -> dict:
+    """The served form's parameters of ``plan``: every output under its own name, zeros."""
+    return {o.name: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for it in plan.items for o in it.outputs}
+
+
+def _assert_served(r, served, plan, tag=None):
+    """Every output of ``plan`` in ``served`` equals its bytes in the receiver's staging."""
+    for b in plan.buckets:
+        region = r.region(b)
+        for o in b.outputs:
+            assert torch.equal(served[o.name].reshape(-1).view(torch.uint8),
+                               o.view(region).reshape(-1).view(torch.uint8)), (tag, o.name)
+
+
 def test_served_form_holds_the_quantized_outputs():
     src = checkpoint(2)
     plan = Plan.of(src, rules=RULES, bucket_bytes=150_000)
     buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
     try:
         outs = {o.name: o for it in plan.items for o in it.outputs}
-        served = {n: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for n, o in outs.items()}
+        served = _served_zeros(plan)
         r = Receiver(served, plan, form="served")
         Sender(src, HostSender(buf), plan=plan).push(1)
         HostReceiver(buf).receive(r, 1)
@@ -189,15 +203,9 @@ def test_served_form_follows_a_moved_parameter_and_both_copy_paths(monkeypatch):
         r = Receiver(served, plan, form="served")
         sender = Sender(src, HostSender(buf), plan=plan)
 
-        def check():
-            for b in plan.buckets:
-                region = r.region(b)
-                for o in b.outputs:
-                    assert torch.equal(served[o.name].reshape(-1).view(torch.uint8),
-                                       o.view(region).reshape(-1).view(torch.uint8)), o.name
         sender.push(1)
         HostReceiver(buf).receive(r, 1)
-        check()
+        _assert_served(r, served, plan, 1)
         moved = next(iter(served))
         served[moved].data = torch.zeros_like(served[moved])  # the rollout re-pointed a parameter's storage
         with torch.no_grad():
@@ -205,7 +213,7 @@ def test_served_form_follows_a_moved_parameter_and_both_copy_paths(monkeypatch):
                 t.mul_(2)
         sender.push(2)
         HostReceiver(buf).receive(r, 2)
-        check()
+        _assert_served(r, served, plan, 2)
     finally:
         buf.close()
 
@@ -215,8 +223,7 @@ def test_served_form_follows_a_moved_parameter_and_copies_a_non_contiguous_one()
     src = {"m.norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
            "m.proj.weight": torch.randn(256, 128, generator=g).to(torch.bfloat16)}
     plan = Plan.of(src)
-    outs = {o.name: o for it in plan.items for o in it.outputs}
-    served = {n: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for n, o in outs.items()}
+    served = _served_zeros(plan)
     buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
     try:
         r = Receiver(served, plan, form="served")
@@ -224,10 +231,7 @@ def test_served_form_follows_a_moved_parameter_and_copies_a_non_contiguous_one()
         def push_and_check(version):
             Sender(src, HostSender(buf), plan=plan).push(version)
             HostReceiver(buf).receive(r, version)
-            for b in plan.buckets:
-                for o in b.outputs:
-                    want = o.view(r.region(b)).reshape(-1).view(torch.uint8)
-                    assert torch.equal(served[o.name].reshape(-1).view(torch.uint8), want), (version, o.name)
+            _assert_served(r, served, plan, version)
 
         push_and_check(1)
         first = r._copies[1]
@@ -277,15 +281,11 @@ def test_served_form_copies_odd_sized_outputs_in_one_segment_copy():
     buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
     try:
         outs = {o.name: o for it in plan.items for o in it.outputs}
-        served = {n: torch.zeros(o.shape, dtype=getattr(torch, o.dtype)) for n, o in outs.items()}
+        served = _served_zeros(plan)
         r = Receiver(served, plan, form="served")
         Sender(src, HostSender(buf), plan=plan).push(1)
         HostReceiver(buf).receive(r, 1)
-        for b in plan.buckets:
-            region = r.region(b)
-            for o in b.outputs:
-                assert torch.equal(served[o.name].reshape(-1).view(torch.uint8),
-                                   o.view(region).reshape(-1).view(torch.uint8)), o.name
+        _assert_served(r, served, plan)
         big, small = r._copies[1]
         assert not big and small.count == len(outs)  # every output in the one batched copy
         assert small.nbytes == sum(o.nbytes for o in outs.values())
