@@ -292,3 +292,48 @@ def test_served_form_copies_odd_sized_outputs_in_one_segment_copy():
         assert receiver_mod._BIG_COPY > max(o.nbytes for o in outs.values())
     finally:
         buf.close()
+
+
+def test_prepare_serves_one_apply_of_its_version(monkeypatch):
+    """The transports check the served destinations ahead (prepare); only the apply of that version uses it."""
+    from ebbtide.sync import fill_bucket
+
+    g = torch.Generator().manual_seed(8)
+    src = {"m.norm.weight": torch.randn(64, generator=g).to(torch.bfloat16),
+           "m.proj.weight": torch.randn(256, 128, generator=g).to(torch.bfloat16)}
+    plan = Plan.of(src)
+    served = _served_zeros(plan)
+    r = Receiver(served, plan, form="served")
+
+    def stage():
+        with torch.no_grad():
+            for t in src.values():
+                t.mul_(2)
+        for b in plan.buckets:
+            fill_bucket(plan, b, src, r.region(b))
+
+    def move():  # the rollout re-points a parameter's storage
+        served["m.norm.weight"].data = torch.zeros(64, dtype=torch.bfloat16)
+
+    stage()
+    r.prepare(1)
+    r.apply(1)
+    _assert_served(r, served, plan, 1)
+    r.prepare(9)  # made for another version: apply(2) checks for itself and follows the move
+    move()
+    stage()
+    r.apply(2)
+    _assert_served(r, served, plan, 2)
+    r.prepare(3)
+    stage()
+    r.apply(3)
+    move()  # after the apply that used the prepare: the next apply checks for itself
+    stage()
+    r.apply(4)
+    _assert_served(r, served, plan, 4)
+    r.prepare(5)  # its apply only launches what prepare checked
+    stage()
+    monkeypatch.setattr(r, "_served_copies", lambda: pytest.fail("apply(5) checked the destinations again"))
+    r.apply(5)
+    _assert_served(r, served, plan, 5)
+    assert r.version == 5

@@ -52,6 +52,7 @@ def _ipc(expect, versions, die_on=None):
     res_r, res_w = ctx.Pipe(duplex=False)
     p = ctx.Process(target=sync_workers.ipc_receiver, args=(b, res_w, PLAN_KW, expect, die_on))
     p.start()
+    b.close()  # the receiver's end lives in the receiver only: its death closes the connection at once
     src = checkpoint(0, "cuda")
     plan = Plan.of(src, **PLAN_KW)
     sender = Sender(src, IpcSender(a, timeout=120), plan=plan)
@@ -99,6 +100,7 @@ def test_ipc_version_mismatch_is_refused_on_both_sides_and_keeps_the_last_versio
 def test_ipc_receiver_dying_mid_update_raises_on_the_sender():
     out, code, _ = _ipc([None], [1], die_on="commit")
     assert out[0][0] == "sender" and out[0][1] == "PartialUpdateError", out
+    assert "went away" in out[0][2], out  # seen when the connection closed, not at the 120 s timeout
     assert code == 3
 
 

@@ -1,40 +1,54 @@
 """Writing one bucket (the sender) and reading it back into live parameters (the receiver), per the plan.
 
 A bucket is filled by one FP8 launch for all its FP8 weights (``fp8_block_quant_into`` at the plan's offsets,
-experts of a stacked weight one entry each; a sender's ``Fp8BucketQuant`` keeps the launch table), one INT4 pack per INT4 weight and one copy per raw tensor; on CUDA
+experts of a stacked weight one entry each), one INT4 pack per INT4 weight and one copy per raw tensor; on CUDA
 everything is queued on the current stream. CPU tensors take ``ebbtide.quant``'s reference: the same bits.
+A sender keeps a ``BucketFill`` per bucket: the FP8 launch table (``Fp8BucketQuant``) and the bucket's FP8 source
+names in layout order, so a push reads each tensor once and does no other per-tensor work in Python.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import quant as Q
+from ..quant.prepared import Fp8BucketQuant
 from .plan import BucketPlan, Plan
 
-__all__ = ["fill_bucket", "load_bucket", "expected"]
+__all__ = ["BucketFill", "fill_bucket", "load_bucket", "expected"]
 
 
-def _fp8_sources(bucket: BucketPlan, sources) -> list:
-    out = []
-    for it in bucket.items:
-        if it.kind == "fp8":
-            t = sources[it.source]
-            out.extend(t.unbind(0) if t.dim() == 3 else (t,))
-    return out
+class BucketFill:
+    """One bucket's fill, prepared once per sender (see the module docstring)."""
+
+    def __init__(self, plan: Plan, bucket: BucketPlan):
+        self.plan, self.bucket = plan, bucket
+        fp8 = [it for it in bucket.items if it.kind == "fp8"]
+        self.fp8_names = [it.source for it in fp8]
+        self.stacked = [len(it.shape) == 3 for it in fp8]  # 3-D weights: one layout entry per expert
+        self.quant = Fp8BucketQuant(bucket.fp8, plan.scale, plan.eps) if bucket.fp8 is not None else None
+        self.others = [it for it in bucket.items if it.kind != "fp8"]
+
+    def fp8_sources(self, sources) -> list:
+        """The tensors of the bucket's FP8 layout entries, in order (``sources``: name -> full tensor)."""
+        if not any(self.stacked):
+            return list(map(sources.__getitem__, self.fp8_names))
+        out = []
+        for name, stacked in zip(self.fp8_names, self.stacked):
+            t = sources[name]
+            out.extend(t.unbind(0) if stacked else (t,))
+        return out
+
+    @torch.no_grad()
+    def __call__(self, sources, buf: torch.Tensor) -> None:
+        """Write the bucket's outputs from ``sources`` (name -> full tensor, on ``buf``'s device) into ``buf``
+        (uint8, at least ``bucket.nbytes``)."""
+        if self.quant is not None:
+            self.quant(self.fp8_sources(sources), buf, buf)
+        _fill_others(self.plan, self.others, sources, buf)
 
 
-@torch.no_grad()
-def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor, fp8=None) -> None:
-    """Write ``bucket``'s outputs from ``sources`` (name -> full tensor, on ``buf``'s device) into ``buf`` (uint8,
-    at least ``bucket.nbytes``). ``fp8``: the bucket's ``Fp8BucketQuant`` (a sender keeps one per bucket, so the
-    launch table is built once), or None for a one-off launch."""
-    if bucket.fp8 is not None:
-        if fp8 is not None:
-            fp8(_fp8_sources(bucket, sources), buf, buf)
-        else:
-            Q.fp8_block_quant_into(_fp8_sources(bucket, sources), bucket.fp8, buf, buf, scale=plan.scale,
-                                   eps=plan.eps)
-    for it in bucket.items:
+def _fill_others(plan: Plan, items, sources, buf: torch.Tensor) -> None:
+    for it in items:
         if it.kind == "raw":
             it.outputs[0].view(buf).copy_(sources[it.source])
         elif it.kind == "int4":
@@ -43,6 +57,12 @@ def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor, fp8=
             packed.view(buf).copy_(p["weight_packed"])
             scale.view(buf).copy_(p["weight_scale"])
             shape.view(buf).copy_(p["weight_shape"], non_blocking=True)
+
+
+@torch.no_grad()
+def fill_bucket(plan: Plan, bucket: BucketPlan, sources, buf: torch.Tensor) -> None:
+    """A one-off fill of ``bucket`` (a fresh launch table): what ``BucketFill`` does for a sender."""
+    BucketFill(plan, bucket)(sources, buf)
 
 
 @torch.no_grad()

@@ -121,6 +121,7 @@ class NcclReceiver:
         with torch.cuda.stream(receiver.stream):
             for b in plan.buckets:
                 dist.broadcast(receiver.region(b), src=self.src, group=self.group)
+        receiver.prepare(v)  # while the broadcasts run
         receiver.apply(v)
         _agree(True, self.group, dev)
         return v

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping
 
@@ -128,21 +129,12 @@ class Plan:
         self.scale, self.int4_group, self.eps, self.bucket_bytes = scale, int4_group, eps, bucket_bytes
         self.nbytes = sum(b.nbytes for b in self.buckets)  # bytes of the whole update on the wire
         self.max_bucket_bytes = max((b.nbytes for b in self.buckets), default=0)
+        self.source_bytes = sum(_dtype(it.dtype).itemsize * math.prod(it.shape) for it in self.items)  # e.g. bf16
         h = hashlib.sha256(repr((scale, int4_group, eps, [(b.index, [(i.source, i.kind, i.shape, i.dtype,
                                                                       i.outputs) for i in b.items])
                                                           for b in self.buckets])).encode())
         self.signature = h.hexdigest()  # equal plans, equal signatures: both ends compare it
 
-    @property
-    def source_bytes(self) -> int:
-        """Bytes of the source tensors (what the trainer holds, e.g. bf16)."""
-        n = 0
-        for it in self.items:
-            k = _dtype(it.dtype).itemsize
-            for s in it.shape:
-                k *= s
-            n += k
-        return n
 
     def bucket_offsets(self) -> list:
         """Byte offset of each bucket when the whole update sits in one buffer (receiver staging, host buffer)."""

@@ -16,8 +16,12 @@ Policies:
 - On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. The
   served form's copies are byte views built once (rebuilt if a parameter's storage moves; checking costs one
   address read per output): outputs of 32 MiB and more get one copy each, the smaller ones (scales, norms,
-  experts of an MoE layer: thousands) go in one ``ebbtide.quant.SegmentCopy`` launch whose table stays on the
-  device, so an update's host time hardly grows with its tensor count.
+  experts of an MoE layer: thousands) go in one ``ebbtide.quant.SegmentCopy`` launch, so an update's host time
+  hardly grows with its tensor count.
+- ``prepare(version)`` runs that address check ahead: the transports call it while the sender is still filling
+  (IPC: when the update begins; host and NCCL: while the bytes travel), and ``apply(version)`` right after only
+  launches. The check is then as old as the update: a parameter that another thread re-points between the two is
+  not seen (it would race with the copies anyway). An apply of another version, or a second apply, checks itself.
 """
 from __future__ import annotations
 
@@ -75,6 +79,7 @@ class Receiver:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.version: int | None = None  # the last complete version the parameters hold
         self._copies = None  # (parameter addresses, cached copies) of the served form
+        self._prepared = None  # (version, served copies) checked by prepare(version) for that apply, else None
         # the served form's destination of every output, in bucket order (the addresses checked per apply)
         self._outs = [self.params[o.name] for b in plan.buckets for o in b.outputs] if self.served else []
 
@@ -125,8 +130,14 @@ class Receiver:
         self._copies = (ptrs, (big, small))
         return self._copies[1]
 
-    def _load_all(self) -> None:
-        copies = self._served_copies() if self.served else None
+    def prepare(self, version: int) -> None:
+        """Check the served form's destinations now, for ``apply(version)`` (see the module policies)."""
+        self._prepared = (version, self._served_copies()) if self.served else None
+
+    def _load_all(self, prepared=None) -> None:
+        copies = None
+        if self.served:
+            copies = prepared[1] if prepared is not None else self._served_copies()
         if copies is None:
             for b in self.plan.buckets:
                 load_bucket(b, self.region(b), self.params, served=self.served)
@@ -140,13 +151,16 @@ class Receiver:
     @torch.no_grad()
     def apply(self, version: int) -> None:
         """Load every staged bucket into the parameters (the whole version at once) and hold ``version``."""
+        prepared, self._prepared = self._prepared, None  # a prepare serves one apply, of its version
+        if prepared is not None and prepared[0] != version:
+            prepared = None
         self.check_next(version)
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                self._load_all()
+                self._load_all(prepared)
             self.stream.synchronize()
         else:
-            self._load_all()
+            self._load_all(prepared)
         self.version = version
 
     def require(self, version: int) -> None:

@@ -2,16 +2,17 @@
 
 Policies:
 - ``Sender(tensors, transport, plan=...)``: ``transport`` is the sending end of a transport (``HostSender``,
-  ``IpcSender``, ``NcclSender``, or an SGLang one from ``ebbtide.sync.sglang``); ``tensors`` is a mapping name -> tensor or a callable returning one
-  (read again at every push, so re-pointed ``.data`` is followed); any trainer's named parameters (plain torch,
-  or names converted to the serving model's).
+  ``IpcSender``, ``NcclSender``, or an SGLang one from ``ebbtide.sync.sglang``); ``tensors`` is a mapping name ->
+  tensor or a callable returning one (read again at every push, so re-pointed ``.data`` is followed); any
+  trainer's named parameters (plain torch, or names converted to the serving model's).
 - Tensor parallel: with ``tp_group`` and ``tp_dims`` (name -> the dimension a parameter is split along), the
   plan is built on full shapes; every TP rank joins one all-gather per sharded tensor of a bucket, right before
   that bucket is quantized, and only TP rank 0 (``is_source``) quantizes and sends. Gather buffers live for one
   bucket.
 - Host work: each bucket's FP8 launch table is built at the first push and kept while the tensors and the
-  transport's buffer stay where they are (``ebbtide.quant.prepared``), so an update's host time hardly grows with
-  its tensor count (an MoE layer's experts are thousands).
+  transport's buffer stay where they are (``ebbtide.quant.prepared``), and its FP8 source names are listed once, so
+  a push reads each tensor's address, strides, size and dtype and does no other per-tensor work in Python (an MoE
+  layer's experts are thousands; without TP the caller's mapping is read as it is, not copied per bucket).
 - Overlap: on CUDA the gathers and quantization of every bucket run on the sender's own stream, which first waits
   for the caller's current stream ("optimizer done"); the transport moves bucket k (copy, IPC hand-off or
   broadcast on its own stream) while bucket k+1 is quantized. A producer buffer is written again only after the
@@ -27,8 +28,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..errors import InvalidArgumentError
-from ..quant.prepared import Fp8BucketQuant
-from ._fill import fill_bucket
+from ._fill import BucketFill
 from .plan import Plan
 
 __all__ = ["Sender", "PushReport"]
@@ -73,8 +73,8 @@ class Sender:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.is_source = self.tp_rank == 0
-        # one prepared FP8 launch per bucket: its table is rebuilt only when an address changes
-        self._fp8 = {b.index: Fp8BucketQuant(b.fp8, plan.scale, plan.eps) for b in plan.buckets if b.fp8 is not None}
+        # one prepared fill per bucket: its FP8 launch table is rebuilt only when an address changes
+        self._fills = [BucketFill(plan, b) for b in plan.buckets]
 
     def _full_shape(self, name: str, t: torch.Tensor) -> tuple:
         shape = list(t.shape)
@@ -84,12 +84,14 @@ class Sender:
 
     def _gather(self, bucket, tensors) -> tuple[dict, list]:
         """Full tensors of ``bucket``'s items (all-gathered over the TP group where sharded), and the gathered
-        ones (new allocations)."""
+        ones (new allocations). Without tensor parallelism: ``tensors`` itself (read by name when filling)."""
+        if self.tp_size == 1 or not self.tp_dims:
+            return tensors, []
         out, new = {}, []
         for it in bucket.items:
             t = tensors[it.source]  # read by raw address under no_grad: no detach (1-3 us per tensor)
             d = self.tp_dims.get(it.source)
-            if d is None or self.tp_size == 1:
+            if d is None:
                 out[it.source] = t
                 continue
             import torch.distributed as dist  # noqa: PLC0415
@@ -119,7 +121,7 @@ class Sender:
                 buf = end.buffer(bucket, self.stream) if end is not None else None
                 sources, gathered = self._gather(bucket, tensors)
                 if end is not None:
-                    fill_bucket(self.plan, bucket, sources, buf, self._fp8.get(bucket.index))
+                    self._fills[bucket.index](sources, buf)
                     end.send(bucket, buf, self.stream)
                 if self.cuda:  # gather buffers go back to the pool only after this stream's work on them
                     for g in gathered:

@@ -19,9 +19,10 @@ Policies:
   refused with the way out) and the sender quantizes every bucket straight into it, at
   the bucket's offset: the bytes cross HBM once on the way in (no producer buffer, no device-to-device copy), then
   the receiver's apply moves them into the parameters. One round trip per update, none per bucket: "begin" (plan
-  signature and version checked before any byte is written), then "commit" after the sender recorded its "ready"
-  event (interprocess, sent with every "begin") behind the last bucket; the receiver's stream waits for it, applies, and answers
-  once the apply completed on the device. The sender writes the staging again only in the next update, after that
+  signature and version checked before any byte is written; the receiver then checks its destinations while the
+  sender fills), then "commit" after the sender recorded its "ready" event (interprocess, sent with every "begin")
+  behind the last bucket; the receiver's stream waits for it, applies, and answers once the apply completed on the
+  device. The sender writes the staging again only in the next update, after that
   answer, so it never overwrites bytes the receiver is still reading. A sender that goes away mid-update leaves
   only the staging half written: the parameters keep the last complete version.
 """
@@ -190,6 +191,7 @@ class HostReceiver:
         if receiver.cuda:
             with torch.cuda.stream(receiver.stream):
                 dst.copy_(src, non_blocking=True)
+            receiver.prepare(v)  # while the bytes travel
             receiver.stream.synchronize()
         else:
             dst.copy_(src)
@@ -278,9 +280,9 @@ class IpcSender:
                 self._staging = self._import.tensor
             self.gen = gen
         if self._staging is None or self._staging.device != device or self._staging.numel() < plan.nbytes:
-            raise StateError(f"the receiver's staging buffer ({None if self._staging is None else self._staging.numel()}"
-                             f" bytes on {None if self._staging is None else self._staging.device}) cannot hold "
-                             f"the update ({plan.nbytes} bytes on {device})")
+            have = "none" if self._staging is None else f"{self._staging.numel()} bytes on {self._staging.device}"
+            raise StateError(f"the receiver's staging buffer ({have}) cannot hold the update ({plan.nbytes} bytes on "
+                             f"{device})")
         self._offsets = plan.bucket_offsets()
 
     def buffer(self, bucket, stream):
@@ -388,6 +390,7 @@ class IpcReceiver:
                 self._ready = ready
                 pending = v
                 self._begun(receiver.staging, sender_gen)
+                receiver.prepare(v)  # while the sender fills the buckets
             elif kind == "commit":
                 _, v, filled = msg
                 if v != pending or filled != len(receiver.plan.buckets):

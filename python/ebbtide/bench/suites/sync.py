@@ -192,9 +192,14 @@ def _measure(model: str, quick: bool, ctx):
     # a spawned child does not inherit the memfd: it opens it by its /proc path (same host, same user)
     proc = mpc.Process(target=consumer, args=(b, model, quick, f"/proc/{os.getpid()}/fd/{host.fd}", host.nbytes))
     proc.start()
+    b.close()  # the consumer's end lives in the consumer: if it dies, the connection closes at once
     out = {}
     try:
-        if not a.poll(600) or a.recv()[0] != "ready":
+        try:
+            ready = a.poll(600) and a.recv()[0] == "ready"
+        except EOFError:
+            ready = False
+        if not ready:
             raise RuntimeError(f"the consumer process did not start (exit code {proc.exitcode})")
         src = _source(plan, "cuda")
         torch.cuda.synchronize()
