@@ -14,7 +14,8 @@ from .export import (DEFAULT_IGNORE, check_int4_config, export_fp8, export_int4,
                      int4_quantization_config)
 
 __all__ = [
-    "reference", "layout", "Fp8Bucket", "Fp8BucketLayout", "Fp8BucketQuant", "SegmentCopy", "fp8_block_quant", "fp8_block_quant_list",
+    "reference", "layout", "Fp8Bucket", "Fp8BucketLayout", "Fp8BucketQuant", "SegmentCopy", "fp8_block_quant",
+    "fp8_block_quant_list",
     "fp8_block_quant_into", "fp8_group_quant", "fp8_block_dequant",
     "int4_fake_quant", "int4_pack", "int4_unpack", "export_fp8", "export_int4", "check_int4_config",
     "fp8_quantization_config", "int4_quantization_config", "DEFAULT_IGNORE",

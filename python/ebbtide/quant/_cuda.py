@@ -93,12 +93,17 @@ def fp8_block_quant_into(tensors: list[torch.Tensor], layout: Fp8BucketLayout, q
     the same buffer). Host work per tensor is a few attribute reads and one table row; a caller that sends the
     same tensors again keeps the table (``prepared.Fp8BucketQuant``)."""
     table = list_table(tensors, layout, q_buf.data_ptr(), s_buf.data_ptr(), scale)
-    dev_table = None  # the table travels inside the launch: no copy ahead of the kernel
-    if len(tensors) > PARAM_ENTRIES:
-        with torch.cuda.device(tensors[0].device):
-            # Pinned, so the copy is truly asynchronous; torch's host allocator keeps the block until it completes.
-            dev_table = table.pin_memory().to(tensors[0].device, non_blocking=True)
+    # up to PARAM_ENTRIES the table travels inside the launch: no copy ahead of the kernel
+    dev_table = upload(table.pin_memory(), tensors[0].device) if len(tensors) > PARAM_ENTRIES else None
     launch_list(table, dev_table, len(tensors), eps, tensors[0])
+
+
+def upload(pinned: torch.Tensor, device) -> torch.Tensor:
+    """A device copy of the pinned table ``pinned``, ordered on the current stream: pinned, so the copy is truly
+    asynchronous (torch's host allocator keeps the block until it completed); the device block is released
+    stream-ordered after the launch that reads it."""
+    with torch.cuda.device(device):
+        return pinned.to(device, non_blocking=True)
 
 
 def segment_table(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> torch.Tensor:

@@ -35,13 +35,6 @@ _PTR, _STRIDE, _NUMEL, _SIZE = torch.Tensor.data_ptr, torch.Tensor.stride, torch
 _DTYPE = torch.Tensor.dtype.__get__  # C-level getters mapped over the list: ~0.05 us per tensor each on a fast host
 
 
-def _upload(pinned: torch.Tensor, device) -> torch.Tensor:
-    """A device copy of ``pinned``, ordered on the current stream (torch's host allocator keeps the pinned block
-    until the copy completed; the device block is released stream-ordered after the launch that reads it)."""
-    with torch.cuda.device(device):
-        return pinned.to(device, non_blocking=True)
-
-
 class Fp8BucketQuant:
     """``fp8_block_quant_into(tensors, layout, q_buffer, scale_buffer, scale, eps)`` with its launch table kept."""
 
@@ -90,7 +83,7 @@ class Fp8BucketQuant:
             tensors, _ = api.check_into(tensors, self.layout, q_buffer, scale_buffer, self.scale, self.eps)
             self._table = _cuda.list_table(tensors, self.layout, where[0], where[4], self.scale).pin_memory()
             self._remember(tensors, where)
-        dev = _upload(self._table, tensors[0].device) if len(tensors) > _cuda.PARAM_ENTRIES else None
+        dev = _cuda.upload(self._table, tensors[0].device) if len(tensors) > _cuda.PARAM_ENTRIES else None
         _cuda.launch_list(self._table, dev, len(tensors), self.eps, tensors[0])
 
 
@@ -151,4 +144,4 @@ class SegmentCopy:
             return
         from . import _cuda  # noqa: PLC0415
 
-        _cuda.launch_segments(self._table, _upload(self._table, self.device), self.count, self.device)
+        _cuda.launch_segments(self._table, _cuda.upload(self._table, self.device), self.count, self.device)

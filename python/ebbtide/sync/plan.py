@@ -135,7 +135,6 @@ class Plan:
                                                           for b in self.buckets])).encode())
         self.signature = h.hexdigest()  # equal plans, equal signatures: both ends compare it
 
-
     def bucket_offsets(self) -> list:
         """Byte offset of each bucket when the whole update sits in one buffer (receiver staging, host buffer)."""
         out, o = [], 0
