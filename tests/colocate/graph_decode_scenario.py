@@ -4,7 +4,8 @@ test_colocate_gpu.py in a process of its own: ``python graph_decode_scenario.py`
 The decode graph is captured with ``ebbtide.memory.graph(tag="kv_cache", backup="none")`` as the ebbtide rollout
 does. Checked: the capture lands in the engine's tag; pause releases it (and the cache) from the device; after the
 resume, replay gives the eager decode's tokens again, also when the cache comes back holding NaN (a discarded
-cache's content is undefined; EBBTIDE_MEM_POISON=1 makes it 0xA5 bytes); repeated cycles do not grow memory.
+cache's content is undefined; EBBTIDE_MEM_POISON=1 makes it 0xA5 bytes); one replay with fixed inputs gives the
+same logits bit for bit before the first pause and after every resume; repeated cycles do not grow memory.
 fp32, so the captured step and the eager decode agree to ~1e-6 and the tokens must be equal.
 """
 from __future__ import annotations
@@ -62,6 +63,19 @@ def main() -> int:
     grew = tag_active("kv_cache") - before
     print(f"graph {dec.graph_bytes / MiB:.1f} MiB (torch reserved), kv_cache tag grew {grew / MiB:.1f} MiB")
     assert grew >= dec.graph_bytes, "the capture did not land in the kv_cache tag"
+    # One replay with fixed inputs (token, position, the whole cache) before any pause: every replay after a
+    # pause/resume cycle must give these logits bit for bit (same graph, same addresses, same bits in and out).
+    pattern = torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(5)).to(cache.k.dtype)
+
+    def replay_fixed():
+        cache.k.copy_(pattern)
+        cache.v.copy_(pattern.flip(-1))
+        dec.token.fill_(3)
+        dec.pos.fill_(P + 5)
+        dec.graph.replay()
+        return dec.logits.clone()
+
+    fixed = replay_fixed()
     marks = []
     for cycle in range(4):
         torch.cuda.empty_cache()
@@ -75,6 +89,7 @@ def main() -> int:
             cache.k.fill_(float("nan"))
             cache.v.fill_(float("nan"))
         check(f"after pause/resume {cycle + 1}")
+        assert torch.equal(replay_fixed(), fixed), f"cycle {cycle + 1}: the replay's logits changed"
         torch.cuda.empty_cache()
         marks.append(used())
     assert max(marks) - min(marks) <= 16 * MiB, f"memory grew over the cycles: {marks}"

@@ -51,10 +51,42 @@ def test_bad_decode_flag_exits_with_usage():
     (["--gpus", "0"], "gpus"),
     (["--kv-reserve-gb", "-1"], "kv_reserve_gb"),
     (["--lr", "0"], "lr"),
+    (["--steady-tolerance", "-0.01"], "steady_tolerance"),
+    (["--steady-tolerance", "2"], "steady_tolerance"),
 ])
 def test_argument_errors(argv, msg):
     with pytest.raises(InvalidArgumentError, match=msg):
         parse_args(argv)
+
+
+def test_steady_guard_settings():
+    cfg = parse_args([])
+    assert cfg.steady_guard == "error" and cfg.steady_tolerance == pytest.approx(0.03)
+    cfg = parse_args(["--steady-guard", "warn", "--steady-tolerance", "0.05"])
+    assert cfg.steady_guard == "warn" and cfg.steady_tolerance == pytest.approx(0.05)
+    with pytest.raises(InvalidArgumentError, match="steady_guard"):
+        RunConfig(steady_guard="ignore").validate()
+    with pytest.raises(InvalidArgumentError, match="steady_tolerance"):
+        RunConfig(steady_tolerance=True).validate()
+
+
+def test_main_exits_3_when_a_steady_phase_is_slower(monkeypatch, capsys):
+    """The guard decides the exit status once every variant was correct: 3 with --steady-guard error, 0 with warn."""
+    import ebbtide.colocate.launcher as L
+
+    def fake_run(cfg, log=print):
+        s = lambda gen: {"phase_s": {"train": 0.1, "generate": gen}, "step_s": 1.0, "memory": {}, "bytes": {},
+                         "detail": {}}  # noqa: E731
+        return {"config": {"warmup": 1}, "timeline": "-", "variants": {
+            "ebbtide": {"summary": s(0.110), "checks": {"correct": True}},
+            "anchor": {"summary": s(0.100), "checks": {"correct": True}}}}
+
+    monkeypatch.setattr(L, "run", fake_run)
+    monkeypatch.setattr(L, "format_report", lambda res: "report")
+    assert L.main([]) == 3
+    assert "generate 1.100x anchor's" in capsys.readouterr().err
+    assert L.main(["--steady-guard", "warn"]) == 0
+    assert L.main(["--steady-tolerance", "0.2"]) == 0
 
 
 def test_store_listens_on_loopback_unless_asked(monkeypatch, tmp_path):
@@ -128,8 +160,8 @@ def test_the_loop_runs_on_cpu(tmp_path, ranks):
     assert all(e["weights_bitwise_equal"] and e["decode_vs_full_argmax_equal"] for e in v["checks"]["verify"])
     assert v["checks"]["ranks_in_sync"] is (True if ranks == 2 else None)
     phases = set(v["summary"]["phase_s"])
-    want = {"train", "sync_pack", "trainer_pause", "rollout_resume", "sync_load", "generate", "rollout_pause",
-            "trainer_resume"} | ({"comm_release", "comm_reload"} if ranks == 2 else set())
+    want = {"train", "optimizer", "sync_pack", "trainer_pause", "rollout_resume", "sync_load", "generate",
+            "rollout_pause", "trainer_resume"} | ({"comm_release", "comm_reload"} if ranks == 2 else set())
     assert phases == want
     losses = [ph["loss"] for ph in v["ranks"][0]["phases"] if ph["phase"] == "train"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

@@ -2,7 +2,7 @@
 import pytest
 
 from ebbtide.colocate.measure import (GROWTH_TOLERANCE, PHASES, NvmlProbe, Recorder, format_report, growth_check,
-                                      plot_timeline, summarize)
+                                      plot_timeline, steady_check, summarize)
 
 
 class _Clock:
@@ -110,3 +110,31 @@ def test_unavailable_nvml_probe_reports_why():
     p = NvmlProbe.unavailable("device is cpu")
     assert not p.ok and p.why == "device is cpu"
     assert p.processes() == {} and p.sample() == {"nvml": {}, "device_used": None}
+
+
+def _steady_results(ours_times: dict, anchor_times: dict, detail=None):
+    ours, anchor = _rank(ours_times, 3), _rank(anchor_times, 3)
+    for r, d in zip((ours, anchor), detail or ()):
+        for p in r["phases"]:
+            if p["phase"] == "generate":
+                p["decode_gpu_s"] = d
+    return {"config": {"warmup": 1}, "variants": {
+        "ebbtide": {"ranks": [ours], "summary": summarize([ours], 1)},
+        "anchor": {"ranks": [anchor], "summary": summarize([anchor], 1)},
+        "missing": {"why": "not installed"}}}
+
+
+def test_steady_check_compares_the_steady_phases_only():
+    res = _steady_results({"train": 0.10, "optimizer": 0.05, "generate": 0.2},
+                          {"train": 0.10, "optimizer": 0.50, "generate": 0.19}, detail=(0.15, 0.14))
+    checks = {c["phase"]: c for c in steady_check(res, tolerance=0.03)}
+    assert set(checks) == {"train", "generate"}  # the optimizer is not the same code in both
+    assert checks["train"]["ok"] and checks["train"]["ratio"] == pytest.approx(1.0)
+    g = checks["generate"]
+    assert g["anchor"] == "anchor" and g["ratio"] == pytest.approx(0.2 / 0.19) and not g["ok"]
+    assert g["ours_device_s"] == pytest.approx(0.15) and g["anchor_device_s"] == pytest.approx(0.14)
+    assert all(c["ok"] for c in steady_check(res, tolerance=0.06))  # 5.3% slower: within 6%
+    text = format_report(res)
+    assert "== steady phases" in text and "SLOWER" in text and "decode on the device 150.0 vs 140.0 ms" in text
+    res["variants"].pop("anchor")
+    assert steady_check(res) == []  # nothing to compare with

@@ -34,7 +34,7 @@ def _run(tmp_path, variant: str, *extra: str):
         tmp_path = pathlib.Path(art) / f"colocate-megatron-{variant}"
         tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ebbtide.colocate", "--trainer", "megatron", "--quick", "--steps", "3", "--warmup",
-           "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200", *extra]
+           "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200", "--steady-guard", "warn", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     logs = "".join(f"\n--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(tmp_path.glob("*.log")))
     print(p.stdout)  # the table, shown with -s or on failure

@@ -133,3 +133,41 @@ def ipc_receiver_region(conn, results, plan_kw: dict, versions: int, shareable: 
         rx.receive(receiver)  # the sender's close
     except Exception:  # noqa: BLE001
         pass
+
+
+def sglang_consumer(conn, release_first: bool, sleep_cycles: int) -> None:
+    """An SGLang-like engine for ``SGLangTensorSender``: rebuilds each bucket from the request (torch's unpickler,
+    as SGLang's serializer), queues a long kernel and then the copies out of it on its stream, and answers before
+    the copies ran. ``release_first``: drops the rebuilt tensors before answering (SGLang's handler: they are
+    locals); otherwise after (the worst case for the sender). At "end_weight_update" replies with the digests of
+    everything it copied."""
+    import io
+    import pickle
+
+    torch.cuda.set_device(0)
+    held = {}
+    while True:
+        endpoint, req = conn.recv()
+        if endpoint == "exit":
+            return
+        if endpoint == "end_weight_update":
+            torch.cuda.synchronize()
+            conn.send({"success": True, "message": "", "digests": digests(held)})
+            continue
+        if endpoint != "update_weights_from_tensor":
+            conn.send({"success": True, "message": ""})
+            continue
+        payload = pickle.load(io.BytesIO(req["serialized_named_tensors"][0]))
+        torch.cuda._sleep(sleep_cycles)  # the engine is busy: its copies start late
+        for m in payload["metadata"]:
+            src = payload["flattened_tensor"][m.start_idx:m.end_idx]
+            dst = held.get(m.name)
+            if dst is None:
+                dst = held[m.name] = torch.empty_like(src)
+            dst.copy_(src)
+        if release_first:
+            del payload, src  # torch's deleter waits for this stream, then releases the sender's block
+            conn.send({"success": True, "message": ""})
+        else:
+            conn.send({"success": True, "message": ""})
+            del payload, src

@@ -193,3 +193,53 @@ def test_nccl_broadcast_between_two_gpus():
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.parametrize("release_first", [True, False], ids=["engine-releases-then-answers", "answers-first"])
+def test_sglang_sender_frees_buckets_only_after_the_engines_copies(release_first):
+    """The tensor sender drops each bucket when it is answered, while the engine's copies still wait behind a
+    long kernel: the bytes the engine copies are the version it was sent, bit for bit, over 3 updates whose
+    buckets reuse the same blocks; when the engine releases before answering (as SGLang does), the sender holds
+    at most two buckets at a time."""
+    from ebbtide.sync import fill_bucket
+    from ebbtide.sync import sglang as S
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=sync_workers.sglang_consumer, args=(b, release_first, 200_000_000))
+    p.start()
+    b.close()
+    src = checkpoint(0, "cuda")
+    plan = Plan.of(src, **PLAN_KW)
+    biggest = max(bk.nbytes for bk in plan.buckets)
+    peaks, replies, base = [], {}, [0]
+
+    def post(endpoint, req):
+        if endpoint == "update_weights_from_tensor":
+            peaks.append(torch.cuda.memory_allocated() - base[0])
+        a.send((endpoint, req))
+        replies[endpoint] = a.recv()
+        return replies[endpoint]
+
+    try:
+        sender = Sender(src, S.SGLangTensorSender(post), plan=plan)
+        for v in (1, 2, 3):
+            _step(src, v)
+            want = {}
+            for bk in plan.buckets:  # the reference bytes of every output, filled apart
+                buf = torch.empty(bk.nbytes, dtype=torch.uint8, device="cuda")
+                fill_bucket(plan, bk, src, buf)
+                want.update({o.name: buf[o.offset:o.offset + o.nbytes] for o in bk.outputs})
+            want = sync_workers.digests(want)
+            del buf
+            torch.cuda.synchronize()
+            base[0] = torch.cuda.memory_allocated()
+            sender.push(v)
+            assert replies["end_weight_update"]["digests"] == want, v
+        if release_first:
+            assert max(peaks) <= 2 * biggest + (1 << 20), (peaks, biggest)
+    finally:
+        a.send(("exit", None))
+        p.join(60)
+        if p.is_alive():
+            p.kill()

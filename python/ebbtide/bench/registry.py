@@ -27,6 +27,7 @@ SUITE_MODULES: dict[str, str] = {
     "colocate": "ebbtide.bench.suites.colocate",
     "megatron": "ebbtide.bench.suites.megatron",
     "sync": "ebbtide.bench.suites.sync",
+    "steady": "ebbtide.bench.suites.steady",
 }
 
 

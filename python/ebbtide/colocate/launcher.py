@@ -18,6 +18,9 @@ Policies:
   ``MEGATRON_QUICK``.
 - The variants on the torch_memory_saver package (``NEEDS_TMS``) run where it is installed; otherwise they are
   reported as "not installed".
+- The steady phases (``measure.STEADY_PHASES``: the trainer's forward + backward and the rollout's generate) run the
+  same code in every variant; the report puts ebbtide's medians beside each anchor's, and with ``steady_guard``
+  "error" (the default) ``main`` exits with status 3 when ebbtide's is more than ``steady_tolerance`` slower.
 - Each trainer rank runs in a session of its own with its rollout child: killing a rank (deadline, failed peer,
   Ctrl-C) kills the whole group, and a rollout its trainer left behind is killed once the variant is over, so no
   process keeps holding GPU memory into the next variant. Ranks and rollouts also die with their parent
@@ -37,7 +40,8 @@ import time
 from datetime import timedelta
 
 from ..errors import InvalidArgumentError, UnsupportedError
-from .measure import format_report, growth_check, nvml_all_pids, plot_timeline, summarize
+from .measure import (STEADY_TOLERANCE, format_report, growth_check, nvml_all_pids, plot_timeline, steady_check,
+                      summarize)
 from .model import ModelConfig
 
 __all__ = ["RunConfig", "parse_args", "run", "run_loop", "main", "QUICK_MODEL", "MEGATRON_MODEL", "MEGATRON_QUICK",
@@ -56,6 +60,7 @@ TRAINERS = {"toy": ("ebbtide.colocate.trainer", VARIANTS),
 # = mtrainer.VARIANTS; the variants that run on the torch_memory_saver package (the others need only ebbtide)
 NEEDS_TMS = ("anchor", "slime", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")  # = mtrainer.GROUP_MODES
+STEADY_GUARDS = ("error", "warn")
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
 
@@ -89,6 +94,10 @@ class RunConfig:
     # release frees only those that exist) or "eager" (WORLD bound to the device: every group connects at creation
     # and again at reload). The anchors always run slime's own settings (lazy, NCCL_CUMEM_ENABLE=0).
     groups: str = "lazy"
+    # the steady phases (forward + backward, generate) of ebbtide against each anchor's: "error" (exit status 3 when
+    # ebbtide is more than steady_tolerance slower), "warn" (say so, exit as usual)
+    steady_guard: str = "error"
+    steady_tolerance: float = STEADY_TOLERANCE
 
     def validate(self) -> "RunConfig":
         if self.trainer not in TRAINERS:
@@ -138,6 +147,11 @@ class RunConfig:
             raise InvalidArgumentError(f"store_bind must be a host name or an IP address, got {self.store_bind!r}")
         if self.decode not in DECODE_MODES:
             raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
+        if self.steady_guard not in STEADY_GUARDS:
+            raise InvalidArgumentError(f"steady_guard must be one of {STEADY_GUARDS}, got {self.steady_guard!r}")
+        if (not isinstance(self.steady_tolerance, (int, float)) or isinstance(self.steady_tolerance, bool)
+                or not 0 <= self.steady_tolerance <= 1):
+            raise InvalidArgumentError(f"steady_tolerance must be a fraction in [0, 1], got {self.steady_tolerance!r}")
         if self.groups not in GROUP_MODES:
             raise InvalidArgumentError(f"groups must be one of {GROUP_MODES}, got {self.groups!r}")
         return self
@@ -195,6 +209,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="megatron, ebbtide variant: communicators made at each group's first collective (lazy, "
                         "default; release frees those that exist) or at creation and reload (eager: WORLD bound to "
                         "the device). The anchors run slime's settings whatever this says")
+    p.add_argument("--steady-guard", default=d.steady_guard, choices=STEADY_GUARDS,
+                   help="when ebbtide's train (forward + backward) or generate median is more than --steady-tolerance "
+                        "slower than an anchor's: error (default: exit status 3) or warn")
+    p.add_argument("--steady-tolerance", type=float, default=d.steady_tolerance,
+                   help=f"allowed slowdown of the steady phases, a fraction (default {STEADY_TOLERANCE})")
     p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
     p.add_argument("--out", default=d.out, help="directory for results.json, timeline.png and logs")
     p.add_argument("--store-bind", default=d.store_bind,
@@ -214,6 +233,7 @@ def parse_args(argv=None) -> RunConfig:
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
     kw = {k: getattr(a, k) for k in ("gpus", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
                                      "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode", "groups",
+                                     "steady_guard", "steady_tolerance",
                                      "timeout_s",
                                      "verify_batch", "verify_len",
                                      "out", "device", "store_bind")}
@@ -427,6 +447,7 @@ def run(cfg: RunConfig, log=print) -> dict:
         vr["checks"] = _checks(vr["ranks"], cfg.warmup)
         results["variants"][variant] = vr
     results["goals"] = _goals(results)
+    results["steady"] = steady_check(results, cfg.steady_tolerance)
     os.makedirs(cfg.out, exist_ok=True)
     png = os.path.join(cfg.out, "timeline.png")
     results["timeline"] = png if not (why := plot_timeline(results, png)) else f"not drawn: {why}"
@@ -459,4 +480,14 @@ def main(argv=None) -> int:
     names = ["ebbtide"] if "ebbtide" in cfg.variants else ran
     ok = bool(names) and all(bool(results["variants"][n].get("summary"))
                              and results["variants"][n].get("checks", {}).get("correct") is True for n in names)
-    return 0 if ok else 1
+    if not ok:
+        return 1
+    slower = [c for c in steady_check(results, cfg.steady_tolerance) if not c["ok"]]
+    if slower:
+        what = "; ".join(f"{c['phase']} {c['ratio']:.3f}x {c['anchor']}'s" for c in slower)
+        print(f"python -m ebbtide.colocate: ebbtide's steady phases are slower than the anchors' by more than "
+              f"{cfg.steady_tolerance:.0%}: {what} (--steady-guard warn reports this without failing)",
+              file=sys.stderr)
+        if cfg.steady_guard == "error":
+            return 3
+    return 0

@@ -19,16 +19,22 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["PHASES", "MEGATRON_PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize", "growth_check",
-           "format_report", "plot_timeline", "GROWTH_TOLERANCE"]
+__all__ = ["PHASES", "MEGATRON_PHASES", "STEADY_PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize",
+           "growth_check", "steady_check", "format_report", "plot_timeline", "GROWTH_TOLERANCE", "STEADY_TOLERANCE"]
 
 # The order of one RL step of the toy loop. "comm_*" only run with 2+ GPUs.
-PHASES = ("train", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",
+PHASES = ("train", "optimizer", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",
           "rollout_pause", "trainer_resume", "comm_reload")
 # The Megatron loop's step (one GPU; Megatron's groups are released and reloaded there too).
 MEGATRON_PHASES = ("train", "optimizer", "rollout_resume", "sync", "comm_release", "offload", "generate",
                    "rollout_pause", "onload", "comm_reload")
 KNOWN_PHASES = tuple(dict.fromkeys(PHASES + MEGATRON_PHASES))
+# The phases that run the same code in every variant (forward + backward; the rollout's generation): ebbtide must
+# not make them slower. The default tolerance of the loop's guard (ebbtide's median over the anchor's).
+STEADY_PHASES = ("train", "generate")
+STEADY_TOLERANCE = 0.03
+# What the rollout reports of its generation besides the phase's time (medians kept in the summary's "detail").
+DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s")
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")
 GROWTH_TOLERANCE = 16 << 20  # bytes: a few driver pages of slack; everything above is reported as growth
 
@@ -202,9 +208,16 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         rows = [m for m in ranks[0]["memory"] if m["phase"] == name and m["step"] in measured]
         if rows:
             mem[name] = _mem_median(rows)
+    detail: dict[str, dict] = {}
+    for name in order:
+        for key in DETAIL_KEYS:
+            xs = [p[key] for p in ranks[0]["phases"] if p["phase"] == name and p["step"] in measured and key in p]
+            if xs:
+                detail.setdefault(name, {})[key] = statistics.median(xs)
     return {
         "steps": len(measured),
         "phase_s": {k: statistics.median(v) for k, v in per_phase.items()},
+        "detail": detail,
         "step_s": statistics.median(totals) if totals else None,
         "step_s_all": totals,
         "bytes": bytes_moved,
@@ -242,6 +255,44 @@ def growth_check(memory: list[dict], warmup: int, *, phase: str = "comm_reload",
     growth = max(v for _, v in series) - base
     return {"ok": growth <= tolerance, "growth_bytes": growth, "tolerance": tolerance, "phase": end,
             "series": series}
+
+
+def steady_check(results: dict, tolerance: float = STEADY_TOLERANCE) -> list[dict]:
+    """The steady phases of the ebbtide variant against every other variant that ran them (medians over the same
+    measured steps): one entry per (phase, anchor) with the ratio ours / anchor and ``ok`` (ratio <= 1 +
+    tolerance). Empty when ebbtide or every anchor is missing."""
+    v = results.get("variants", {})
+    ours = (v.get("ebbtide") or {}).get("summary")
+    out = []
+    if not ours:
+        return out
+    for name, info in v.items():
+        anchor = info.get("summary")
+        if name == "ebbtide" or not anchor:
+            continue
+        for ph in STEADY_PHASES:
+            a, b = ours["phase_s"].get(ph), anchor["phase_s"].get(ph)
+            if not a or not b:
+                continue
+            entry = {"phase": ph, "anchor": name, "ours_s": a, "anchor_s": b, "ratio": a / b,
+                     "ok": a / b <= 1 + tolerance}
+            da, db = (s.get("detail", {}).get(ph, {}).get("decode_gpu_s") for s in (ours, anchor))
+            if da and db:
+                entry.update(ours_device_s=da, anchor_device_s=db)
+            out.append(entry)
+    return out
+
+
+def steady_lines(checks: list[dict], tolerance: float) -> list[str]:
+    if not checks:
+        return []
+    lines = ["", f"== steady phases (the same code in every variant; guard: ebbtide at most {tolerance:.0%} slower)"]
+    for c in checks:
+        dev = (f"; decode on the device {c['ours_device_s'] * 1e3:.1f} vs {c['anchor_device_s'] * 1e3:.1f} ms"
+               if "ours_device_s" in c else "")
+        lines.append(f"{c['phase']:<10} ebbtide {c['ours_s'] * 1e3:8.1f} ms  {c['anchor']:<14} "
+                     f"{c['anchor_s'] * 1e3:8.1f} ms  ratio {c['ratio']:.3f}  {'ok' if c['ok'] else 'SLOWER'}{dev}")
+    return lines
 
 
 # ---- report --------------------------------------------------------------------------------------------------
@@ -299,6 +350,8 @@ def format_report(results: dict) -> str:
             if setup.get("rollout"):
                 lines.append(f"rollout: {setup['rollout']}")
     lines += _decode_lines(v)
+    tol = (results.get("config") or {}).get("steady_tolerance", STEADY_TOLERANCE)
+    lines += steady_lines(steady_check(results, tol), tol)
     goals = results.get("goals")
     if goals:
         lines += ["", "== goals"] + [f"{k}: {g}" for k, g in goals.items()]

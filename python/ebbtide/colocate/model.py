@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -220,14 +221,18 @@ class GraphDecoder:
     """Greedy decode whose per-token step is a replayed CUDA graph (what rollout engines do; the eager loop is
     bound by kernel launches for small models).
 
-    ``GraphDecoder(model, cache, batch)`` allocates its static inputs (token [batch, 1], position [1]) where it is
-    constructed: build it inside the region that should own them. The first ``generate`` captures one
-    ``model.decode_step`` into a graph inside ``graph_context(graph, stream)`` (default ``torch.cuda.graph(graph,
-    stream=stream)``; pass e.g. ``lambda g, s: ebbtide.memory.graph(g, tag=..., backup="none", stream=s)`` to
-    make the graph's private memory pausable);
-    every later decode step is ``replay()``. The graph bakes in the addresses of the weights, the cache and the
-    static buffers: they must stay where they are (pause/resume that maps memory back at the same addresses is
-    fine; reallocating them is not). ``capture=False`` runs the same step eagerly (the CPU path and the tests).
+    One step is the model's ``decode_step`` and the greedy feedback together: argmax of the logits, the token
+    written into the decoder's static sequence and fed back, the position advanced, all on the device. So a step
+    costs the host one graph launch, and nothing the host does between steps can delay the device.
+
+    ``GraphDecoder(model, cache, batch)`` allocates its static buffers (token [batch, 1], position [1], sequence
+    [batch, cache.max_len]) where it is constructed: build it inside the region that should own them. The first
+    ``generate`` captures one step into a graph inside ``graph_context(graph, stream)`` (default
+    ``torch.cuda.graph(graph, stream=stream)``; pass e.g. ``lambda g, s: ebbtide.memory.graph(g, tag=...,
+    backup="none", stream=s)`` to make the graph's private memory pausable); every later decode step is
+    ``replay()``. The graph bakes in the addresses of the weights, the cache and the static buffers: they must stay
+    where they are (pause/resume that maps memory back at the same addresses is fine; reallocating them is not).
+    ``capture=False`` runs the same step eagerly (the CPU path and the tests).
     """
 
     def __init__(self, model: TinyLM, cache: KVCache, batch: int, *, capture: bool | None = None,
@@ -243,6 +248,7 @@ class GraphDecoder:
         self.graph_context = graph_context
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.seq = torch.zeros(batch, cache.max_len, dtype=torch.long, device=dev)
         self.graph = self.stream = None
         self.logits = None  # the graph's static output
         self.graph_bytes = None  # memory the capture added to torch's reserved pools (device; None before)
@@ -251,40 +257,59 @@ class GraphDecoder:
     def mode(self) -> str:
         return "cuda-graph" if self.capture else "static-eager"
 
+    def _body(self):
+        """One decode step at ``pos`` with ``token``; the greedy choice goes to ``seq[:, pos + 1]`` and becomes the
+        next ``token``; ``pos`` advances. Returns the step's logits [B, vocab] (model dtype)."""
+        logits = self.model.decode_step(self.token, self.pos, self.cache)
+        nxt = logits.float().argmax(-1, keepdim=True)
+        self.seq.index_copy_(1, self.pos + 1, nxt)
+        self.token.copy_(nxt)
+        self.pos.add_(1)
+        return logits
+
     def _capture(self):
         dev = self.cache.k.device
         # warm-up on the stream the capture will use, outside the capture: lazy inits (the cuBLAS handle and
-        # workspace of that stream, kernel selection) allocate here, in ordinary memory, not in the graph's pool
+        # workspace of that stream, kernel selection and loading) happen here, in ordinary memory, not in the
+        # graph's pool. The body advances the decoder's state: put it back afterwards (the k/v it wrote at pos and
+        # pos + 1 are rewritten by the real steps before anything attends to them).
+        saved = (self.token.clone(), self.pos.clone(), self.seq.clone())
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for _ in range(2):  # idempotent: rewrites the same k/v at the same position
-                self.model.decode_step(self.token, self.pos, self.cache)
+            for _ in range(2):
+                self._body()
+            for buf, old in zip((self.token, self.pos, self.seq), saved):
+                buf.copy_(old)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
+        del saved
         torch.cuda.empty_cache()  # torch.cuda.graph empties it too: measure the capture alone
         before = torch.cuda.memory_reserved(dev)
         g = torch.cuda.CUDAGraph()
         ctx = (self.graph_context(g, side) if self.graph_context is not None
                else torch.cuda.graph(g, stream=side))
         with ctx:
-            self.logits = self.model.decode_step(self.token, self.pos, self.cache)
+            self.logits = self._body()
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_reserved(dev) - before
         self.graph, self.stream = g, side  # the stream stays: torch keys the cuBLAS workspace the graph uses by it
 
     def _step(self):
         if not self.capture:
-            return self.model.decode_step(self.token, self.pos, self.cache)
+            return self._body()
         if self.graph is None:
             self._capture()  # not run by the capture: the replay below computes this step
         self.graph.replay()
         return self.logits
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, new_tokens: int):
+    def generate(self, prompt: torch.Tensor, new_tokens: int, events: dict | None = None):
         """As ``greedy_decode(model, prompt, new_tokens, cache)``: returns (tokens [B, P + n], logits of the last
-        position [B, vocab], fp32). ``prompt`` must have exactly ``batch`` rows."""
+        position [B, vocab], fp32). ``prompt`` must have exactly ``batch`` rows. ``events`` (a dict, CUDA only): CUDA
+        events recorded on the current stream at "start", "prefilled" (after the eager prefill) and "end", and
+        ``host_enqueue_s`` (host seconds until the last step was launched), so the caller can split the
+        generation's device time from its host time."""
         B, P = prompt.shape
         if B != self.batch:
             raise InvalidArgumentError(f"prompt batch {B} != the decoder's static batch {self.batch}")
@@ -293,22 +318,28 @@ class GraphDecoder:
         if P + new_tokens > self.cache.max_len:
             raise InvalidArgumentError(f"KV cache ({self.cache.max_len} positions) is too small for {P} + "
                                        f"{new_tokens} tokens")
+        timed = events is not None and prompt.is_cuda
+        t0 = time.perf_counter()
+
+        def mark(name):
+            if timed:
+                events[name] = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
+
+        mark("start")
         logits = self.model(prompt, self.cache, 0)[:, -1].float()  # eager prefill
         # masked positions still enter the attention products: make them finite (a resumed cache is undefined)
         self.cache.k[:, :B, :, P:].zero_()
         self.cache.v[:, :B, :, P:].zero_()
-        seq = torch.empty(B, P + new_tokens, dtype=torch.long, device=prompt.device)
-        seq[:, :P] = prompt
-        for i in range(new_tokens):
-            nxt = logits.argmax(-1)
-            seq[:, P + i] = nxt
-            if i == new_tokens - 1:
-                break
-            self.token.copy_(nxt.view(B, 1))
-            self.pos.fill_(P + i)
-            logits = self._step().float()
-        if self.logits is not None and logits.data_ptr() == self.logits.data_ptr():
-            # an fp32 model: .float() is the graph's static output itself, which the next replay overwrites and a
-            # pause of its tag discards; the caller gets its own copy
-            logits = logits.clone()
-        return seq, logits
+        nxt = logits.argmax(-1, keepdim=True)
+        self.seq[:, :P] = prompt
+        self.seq[:, P:P + 1] = nxt
+        self.token.copy_(nxt)
+        self.pos.fill_(P)
+        mark("prefilled")
+        for _ in range(new_tokens - 1):
+            logits = self._step()
+        mark("end")
+        if timed:
+            events["host_enqueue_s"] = time.perf_counter() - t0
+        # the static logits are overwritten by the next replay and discarded by a pause of their tag: a copy
+        return self.seq[:, :P + new_tokens].clone(), logits.float().clone()

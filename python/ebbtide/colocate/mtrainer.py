@@ -311,7 +311,8 @@ class _MegatronTrainer:
         self._sample(step, "offload")
         with rec.phase(step, "generate") as info:
             gen = R.call("generate", timeout=tmo)
-            info.update(_only(gen, "tokens", "inside_s"))
+            info.update(_only(gen, "tokens", "inside_s", "prefill_gpu_s", "decode_gpu_s",
+                              "host_enqueue_s"))
         self._sample(step, "generate", gen.get("mem"))
         self._note_decode(gen)
         if verify:

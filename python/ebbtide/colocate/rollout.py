@@ -212,7 +212,7 @@ class _Rollout:
             return lambda g, stream: self.em.graph(g, tag=GRAPH_TAG, backup="none", stream=stream)
         return None  # plain torch.cuda.graph: the anchor (torch_memory_saver cannot pause it) and nothing else
 
-    def _decode(self, prompt):
+    def _decode(self, prompt, events=None):
         n = self.spec["new_tokens"]
         if self.decode == "eager":
             return greedy_decode(self.model, prompt, n, self.cache)
@@ -220,7 +220,7 @@ class _Rollout:
             with self.region("kv_cache"):  # the static token/position buffers
                 self.decoder = GraphDecoder(self.model, self.cache, prompt.shape[0], capture=self.cuda,
                                             graph_context=self._graph_context())
-        return self.decoder.generate(prompt, n)
+        return self.decoder.generate(prompt, n, events=events)
 
     def _tag_active(self, tag: str) -> int:
         return sum(r["bytes_active"] for r in self.em.stats()["tags"] if r["tag"] == tag)
@@ -228,9 +228,14 @@ class _Rollout:
     def generate(self):
         capturing = self.decode != "eager" and self.cuda and (self.decoder is None or self.decoder.graph is None)
         before = self._tag_active(GRAPH_TAG) if capturing and self.em else None
-        seq, last = self._decode(self.prompts.to(self.dev))
+        events = {} if self.cuda else None
+        seq, last = self._decode(self.prompts.to(self.dev), events)
         out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item()),
                "decode": self.decoder.mode if self.decoder else "eager"}
+        if events and "end" in events:  # GPU time of the prefill and of the decode steps (the rest is host time)
+            out["prefill_gpu_s"] = events["start"].elapsed_time(events["prefilled"]) / 1e3
+            out["decode_gpu_s"] = events["prefilled"].elapsed_time(events["end"]) / 1e3
+            out["host_enqueue_s"] = events["host_enqueue_s"]
         if self.decoder is not None and self.decoder.graph_bytes is not None:
             out["graph_bytes"] = self.decoder.graph_bytes
         if before is not None:  # the capture (and the static buffers) landed in the engine: paused with the tag

@@ -2,7 +2,7 @@
 launcher). It owns one GPU, starts its rollout process on the same GPU and drives the RL step.
 
 Policies:
-- The step: train (forward, backward, gradient all-reduce with 2+ GPUs, optimizer step) -> sync_pack
+- The step: train (forward, backward, gradient all-reduce with 2+ GPUs) -> optimizer (the step) -> sync_pack
   (FP8 block quant + D2H into the shared pinned buffer, while the trainer still holds its weights) ->
   trainer_pause (weights backed up, grads and activations discarded) -> comm_release -> rollout_resume ->
   sync_load (H2D + dequant in the rollout) -> generate -> rollout_pause -> trainer_resume -> comm_reload.
@@ -309,28 +309,35 @@ class _Trainer:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def _train(self, step: int) -> dict:
+        """Forward and backward (and, with 2+ GPUs, the gradient all-reduce): the steady phase. With
+        ``OffloadedAdam(overlap_with_backward=True)`` the backward also launches the gradient downloads."""
         s = self.spec
         tokens = train_tokens(self.cfg, s["batch"], s["seq"], step, self.rank).to(self.dev)
         if self.variant == "ebbtide":
             self.opt.zero_grad()  # the grads tag was discarded at the last pause: zero it before accumulating
-            loss = self.model.loss(tokens)
-            loss.backward()
-            if self.comm:
+        loss = self.model.loss(tokens)
+        loss.backward()
+        if self.comm:
+            if self.variant == "ebbtide":
                 self.comm.all_reduce(self.opt.flat_grad)
-            self.opt.step(grad_scale=1.0 / self.world)
-            moved = 2 * 2 * self.opt.numel  # grads down, params up (bf16)
-        else:
-            loss = self.model.loss(tokens)
-            loss.backward()
-            grads = [p.grad for p in self.params]
-            if self.comm:
+            else:
+                grads = [p.grad for p in self.params]
                 flat = torch._utils._flatten_dense_tensors(grads)
                 self.comm.all_reduce(flat)
                 flat.div_(self.world)
                 for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     g.copy_(f)
-            for m, g in zip(self.masters, grads):
-                m.grad = g.float().cpu()
+        self._sync()
+        return {"loss": float(loss.item())}
+
+    def _step_optimizer(self) -> dict:
+        """The optimizer step: gradients down, CPU Adam, bf16 params up."""
+        if self.variant == "ebbtide":
+            self.opt.step(grad_scale=1.0 / self.world)
+            moved = 2 * 2 * self.opt.numel  # grads down, params up (bf16)
+        else:
+            for m, p in zip(self.masters, self.params):
+                m.grad = p.grad.float().cpu()
             self.opt.step()
             with torch.no_grad():
                 for p, m in zip(self.params, self.masters):
@@ -338,7 +345,7 @@ class _Trainer:
                     p.grad = None
             moved = 2 * 2 * sum(p.numel() for p in self.params)
         self._sync()
-        return {"loss": float(loss.item()), "bytes": moved}
+        return {"bytes": moved}
 
     def _sync(self):
         if self.cuda:
@@ -356,6 +363,9 @@ class _Trainer:
         with rec.phase(step, "train") as info:
             info.update(self._train(step))
         self._sample(step, "train")
+        with rec.phase(step, "optimizer") as info:
+            info.update(self._step_optimizer())
+        self._sample(step, "optimizer")
         ref = self._reference() if verify else None  # untimed
         with rec.phase(step, "sync_pack") as info:
             info["bytes"] = self.sync.pack(step + 1)  # version = step + 1
@@ -383,7 +393,8 @@ class _Trainer:
             with rec.phase(step, name) as info:
                 out = R.call(cmd, timeout=tmo, **({"version": step + 1} if cmd == "load" else {}))
                 info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released",
-                                                                   "bytes_mapped")})
+                                                                   "bytes_mapped", "prefill_gpu_s", "decode_gpu_s",
+                                                                   "host_enqueue_s")})
             self._sample(step, name, out.get("mem"))
             # Verification is untimed: the rollout checks between phases, before it pauses.
             if cmd == "load":

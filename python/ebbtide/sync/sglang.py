@@ -16,8 +16,12 @@ so the payloads are base64 text) or for the ``Engine`` method of the same name.
   gapless layout (see ``plan``). The group comes from ``init_weights_update_group``.
 - SGLang 0.5.23 loads weights only inside a session: ``begin_weight_update`` before the first bucket and
   ``end_weight_update`` after the last (it also runs the post-load processing, e.g. UE8M0 requantization).
-- SGLang replies once its copies are enqueued, not completed: a bucket buffer handed over by IPC is kept until
-  the next update begins (the engine has generated with the new weights by then), never reused within an update.
+- SGLang replies once its copies are enqueued, not completed. So once a bucket's request is answered the sender
+  drops its own reference and leaves the buffer to torch's CUDA IPC reference count: the engine's rebuilt tensors
+  keep it, and their release first synchronizes the engine's stream (torch's consumer-side deleter), so the block
+  goes back to the sender's caching allocator (``torch.cuda.ipc_collect`` before every new bucket) only after the
+  engine's copies out of it completed. SGLang's rebuilt tensors are locals of its request handler, released before
+  it answers: at most two buckets are live on the sender (the one posted, the one being filled).
 """
 from __future__ import annotations
 
@@ -136,7 +140,11 @@ def _ok(reply, what: str):
 class SGLangTensorSender:
     """Sending end for a colocated SGLang engine: ``post(endpoint, request) -> reply`` is called with
     ``begin_weight_update``, one ``update_weights_from_tensor`` per bucket and ``end_weight_update``. The
-    request for bucket k is posted after bucket k+1 is queued, so the engine loads k while k+1 is quantized."""
+    request for bucket k is posted after bucket k+1 is queued, so the engine loads k while k+1 is quantized.
+
+    Memory (see the module's notes): bucket k's buffer is the sender's until its request is answered, then the
+    engine's until it released its tensors (torch keeps the block meanwhile: ``torch.cuda.memory_allocated``
+    counts it); ``buffer()`` first collects what the engine released."""
 
     def __init__(self, post, *, form: str = "flattened_bucket", tp_size: int = 1, as_str: bool = False,
                  session: bool = True, flush_cache: bool = True):
@@ -144,18 +152,22 @@ class SGLangTensorSender:
             raise InvalidArgumentError(f"form must be one of {FORMS}, got {form!r}")
         self.post, self.form, self.tp_size, self.as_str = post, form, tp_size, as_str
         self.session, self.flush_cache = session, flush_cache
-        self._held, self._queued = [], None
+        self._queued = None
+
+    def _collect(self) -> None:
+        """Give back to the caching allocator the buffers whose IPC references the engine released."""
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
 
     def begin(self, version, plan, device) -> None:
         self.plan, self.version, self.device = plan, version, torch.device(device)
-        self._held = []  # the previous update's buffers: the engine has generated with them since
+        self._collect()
         if self.session:
             _ok(self.post("begin_weight_update", begin_request()), "begin_weight_update")
 
     def buffer(self, bucket, stream):
-        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-        self._held.append(buf)
-        return buf
+        self._collect()
+        return torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
 
     def _flush(self, last: bool) -> None:
         if self._queued is None:
@@ -166,6 +178,9 @@ class SGLangTensorSender:
             ev.synchronize()  # SGLang reads the bytes without waiting for our stream
         req = tensor_request(bucket, buf, form=self.form, tp_size=self.tp_size, weight_version=self.version,
                              flush_cache=self.flush_cache and last, as_str=self.as_str)
+        # answered (or failed): the sender keeps no reference; torch's IPC reference count decides when the block
+        # is reused
+        del buf
         _ok(self.post("update_weights_from_tensor", req), f"bucket {bucket.index}")
 
     def send(self, bucket, buf, stream) -> None:
@@ -178,11 +193,12 @@ class SGLangTensorSender:
 
     def commit(self, version) -> None:
         self._flush(last=True)
+        self._collect()
         if self.session:
             _ok(self.post("end_weight_update", end_request()), "end_weight_update")
 
     def close(self) -> None:
-        self._held = []
+        self._queued = None
 
 
 class SGLangDistributedSender:

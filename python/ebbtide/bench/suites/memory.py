@@ -11,12 +11,10 @@ cudaMalloc+cudaFree cost outside regions (us). Our side and the anchor each run 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 from ..registry import Row, Skip, suite
+from ._process import run_json_worker
 
 GB = 1e9
 GiB = 1 << 30
@@ -25,18 +23,9 @@ GiB = 1 << 30
 def _worker(which: str, total: int, counts: tuple, log) -> tuple[dict | None, str]:
     # Default settings: the caller's EBBTIDE_MEM_COALESCE does not leak into the "default" rows.
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EBBTIDE_MEM_COALESCE")}
-    cmd = [sys.executable, "-m", "ebbtide.bench.suites._memory_worker", which, str(total),
-           ",".join(str(n) for n in counts)]
     log(f"memory: running the {which} worker ({total / GiB:.0f} GiB) ...")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    except subprocess.TimeoutExpired:
-        return None, "timed out"
-    lines = [ln for ln in p.stdout.strip().splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return None, f"worker failed ({p.returncode}): {' | '.join(tail)}"
-    return json.loads(lines[-1]), ""
+    return run_json_worker("ebbtide.bench.suites._memory_worker",
+                           [which, str(total), ",".join(str(n) for n in counts)], env, timeout=1800)
 
 
 def _ms(x: float) -> str:

@@ -1,0 +1,282 @@
+"""Measurement worker of the `steady` suite: ``python -m ebbtide.bench.suites._steady_worker SPEC_JSON`` runs one
+memory setup ("mode") in this process and prints one JSON object of timings on its last line.
+
+The same code runs in every mode; only where the memory comes from differs (``MODES``):
+- ``plain``: no memory library (the reference every other mode is held to);
+- ``tms-torch`` / ``tms-preload``: torch_memory_saver in its torch hook mode / its default LD_PRELOAD mode (the
+  parent starts this process with its shim preloaded); in preload mode the decode graph is captured pausable
+  (``torch_memory_saver.cuda_graph``), as SGLang does;
+- ``ebbtide-preload``: ebbtide's LD_PRELOAD shim with a process default tag (every allocation of every thread in the
+  engine), the decode graph captured with ``ebbtide.memory.graph`` into the cache's tag: the colocated loop's
+  rollout;
+- ``ebbtide-torch``: ebbtide's in-process (pluggable allocator) regions and pausable graph;
+- ``compat-torch``: ``ebbtide.compat.torch_memory_saver`` in torch hook mode (the drop-in).
+
+Weights live in a CPU-backed tag, the KV cache (and, where the mode makes it pausable, the decode graph) in a
+discarded one. A "cycle" is what a colocated rollout does between two generations: ``empty_cache`` and a pause of
+every tag, then a resume. Timings: wall clock around synchronous calls (``torch.cuda.synchronize`` before and
+after); the graph's step alone with CUDA events around ``STEP_REPLAYS`` replays.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+MODES = ("plain", "tms-torch", "tms-preload", "ebbtide-preload", "ebbtide-torch", "compat-torch")
+STEP_REPLAYS = 50
+ALLOC_SIZES = (512, 64 << 10, 2 << 20, 32 << 20, 256 << 20, 1 << 30)
+
+
+def _now_synced() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+class _Memory:
+    """The mode's regions, graph context, pause and resume behind one surface."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.em = self.tms = None
+        if mode.startswith("ebbtide"):
+            import ebbtide.memory as em  # noqa: PLC0415
+
+            want = "preload" if mode == "ebbtide-preload" else "torch"
+            if em.hook_mode() != want:
+                raise RuntimeError(f"mode {mode} needs hook mode {want}, this process has {em.hook_mode()} "
+                                   f"(LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r})")
+            self.em = em
+        elif mode in ("tms-torch", "tms-preload", "compat-torch"):
+            if mode == "compat-torch":
+                from ebbtide.compat.torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+            else:
+                from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
+            tms.hook_mode = "preload" if mode == "tms-preload" else "torch"
+            self.tms = tms
+        elif mode != "plain":
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    def region(self, tag: str, cpu_backup: bool):
+        if self.em is not None:
+            return self.em.region(tag, backup="cpu" if cpu_backup else "none")
+        if self.tms is not None:
+            return self.tms.region(tag=tag, enable_cpu_backup=cpu_backup)
+        return contextlib.nullcontext()
+
+    def graph_context(self, tag: str, pausable: bool):
+        """``graph_context(graph, stream)`` for GraphDecoder; None: plain ``torch.cuda.graph``."""
+        if not pausable:
+            return None
+        if self.em is not None:
+            return lambda g, s: self.em.graph(g, tag=tag, backup="none", stream=s)
+        if self.mode == "tms-preload":
+            return lambda g, s: self.tms.cuda_graph(g, stream=s, tag=tag)
+        return None  # torch hook mode of torch_memory_saver cannot pause a graph's private pool
+
+    def pause(self, empty_cache: bool):
+        torch.cuda.synchronize()
+        if empty_cache:
+            torch.cuda.empty_cache()
+        if self.em is not None:
+            self.em.pause("weights")
+            self.em.pause("kv_cache")
+        elif self.tms is not None:
+            self.tms.pause()
+            if empty_cache:
+                torch.cuda.empty_cache()
+
+    def pause_tag(self, tag: str):
+        torch.cuda.synchronize()
+        if self.em is not None:
+            self.em.pause(tag)
+        elif self.tms is not None:
+            self.tms.pause(tag)
+
+    def resume(self):
+        if self.em is not None:
+            self.em.resume("weights")
+            self.em.resume("kv_cache")
+        elif self.tms is not None:
+            self.tms.resume()
+        torch.cuda.synchronize()
+
+
+def _step_us(dec, pos: int) -> float:
+    """Mean µs of one decode step replayed alone (graph) or run eagerly (static-eager), over STEP_REPLAYS, from
+    position ``pos`` (a step advances the decoder's position: ``pos + STEP_REPLAYS + 2`` must fit the cache)."""
+    dec.pos.fill_(pos)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dec._step()
+    start.record()
+    for _ in range(STEP_REPLAYS):
+        dec._step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / STEP_REPLAYS
+
+
+def build_model(spec: dict):
+    """The example's model (bf16, ``TinyLM.random``: the same construction as the colocated rollout's), built inside
+    the caller's region."""
+    from ebbtide.colocate.model import ModelConfig, TinyLM  # noqa: PLC0415
+
+    return TinyLM.random(ModelConfig(**spec["model"]), seed=0, device="cuda")
+
+
+def decode_rows(mem: _Memory, spec: dict) -> dict:
+    from ebbtide.colocate.model import GraphDecoder, KVCache, ModelConfig  # noqa: PLC0415
+
+    cfg = ModelConfig(**spec["model"])
+    B, P, N = spec["batch"], spec["prompt_len"], spec["new_tokens"]
+    with mem.region("weights", cpu_backup=True):
+        model = build_model(spec)
+    model.requires_grad_(False)
+    with mem.region("kv_cache", cpu_backup=False):
+        cache = KVCache(cfg, B, P + N, device="cuda", dtype=torch.bfloat16)
+    prompt = torch.randint(cfg.vocab, (B, P), generator=torch.Generator().manual_seed(7))
+    out: dict = {}
+    pausable = spec.get("graph", "tag") == "tag"
+    for decode in spec.get("decodes", ("graph", "eager")):
+        with mem.region("kv_cache", cpu_backup=False):  # the static token/position/sequence buffers
+            dec = GraphDecoder(model, cache, B, capture=decode == "graph",
+                               graph_context=mem.graph_context("kv_cache", pausable))
+
+        gpu, host = [], []
+
+        def generate(dec=dec):
+            t0 = _now_synced()
+            ev = {}
+            seq, _ = dec.generate(prompt.cuda(), N, events=ev)
+            t = _now_synced() - t0
+            gpu.append(ev["prefilled"].elapsed_time(ev["end"]) / 1e3)
+            host.append(ev["host_enqueue_s"])
+            return t, int(seq.sum().item())
+
+        generate()  # the capture (graph) and lazy inits
+        steady, first, step, step_after, checks = [], [], [], [], set()
+        for _ in range(spec["cycles"] if decode == "graph" else 1):  # eager is long and host-bound: one cycle
+            for _ in range(spec["reps"]):
+                t, c = generate()
+                steady.append(t)
+                checks.add(c)
+            step.append(_step_us(dec, P))
+            mem.pause(spec.get("empty_cache", True))
+            mem.resume()
+            t, c = generate()  # the first generation after the cycle (the KV cache came back undefined)
+            first.append(t)
+            checks.add(c)
+            step_after.append(_step_us(dec, P))
+        out[decode] = {"generate_s": steady, "first_after_cycle_s": first, "step_us": step,
+                       "step_after_cycle_us": step_after, "distinct_checksums": len(checks),
+                       "decode_gpu_s": gpu[1:], "host_enqueue_s": host[1:]}
+        del dec
+    return out
+
+
+def _fwd_bwd_times(model, tokens, reps: int, zero_grad, after=lambda: None) -> list:
+    """Seconds of ``reps`` forward + backward passes (two untimed first: lazy inits, the caching allocator's first
+    blocks); ``zero_grad`` before and ``after`` after each, untimed."""
+    times = []
+    for i in range(reps + 2):
+        zero_grad()
+        t0 = _now_synced()
+        model.loss(tokens).backward()
+        t = _now_synced() - t0
+        after()
+        if i >= 2:
+            times.append(t)
+    return times
+
+
+def train_rows(mem: _Memory, spec: dict) -> dict:
+    """Forward + backward of the toy model (bf16), its weights in the mode's CPU-backed tag, gradients and
+    activations where the mode puts untagged memory (preload: the process default tag; otherwise torch's pool).
+    In the ebbtide modes also with ``OffloadedAdam`` attached (its flat params and grads in tags, as the colocated
+    trainer places them), with and without the gradient download overlapped with the backward."""
+    from ebbtide.colocate.model import ModelConfig  # noqa: PLC0415
+    from ebbtide.colocate.trainer import train_tokens  # noqa: PLC0415
+
+    cfg = ModelConfig(**spec["model"])
+    tokens = train_tokens(cfg, spec["train_batch"], spec["train_seq"], 0, 0).cuda()
+    with mem.region("weights", cpu_backup=True):
+        model = build_model(spec)
+    out = {"fwd_bwd_s": _fwd_bwd_times(model, tokens, spec["train_reps"], lambda: model.zero_grad(set_to_none=False))}
+    del model
+    if mem.em is not None:
+        from ebbtide.colocate.trainer import region_buffers  # noqa: PLC0415
+        from ebbtide.optim import OffloadedAdam  # noqa: PLC0415
+
+        for overlap in (False, True):
+            model = build_model(spec)
+            opt = OffloadedAdam(model.parameters(), lr=1e-5, mode="fast", overlap_with_backward=overlap,
+                                buffer_factory=region_buffers(mem.em))
+            torch.cuda.empty_cache()
+            # the step (untimed) consumes the gradient downloads the hooks started during the backward
+            out[f"fwd_bwd_offloaded_{'overlap' if overlap else 'plain'}_s"] = _fwd_bwd_times(
+                model, tokens, spec["train_reps"], opt.zero_grad, opt.step)
+            del opt, model
+            torch.cuda.empty_cache()
+    return out
+
+
+def alloc_rows(mem: _Memory) -> dict:
+    """``torch.empty`` of each size, median µs of 9: cold (the caching allocator asks the allocator below it) and
+    warm (a cached block). ``default``: outside any region (``empty_cache`` makes the next one cold; in preload mode
+    that is the process default tag's engine path); ``region``: in a fresh discard tag per try (a tag's pool keeps its
+    cached blocks through ``empty_cache``), paused afterwards to give the memory back."""
+    out: dict = {}
+    wheres = ("default", "region") if mem.mode != "plain" else ("default",)
+    for where in wheres:
+        for size in ALLOC_SIZES:
+            cold, warm = [], []
+            for i in range(9):
+                torch.cuda.empty_cache()
+                tag = f"alloc{size}_{i}"
+                with (mem.region(tag, cpu_backup=False) if where == "region" else contextlib.nullcontext()):
+                    t0 = _now_synced()
+                    x = torch.empty(size, dtype=torch.uint8, device="cuda")
+                    cold.append(_now_synced() - t0)
+                    del x
+                    t0 = _now_synced()
+                    x = torch.empty(size, dtype=torch.uint8, device="cuda")
+                    warm.append(_now_synced() - t0)
+                    del x
+                if where == "region":
+                    mem.pause_tag(tag)
+            out[f"{where}/{size}"] = {"cold_us": statistics.median(cold) * 1e6,
+                                      "warm_us": statistics.median(warm) * 1e6}
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    spec = json.loads((argv or sys.argv[1:])[0])
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    mem = _Memory(spec["mode"])
+    res: dict = {"mode": spec["mode"], "pid": os.getpid(), "device": torch.cuda.get_device_name()}
+    t0 = time.perf_counter()
+    for part in spec.get("parts", ("decode", "train", "alloc")):
+        if part == "decode":
+            res["decode"] = decode_rows(mem, spec)
+        elif part == "train":
+            res["train"] = train_rows(mem, spec)
+        elif part == "alloc":
+            res["alloc"] = alloc_rows(mem)
+        else:
+            raise ValueError(f"unknown part {part!r}")
+    res["wall_s"] = time.perf_counter() - t0
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,250 @@
+"""Suite `steady`: the steady phases -- decode and training -- with ebbtide beside the same code without it.
+
+ebbtide wins the transitions; this suite checks that it costs nothing between them. Every row runs the same code
+(the colocation example's model, KV cache and ``GraphDecoder``) in a fresh process per memory setup
+(``_steady_worker.MODES``): ``plain`` (no memory library: the anchor of every row), ebbtide's LD_PRELOAD shim with
+a process default tag (the colocated rollout's setup), ebbtide's in-process regions, the
+``torch_memory_saver``-compatible module, and torch_memory_saver itself in its torch and preload hook modes where it
+is installed (in the notes). The setups run interleaved, ``rounds`` times each, so drift of the machine spreads over
+all of them; rows give the median over every measurement and the spread (min-max of the per-round medians).
+
+Rows: CUDA-graph decode (generate of ``new_tokens`` after an eager prefill) in steady state and as the first
+generate after a pause/resume cycle, the decode step replayed alone right after the cycle against a steady one,
+eager decode, a training forward + backward (also with ``OffloadedAdam`` attached, its gradient download overlapped
+with the backward and not), and the allocation path under the caching allocator (``torch.empty`` that reaches the
+allocator below it, per size class: the engine through the shim's default tag against the driver's ``cudaMalloc``;
+a region of ebbtide against one of torch_memory_saver).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+
+from ..registry import Row, Skip, suite
+from ._process import run_json_worker
+from ._steady_worker import ALLOC_SIZES
+
+THEIR_MODES = ("tms-torch", "tms-preload")
+PARTS = {  # what each setup measures (eager decode is host-bound: the setups that differ in the host path)
+    "plain": ("decode", "eager", "train", "alloc"),
+    "ebbtide-preload": ("decode", "eager", "train", "alloc"),
+    "ebbtide-torch": ("decode", "eager", "train", "alloc"),
+    "compat-torch": ("decode", "train"),
+    "tms-torch": ("decode", "eager", "train", "alloc"),
+    "tms-preload": ("decode", "alloc"),
+}
+OURS = ("ebbtide-preload", "ebbtide-torch", "compat-torch")
+LABEL = {"ebbtide-preload": "ebbtide LD_PRELOAD shim, default tag", "ebbtide-torch": "ebbtide in-process regions",
+         "compat-torch": "ebbtide.compat.torch_memory_saver", "tms-torch": "torch_memory_saver torch mode",
+         "tms-preload": "torch_memory_saver preload mode", "plain": "no memory library"}
+ANCHOR = "same code, no memory library"
+DEFAULT_TAG = "steady_scratch"
+
+
+def sizes(quick: bool) -> dict:
+    """The worker spec's sizes: the colocation example's default model and decode, or a small one (--quick)."""
+    if quick:
+        model = dict(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)
+        return dict(model=model, batch=8, prompt_len=64, new_tokens=64, cycles=2, reps=2, train_batch=4,
+                    train_seq=256, train_reps=3, rounds=2)
+    model = dict(vocab=16384, d_model=1536, n_layers=12, n_heads=12, d_ff=6144, max_seq=1024)
+    return dict(model=model, batch=16, prompt_len=128, new_tokens=128, cycles=3, reps=3, train_batch=8,
+                train_seq=512, train_reps=5, rounds=3)
+
+
+def tms_preload_library() -> str | None:
+    """Path of torch_memory_saver's LD_PRELOAD library, or None (not installed / not found)."""
+    spec = importlib.util.find_spec("torch_memory_saver")
+    if spec is None or not spec.origin:
+        return None
+    root = os.path.dirname(os.path.dirname(spec.origin))
+    libs = sorted(f for f in os.listdir(root) if f.startswith("torch_memory_saver_hook_mode_preload"))
+    # the package ships one per CUDA major (..._cu12, ..._cu13) and an unsuffixed one; prefer torch's
+    import torch  # noqa: PLC0415
+
+    major = (torch.version.cuda or "").split(".")[0]
+    pick = [f for f in libs if f"_cu{major}." in f] or [f for f in libs if "_cu" not in f]
+    return os.path.join(root, pick[0]) if pick else None
+
+
+def worker_env(mode: str) -> dict:
+    """The worker's environment: this one without LD_PRELOAD, plus the setup's shim."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if mode == "ebbtide-preload":
+        import ebbtide.memory as em  # noqa: PLC0415
+        from ebbtide.colocate.trainer import without_expandable_segments  # noqa: PLC0415
+
+        return em.preload_env(without_expandable_segments(env), default_tag=DEFAULT_TAG)
+    if mode == "tms-preload":
+        lib = tms_preload_library()
+        if lib is None:
+            raise Skip("torch_memory_saver's preload library not found")
+        env["LD_PRELOAD"] = lib
+    return env
+
+
+def run_worker(mode: str, spec: dict, timeout: float = 900) -> tuple[dict | None, str]:
+    """One worker process; (its JSON, "") or (None, why it failed)."""
+    parts = PARTS[mode]
+    decodes = [d for d, p in (("graph", "decode"), ("eager", "eager")) if p in parts]
+    wspec = dict(spec, mode=mode, decodes=decodes,
+                 parts=[p for p in ("decode", "train", "alloc") if p in parts or (p == "decode" and decodes)])
+    return run_json_worker("ebbtide.bench.suites._steady_worker", [json.dumps(wspec)], worker_env(mode), timeout)
+
+
+def brief(res: dict) -> str:
+    """One worker's headline medians (ms), for the progress line."""
+    out = []
+    for key, path in (("graph decode", ("decode", "graph", "generate_s")),
+                      ("its device time", ("decode", "graph", "decode_gpu_s")),
+                      ("after a cycle", ("decode", "graph", "first_after_cycle_s")),
+                      ("eager decode", ("decode", "eager", "generate_s")), ("fwd+bwd", ("train", "fwd_bwd_s"))):
+        s = summary([res], path, 1e3)
+        if s:
+            out.append(f"{key} {s['median']:.1f}")
+    return ", ".join(out) + " ms" if out else "no figures"
+
+
+def collect(runs: list[dict], path: tuple) -> tuple[list, list]:
+    """Every value under ``path`` across the rounds, and each round's median."""
+    every, per_round = [], []
+    for r in runs:
+        v = r
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        if v:
+            vals = v if isinstance(v, list) else [v]
+            every += vals
+            per_round.append(statistics.median(vals))
+    return every, per_round
+
+
+def summary(runs: list[dict], path: tuple, scale: float = 1.0) -> dict | None:
+    every, per_round = collect(runs, path)
+    if not every:
+        return None
+    return {"median": statistics.median(every) * scale, "lo": min(per_round) * scale, "hi": max(per_round) * scale,
+            "n": len(every)}
+
+
+def _spread(s: dict | None, unit: str) -> str:
+    return f"{s['median']:.1f} {unit} (rounds {s['lo']:.1f}-{s['hi']:.1f}, n={s['n']})" if s else "n/a"
+
+
+@suite("steady", needs="gpu", description="steady phases: decode and training with ebbtide vs the same code without")
+def run(ctx):
+    ctx.require_gpu()
+    spec = sizes(ctx.quick)
+    rounds = spec.pop("rounds")
+    modes = list(PARTS)
+    have_tms = importlib.util.find_spec("torch_memory_saver") is not None
+    if not have_tms:
+        modes = [m for m in modes if m not in THEIR_MODES]
+        ctx.note_skip("steady: torch_memory_saver setups", "not installed")
+    runs: dict = {m: [] for m in modes}
+    failed: dict = {}
+    for r in range(rounds):
+        for m in modes:
+            if m in failed:
+                continue
+            ctx.progress(f"steady: round {r + 1}/{rounds}, {m} ...")
+            try:
+                res, why = run_worker(m, spec)
+            except Skip as e:
+                res, why = None, str(e)
+            if res is None:
+                failed[m] = why
+                ctx.note_skip(f"steady: {m}", why)
+                continue
+            runs[m].append(res)
+            ctx.progress(f"steady: {m}: {brief(res)}")  # the figures survive a run stopped before the table
+    if not runs["plain"]:
+        raise Skip(f"the reference setup failed: {failed.get('plain')}")
+    params = {k: spec[k] for k in ("batch", "prompt_len", "new_tokens", "train_batch", "train_seq")}
+    params.update(model=spec["model"], rounds=rounds)
+    yield from decode_rows(runs, params)
+    yield from train_rows(runs, params)
+    yield from alloc_rows(runs)
+
+
+def _row(name, ours, anchor, unit, params, note, anchor_name=ANCHOR):
+    return Row("steady", name, unit, ours["median"] if ours else None, higher_is_better=False,
+               anchor=anchor["median"] if anchor else None, anchor_name=anchor_name if anchor else "",
+               anchor_note="" if anchor else "n/a", params=params, note=note)
+
+
+def _others(runs: dict, path: tuple, scale: float, unit: str) -> str:
+    """torch_memory_saver's figures for the same measurement (notes only: it is not the anchor of these rows)."""
+    out = [f"{LABEL[m]} {_spread(summary(runs[m], path, scale), unit)}" for m in THEIR_MODES if runs.get(m)]
+    return "; ".join(out)
+
+
+def decode_rows(runs: dict, params: dict):
+    plain = runs["plain"]
+    for label, key, path in (("CUDA-graph decode, steady", "graph", ("decode", "graph", "generate_s")),
+                             ("CUDA-graph decode, first generate after a pause/resume cycle", "graph",
+                              ("decode", "graph", "first_after_cycle_s")),
+                             ("eager decode, steady", "eager", ("decode", "eager", "generate_s"))):
+        base = summary(plain, path, 1e3)
+        gpu_path = path[:2] + ("decode_gpu_s",)
+        for m in OURS:
+            if not runs.get(m) or summary(runs[m], path) is None:
+                continue
+            ours = summary(runs[m], path, 1e3)
+            gpu, gpu_base = summary(runs[m], gpu_path, 1e3), summary(plain, gpu_path, 1e3)
+            note = f"ours {_spread(ours, 'ms')}, plain {_spread(base, 'ms')}"
+            if key == "graph" and gpu and gpu_base:
+                note += f"; device time of the steps {gpu['median']:.1f} vs {gpu_base['median']:.1f} ms"
+            other = _others(runs, path, 1e3, "ms")
+            yield _row(f"{label} ({LABEL[m]})", ours, base, "ms", dict(params, mode=m),
+                       note + (f"; {other}" if other else ""))
+    for m in OURS[:2]:
+        steady = summary(runs.get(m, []), ("decode", "graph", "step_us"))
+        after = summary(runs.get(m, []), ("decode", "graph", "step_after_cycle_us"))
+        if steady and after:
+            yield _row(f"decode step replayed right after a pause/resume cycle ({LABEL[m]})", after, steady, "us",
+                       dict(params, mode=m), f"goal: within 5% of a steady step; plain "
+                       f"{_spread(summary(plain, ('decode', 'graph', 'step_us')), 'us')}",
+                       anchor_name="a steady step, same process")
+
+
+def train_rows(runs: dict, params: dict):
+    base = summary(runs["plain"], ("train", "fwd_bwd_s"), 1e3)
+    for m in OURS:
+        ours = summary(runs.get(m, []), ("train", "fwd_bwd_s"), 1e3)
+        if ours:
+            other = _others(runs, ("train", "fwd_bwd_s"), 1e3, "ms")
+            yield _row(f"training forward + backward ({LABEL[m]})", ours, base, "ms", dict(params, mode=m),
+                       f"ours {_spread(ours, 'ms')}, plain {_spread(base, 'ms')}" + (f"; {other}" if other else ""))
+    for m in ("ebbtide-torch",):
+        for how, key in (("gradient download overlapped with the backward", "fwd_bwd_offloaded_overlap_s"),
+                         ("gradient download after the backward", "fwd_bwd_offloaded_plain_s")):
+            ours = summary(runs.get(m, []), ("train", key), 1e3)
+            if ours:
+                yield _row(f"training forward + backward with OffloadedAdam, {how}", ours, base, "ms",
+                           dict(params, mode=m), f"ours {_spread(ours, 'ms')}; the step itself is not timed "
+                           "(with overlap the backward also launches the device-to-host copies)")
+
+
+def alloc_rows(runs: dict):
+    def cold(mode, where, size):
+        return summary(runs.get(mode, []), ("alloc", f"{where}/{size}", "cold_us"))
+
+    def warm(mode, where, size):
+        return summary(runs.get(mode, []), ("alloc", f"{where}/{size}", "warm_us"))
+
+    for size in ALLOC_SIZES:
+        human = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB" if size >= 1024 else f"{size} B"
+        ours, base = cold("ebbtide-preload", "default", size), cold("plain", "default", size)
+        if ours:
+            w, wb = warm("ebbtide-preload", "default", size), warm("plain", "default", size)
+            yield _row(f"torch.empty {human} reaching the allocator (shim default tag vs cudaMalloc)", ours, base,
+                       "us", {"bytes": size}, f"a cached block: {_spread(w, 'us')} vs {_spread(wb, 'us')}",
+                       anchor_name="the driver's cudaMalloc")
+        ours, tms = cold("ebbtide-torch", "region", size), cold("tms-torch", "region", size)
+        if ours:
+            yield _row(f"torch.empty {human} reaching the allocator in a region (ebbtide vs torch_memory_saver)",
+                       ours, tms, "us", {"bytes": size}, "each try in a fresh tag, paused afterwards",
+                       anchor_name="torch_memory_saver torch mode")
