@@ -108,6 +108,23 @@ def test_receiver_refuses_unknown_names_shapes_and_dtypes():
     dst["model.layers.0.input_layernorm.weight"] = torch.zeros(256)
     with pytest.raises(PlanMismatchError, match="dtype"):
         Receiver(dst, plan)
+    # an FP8 (or INT4) weight is dequantized to the trainer's dtype: an fp32 parameter for a bf16 one is refused
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.qat.down_proj.weight"):
+        dst = {n: torch.zeros_like(t) for n, t in src.items()}
+        dst[name] = dst[name].float()
+        with pytest.raises(PlanMismatchError, match=f"{name}: receiver dtype torch.float32, sender bfloat16"):
+            Receiver(dst, plan)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "2"])
+def test_receiver_apply_refuses_a_version_no_sender_sends(bad):
+    src = checkpoint()
+    plan = Plan.of(src, rules=RULES)
+    params = {n: torch.zeros_like(t) for n, t in src.items()}
+    r = Receiver(params, plan)
+    with pytest.raises(WeightVersionError, match="version"):
+        r.apply(bad)  # nothing staged, nothing applied
+    assert r.version is None and all(not p.any() for p in params.values())
 
 
 def test_sender_refuses_a_plan_that_does_not_fit():

@@ -81,3 +81,9 @@ def test_plan_errors():
         Plan.of(ck, scale="ue8m0_packed")
     with pytest.raises(InvalidArgumentError, match="bucket_bytes"):
         Plan.of(ck, bucket_bytes=0)
+    with pytest.raises(InvalidArgumentError, match="'w.weight': not a tensor \\(int\\)"):
+        Plan.of({"w.weight": 3})
+    with pytest.raises(InvalidArgumentError, match="not a tensor \\(ndarray\\)"):
+        Plan.of([("w.weight", torch.zeros(2).numpy())])
+    with pytest.raises(InvalidArgumentError, match="\\(name, tensor\\) pairs"):
+        Plan.of(["w.weight"])

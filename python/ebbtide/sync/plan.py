@@ -152,7 +152,15 @@ class Plan:
     def of(cls, tensors: Mapping[str, torch.Tensor] | Iterable, **options) -> "Plan":
         """The plan for named tensors (a mapping or ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``)."""
         pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-        return cls.build([(n, tuple(t.shape), t.dtype) for n, t in pairs], **options)
+        specs = []
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise InvalidArgumentError(f"tensors must be a mapping or (name, tensor) pairs, got an item {pair!r}")
+            name, t = pair
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(f"{name!r}: not a tensor ({type(t).__name__})")
+            specs.append((name, tuple(t.shape), t.dtype))
+        return cls.build(specs, **options)
 
     @classmethod
     def build(cls, specs: Iterable, *, default: str = "fp8", rules: Iterable = (),

@@ -10,8 +10,8 @@ Policies:
   ``require(v)`` lets the rollout check, before it generates, that it holds exactly version ``v``.
 - At construction the plan is checked against the parameters: a name the rollout does not have, a shape or a
   dtype that differs raises ``PlanMismatchError`` naming the first ones. ``form="dequant"`` (a bf16 rollout):
-  parameters are named as the trainer's, FP8 and INT4 weights are dequantized into them (any floating dtype), raw
-  tensors copied. ``form="served"`` (a rollout that serves the quantized weights): parameters are named as the
+  parameters are named as the trainer's with its dtypes, FP8 and INT4 weights are dequantized into them (what
+  ``expected`` gives, bit for bit), raw tensors copied. ``form="served"`` (a rollout that serves the quantized weights): parameters are named as the
   plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes and shapes, and every output is copied.
 - On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. The
   served form's copies are byte views built once (rebuilt if a parameter's storage moves; checking costs one
@@ -62,10 +62,8 @@ class Receiver:
                 bad.append(f"{it.source}: not a parameter of the receiver")
             elif tuple(p.shape) != it.shape:
                 bad.append(f"{it.source}: receiver shape {tuple(p.shape)}, sender {it.shape}")
-            elif it.kind == "raw" and p.dtype != _dtype(it.dtype):
+            elif p.dtype != _dtype(it.dtype):  # FP8 / INT4 too: dequantized to the trainer's dtype, bit for bit
                 bad.append(f"{it.source}: receiver dtype {p.dtype}, sender {it.dtype}")
-            elif it.kind != "raw" and not p.dtype.is_floating_point:
-                bad.append(f"{it.source}: a {it.kind} weight needs a floating parameter, got {p.dtype}")
         if bad:
             raise PlanMismatchError(f"{len(bad)} tensor(s) of the plan do not fit the receiver: " + "; ".join(bad[:4]))
         self.device = torch.device(device) if device is not None else next(iter(self.params.values())).device
@@ -154,6 +152,8 @@ class Receiver:
         prepared, self._prepared = self._prepared, None  # a prepare serves one apply, of its version
         if prepared is not None and prepared[0] != version:
             prepared = None
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise WeightVersionError(f"version must be a non-negative int (the sender's), got {version!r}")
         self.check_next(version)
         if self.cuda:
             with torch.cuda.stream(self.stream):
