@@ -271,16 +271,17 @@ class GraphDecoder:
         dev = self.cache.k.device
         # warm-up on the stream the capture will use, outside the capture: lazy inits (the cuBLAS handle and
         # workspace of that stream, kernel selection and loading) happen here, in ordinary memory, not in the
-        # graph's pool. The body advances the decoder's state: put it back afterwards (the k/v it wrote at pos and
-        # pos + 1 are rewritten by the real steps before anything attends to them).
+        # graph's pool. The body advances the decoder's state: it is put back after each run, so both runs step
+        # from the same position, whose sequence slot pos + 1 exists whenever a step runs (the k/v they write at
+        # pos is rewritten by the real step before anything attends to it).
         saved = (self.token.clone(), self.pos.clone(), self.seq.clone())
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._body()
-            for buf, old in zip((self.token, self.pos, self.seq), saved):
-                buf.copy_(old)
+                for buf, old in zip((self.token, self.pos, self.seq), saved):
+                    buf.copy_(old)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         del saved
