@@ -309,8 +309,9 @@ class _Trainer:
 
     # ---- the step --------------------------------------------------------------------------------------------
     def _train(self, step: int) -> dict:
-        """Forward and backward (and, with 2+ GPUs, the gradient all-reduce): the steady phase. With
-        ``OffloadedAdam(overlap_with_backward=True)`` the backward also launches the gradient downloads."""
+        """Forward and backward (and, with 2+ GPUs, the gradient all-reduce): the steady phase, done when the compute
+        stream is. With ``OffloadedAdam(overlap_with_backward=True)`` the backward also launches gradient downloads
+        on a stream of their own; what of them is still running belongs to the optimizer step, which waits for it."""
         s = self.spec
         tokens = train_tokens(self.cfg, s["batch"], s["seq"], step, self.rank).to(self.dev)
         if self.variant == "ebbtide":
@@ -327,7 +328,8 @@ class _Trainer:
                 flat.div_(self.world)
                 for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                     g.copy_(f)
-        self._sync()
+        if self.cuda:
+            torch.cuda.current_stream(self.dev).synchronize()
         return {"loss": float(loss.item())}
 
     def _step_optimizer(self) -> dict:
