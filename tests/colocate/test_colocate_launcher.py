@@ -77,9 +77,11 @@ def test_main_exits_3_when_a_steady_phase_is_slower(monkeypatch, capsys):
     def fake_run(cfg, log=print):
         s = lambda gen: {"phase_s": {"train": 0.1, "generate": gen}, "step_s": 1.0, "memory": {}, "bytes": {},
                          "detail": {}}  # noqa: E731
-        return {"config": {"warmup": 1}, "timeline": "-", "variants": {
+        res = {"config": {"warmup": 1}, "timeline": "-", "variants": {
             "ebbtide": {"summary": s(0.110), "checks": {"correct": True}},
             "anchor": {"summary": s(0.100), "checks": {"correct": True}}}}
+        res["steady"] = L.steady_check(res, cfg.steady_tolerance)  # as run() records it
+        return res
 
     monkeypatch.setattr(L, "run", fake_run)
     monkeypatch.setattr(L, "format_report", lambda res: "report")

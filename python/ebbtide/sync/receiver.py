@@ -11,8 +11,9 @@ Policies:
 - At construction the plan is checked against the parameters: a name the rollout does not have, a shape or a
   dtype that differs raises ``PlanMismatchError`` naming the first ones. ``form="dequant"`` (a bf16 rollout):
   parameters are named as the trainer's with its dtypes, FP8 and INT4 weights are dequantized into them (what
-  ``expected`` gives, bit for bit), raw tensors copied. ``form="served"`` (a rollout that serves the quantized weights): parameters are named as the
-  plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes and shapes, and every output is copied.
+  ``expected`` gives, bit for bit), raw tensors copied. ``form="served"`` (a rollout that serves the quantized
+  weights): parameters are named as the plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes
+  and shapes, and every output is copied.
 - On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. The
   served form's copies are byte views built once (rebuilt if a parameter's storage moves; checking costs one
   address read per output): outputs of 32 MiB and more get one copy each, the smaller ones (scales, norms,
@@ -90,8 +91,8 @@ class Receiver:
     def check_next(self, version: int, expected: int | None = None) -> None:
         """Raise ``WeightVersionError`` unless ``version`` may be applied next (above the current one and equal to
         ``expected`` when given)."""
-        if not isinstance(version, int):
-            raise WeightVersionError(f"version must be an int, got {version!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise WeightVersionError(f"version must be a non-negative int (the sender's), got {version!r}")
         if expected is not None and version != expected:
             raise WeightVersionError(f"the update carries version {version}, the rollout expected {expected}")
         if self.version is not None and version <= self.version:
@@ -152,8 +153,6 @@ class Receiver:
         prepared, self._prepared = self._prepared, None  # a prepare serves one apply, of its version
         if prepared is not None and prepared[0] != version:
             prepared = None
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise WeightVersionError(f"version must be a non-negative int (the sender's), got {version!r}")
         self.check_next(version)
         if self.cuda:
             with torch.cuda.stream(self.stream):

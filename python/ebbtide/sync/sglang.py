@@ -178,8 +178,8 @@ class SGLangTensorSender:
             ev.synchronize()  # SGLang reads the bytes without waiting for our stream
         req = tensor_request(bucket, buf, form=self.form, tp_size=self.tp_size, weight_version=self.version,
                              flush_cache=self.flush_cache and last, as_str=self.as_str)
-        # answered (or failed): the sender keeps no reference; torch's IPC reference count decides when the block
-        # is reused
+        # the request carries the IPC handle: from here the sender keeps no reference, and torch's IPC reference
+        # count decides when the block is reused
         del buf
         _ok(self.post("update_weights_from_tensor", req), f"bucket {bucket.index}")
 
