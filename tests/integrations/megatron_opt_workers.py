@@ -225,7 +225,6 @@ def bad_configs(rank, world, init):
     _setup(rank, world, init)
     msgs = {}
     cases = {
-        "use_distributed_optimizer": dict(use_distributed_optimizer=True),
         "fp16": dict(fp16=True, bf16=False),
         "bf16=False": dict(bf16=False),
         "optimizer_cpu_offload": dict(optimizer_cpu_offload=True),
@@ -251,6 +250,12 @@ def bad_configs(rank, world, init):
         else:
             raise AssertionError(f"{key} was accepted")
         assert ptrs == [p.data_ptr() for p in model.parameters()]  # params untouched
+    try:  # the sharded form needs Megatron's DDP built for it too
+        ebt.get_optimizer(_config(use_distributed_optimizer=True), [_model()])
+    except InvalidArgumentError as e:
+        msgs["use_distributed_optimizer"] = str(e)
+    else:
+        raise AssertionError("use_distributed_optimizer=True with a plain model was accepted")
     fp32 = _model().float()
     try:
         ebt.get_optimizer(_config(), [fp32])

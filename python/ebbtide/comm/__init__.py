@@ -33,6 +33,10 @@ Contract:
   that listens on loopback unless another address is named.
 - Creating groups while released raises StateError. CUDA graphs that captured collectives must be recaptured after
   a destroy-and-rebuild reload.
+- DeepEP: every ``deep_ep.Buffer`` built after install() (Megatron-core's flex dispatcher buffer included) is freed
+  by release() and rebuilt in place by reload(): the same object, its NVLink buffer back; using it while released
+  raises StateError. One built before install() needs :func:`track_deepep` (and ``explicitly_destroy=True``).
+  How and why: ``_deepep.py``; docs/comm.md.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import contextlib
 from concurrent.futures import Future
 
 from ._backend import DEFAULT_TEARDOWN, TEARDOWNS
+from ._deepep import track as track_deepep
 from ._group import ReloadableGroup
 from ._report import GroupReport, Report
 from ._runtime import RUNTIME as _RT
@@ -48,7 +53,7 @@ from ._strategy import DESTROY, KEEP, SUSPEND, Facts, env_warnings, select_strat
 
 __all__ = [
     "install", "uninstall", "release", "reload", "released", "is_installed", "is_released", "generation",
-    "ReloadableGroup", "Report", "GroupReport", "Facts", "select_strategy", "env_warnings",
+    "track_deepep", "ReloadableGroup", "Report", "GroupReport", "Facts", "select_strategy", "env_warnings",
     "SUSPEND", "DESTROY", "KEEP", "TEARDOWNS", "DEFAULT_TEARDOWN", "serve_store",
 ]
 

@@ -47,6 +47,7 @@ from torch._C._distributed_c10d import ProcessGroup
 from .. import settings
 from ..errors import InvalidArgumentError, StateError
 from . import _backend as B
+from . import _deepep
 from . import _strategy as S
 from ._control import ControlPlane
 from ._group import ReloadableGroup
@@ -90,6 +91,7 @@ class Runtime:
         self.helper_sig: inspect.Signature | None = None
         self.last_release: Report | None = None
         self.pending: Future | None = None  # a release(wait=False) whose teardown is still running
+        self.deepep_reports: list[GroupReport] = []  # DeepEP buffers freed by the release in progress
         self._rebuilt_now: set = set()  # wrappers rebuilt by the reload in progress
         self._connected_now: set = set()  # ... of which the communicator exists now
 
@@ -123,6 +125,7 @@ class Runtime:
                 return warned
             self.helper_sig = inspect.signature(c10d._new_process_group_helper)
             self.hooks.install(self._hooked_helper)
+            _deepep.install_hook()  # DeepEP buffers built from now on go and come back with the groups
             if dist.is_available() and dist.is_initialized() and not isinstance(c10d._world.default_pg,
                                                                                  ReloadableGroup):
                 self._adopt_existing_world()
@@ -282,7 +285,8 @@ class Runtime:
             # 3. Agree: same journal, same options; each group's strategy is the weakest of its members' choices.
             payload = {"journal": journal_hash(self.journal), "opts": [include_world, include_cpu],
                        "choices": {str(e.gidx): c for e, c, _ in local if e.gidx >= 0},
-                       "gone": [e.gidx for e in self.journal if e.group is not None and e.group._ebt_destroyed]}
+                       "gone": [e.gidx for e in self.journal if e.group is not None and e.group._ebt_destroyed],
+                       "deepep": _deepep.describe()}
             tb = time.perf_counter()
             try:
                 everyone = self._exchange(control, "release", payload, tmo)
@@ -290,6 +294,12 @@ class Runtime:
                 if len({json.dumps(p["opts"]) for p in everyone}) != 1:
                     raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu "
                                      f"arguments: {[p['opts'] for p in everyone]}")
+                if len({json.dumps(p["deepep"]) for p in everyone}) != 1:
+                    raise StateError("ebbtide.comm.release(): ranks hold different DeepEP buffers "
+                                     f"([nvl, rdma] bytes per rank: {[p['deepep'] for p in everyone]})")
+                # DeepEP's destroy is collective among each buffer's ranks (a device barrier): all ranks agreed
+                # above, so every peer is here too. Before any communicator goes.
+                self.deepep_reports = _deepep.release_buffers()
             except BaseException:
                 for e, inner in detached.items():  # nothing was torn down: put everything back
                     e.group._ebt_attach(inner)
@@ -341,6 +351,8 @@ class Runtime:
         first, and the released groups' own ops raise StateError)."""
         reports = release_all(self, todo, detached, tmo, measure)
         reports.reverse()  # report in journal order
+        reports += self.deepep_reports
+        self.deepep_reports = []
         # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
         #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
         #    a rank that measures (or allocates) before its peers finish sees part of its memory still held.
@@ -405,6 +417,7 @@ class Runtime:
                 order = sorted((e for e in self.journal if e.plan), key=lambda e: e.kind != "world")
                 for e in order:
                     reports.extend(self._reload_one(e, eager and e.gidx in connect))
+                reports.extend(_deepep.reload_buffers())  # over their reloaded groups
             finally:
                 self.replaying = False
             tb2 = time.perf_counter()

@@ -6,6 +6,9 @@ Policies:
   ``weight_decay`` into ``param_groups``; checkpoints go through ``state_dict``/``load_state_dict`` and
   ``sharded_state_dict``). The inner optimizer is one OffloadedAdam over the model's own bf16 params: they become
   views of its flat bf16 buffer on the GPU; fp32 master, exp_avg and exp_avg_sq live in host memory.
+  With ``use_distributed_optimizer=True`` (config and DDP) :func:`get_optimizer` builds the sharded form instead,
+  :class:`EbbtideDistributedOptimizer` (``_distributed.py``/``_sharded.py``): each data-parallel rank keeps only
+  its shard of the host state, expert-parallel params included.
 - Gradients. Megatron's DDP accumulates into ``param.main_grad`` (its grad buffer, fp32 or bf16) and all-reduces
   there. ``prepare_grads`` copies every ``main_grad`` into OffloadedAdam's flat bf16 gradient (one device copy per
   param; fp32 main grads are rounded to bf16, so 2 bytes per param cross PCIe, not 4) and sets ``param.grad`` to
@@ -18,20 +21,20 @@ Policies:
   (not shared, not a tensor-parallel duplicate), summed over the grad-stats group (the model-parallel group).
 - Checkpoints. ``state_dict`` has the layout of Megatron's ``Float16OptimizerWithFloat16Params`` (the non-distributed
   bf16 optimizer): ``{"optimizer": torch Adam state (step, exp_avg, exp_avg_sq per param), "fp32_from_fp16_params":
-  fp32 masters per group[, "grad_scaler"]}``, so each loads into the other. The distributed optimizer's sharded
-  parameter state (``get_parameter_state_dp_zero`` and friends) is not produced or read.
+  fp32 masters per group[, "grad_scaler"]}``, so each loads into the other. (The sharded form speaks Megatron's
+  DistributedOptimizer checkpoint instead: ``get_parameter_state_dp_zero`` and its load.)
 - Precision-aware options. ``use_precision_aware_optimizer`` with ``exp_avg_dtype`` and ``exp_avg_sq_dtype`` both
   ``torch.bfloat16`` keeps the host moments in bf16 (OffloadedAdam ``moments_dtype=torch.bfloat16``: 20 instead of
   28 bytes of host memory traffic per param and step; in ``exact`` mode the master equals torch AdamW on fp32
   copies of the moments, the new moments rounded to nearest even); both fp32 is the default path. Megatron's own
-  config check demands ``use_distributed_optimizer=True`` with the precision-aware optimizer, so that flag of the
-  ``OptimizerConfig`` is accepted together with it; the model's DDP must still be plain (checked in
-  :func:`get_optimizer`). ``main_params_dtype`` stays fp32 (the master weights are the fp32 CPU masters).
+  config check demands ``use_distributed_optimizer=True`` with the precision-aware optimizer; with a plain DDP
+  (``use_distributed_optimizer=False`` there) the non-sharded form is built, as before. ``main_params_dtype`` stays
+  fp32 (the master weights are the fp32 CPU masters).
   Checkpoints carry the moments in their dtype; Megatron's Float16 optimizer loads bf16 moments upcast (exact), and
   fp32 moments loaded here are rounded to bf16.
-- Refused (UnsupportedError, before anything is built): the distributed optimizer, Megatron-FSDP, fp16, fp32
-  params, SGD/Muon, Megatron's own CPU offload flags, expert-parallel params, ``main_params_dtype`` other than fp32,
-  and moment dtypes other than both fp32 or both bf16.
+- Refused (UnsupportedError, before anything is built): Megatron-FSDP, fp16, fp32 params, SGD/Muon, Megatron's own
+  CPU offload flags, expert-parallel params without the distributed optimizer, ``main_params_dtype`` other than
+  fp32, moment dtypes other than both fp32 or both bf16, ``overlap_param_gather_with_optimizer_step``, FP8 params.
 """
 from __future__ import annotations
 
@@ -70,10 +73,6 @@ def check_config(config) -> None:
     bad = []
     if getattr(config, "optimizer", "adam") != "adam":
         bad.append(f"optimizer={config.optimizer!r} (only 'adam': Adam/AdamW)")
-    precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
-    if config.use_distributed_optimizer and not precision_aware:
-        bad.append("use_distributed_optimizer=True (the host state is not sharded across data-parallel ranks; "
-                   "build DDP and the optimizer with use_distributed_optimizer=False)")
     if config.fp16:
         bad.append("fp16=True (params must be bf16)")
     if not config.bf16:
@@ -88,7 +87,8 @@ def check_config(config) -> None:
         bad.append(f"exp_avg_dtype={moments[0]}, exp_avg_sq_dtype={moments[1]} (the CPU Adam kernel keeps both "
                    "moments fp32 or both bf16)")
     if getattr(config, "overlap_param_gather_with_optimizer_step", False):
-        bad.append("overlap_param_gather_with_optimizer_step=True (a distributed-optimizer feature)")
+        bad.append("overlap_param_gather_with_optimizer_step=True (the first model chunk's all-gather inside the "
+                   "optimizer step)")
     if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False):
         bad.append("reuse_grad_buf_for_mxfp8_param_ag=True (FP8 params)")
     if bad:
@@ -283,25 +283,38 @@ class EbbtideOptimizer(MegatronOptimizer):
 def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "fast", threads: int | None = None,
                   bucket_numel: int = 16 * 2**20, slots: int = 3, buffer_factory=None) -> EbbtideOptimizer:
     """Megatron's ``get_megatron_optimizer`` for ebbtide: the same ``OptimizerConfig`` and model chunks (Megatron
-    DDP with ``use_distributed_optimizer=False``, bf16 params), param groups formed by Megatron (weight-decay and
-    lr multipliers, ``config_overrides``), an :class:`EbbtideOptimizer` back. ``mode``: "fast" or "exact"
-    (fp32 master bit-identical to torch's CPU AdamW). ``threads``/``bucket_numel``/``slots``/``buffer_factory``
-    go to OffloadedAdam. Collective over WORLD (Megatron aligns param groups across ranks)."""
+    DDP, bf16 params), param groups formed by Megatron (weight-decay and lr multipliers, ``config_overrides``).
+    With ``use_distributed_optimizer=False`` (config and DDP): an :class:`EbbtideOptimizer` (whole host state on
+    every rank). With ``use_distributed_optimizer=True`` in both: an ``EbbtideDistributedOptimizer`` (each
+    data-parallel rank holds its shard; expert-parallel params too). ``mode``: "fast" or "exact" (fp32 master
+    bit-identical to torch's CPU AdamW). ``threads``/``bucket_numel``/``slots`` go to the CPU pipeline
+    (``bucket_numel``: its transfer granularity); ``buffer_factory`` to OffloadedAdam (non-sharded form only).
+    Collective over WORLD (Megatron aligns param groups across ranks)."""
     check_config(config)
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
     if not model_chunks:
         raise InvalidArgumentError("model_chunks is empty")
-    for chunk in model_chunks:
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and (ddp_config.use_distributed_optimizer or
-                                       getattr(ddp_config, "use_megatron_fsdp", False)):
-            raise UnsupportedError("the model's DDP was built with use_distributed_optimizer/use_megatron_fsdp; "
-                                   "ebbtide's Megatron optimizer needs plain DDP (use_distributed_optimizer=False)")
+    ddp_configs = [getattr(chunk, "ddp_config", None) for chunk in model_chunks]  # None: a plain module
+    if any(getattr(d, "use_megatron_fsdp", False) for d in ddp_configs):
+        raise UnsupportedError("the model's DDP was built with use_megatron_fsdp=True (Megatron-FSDP): not "
+                               "supported by ebbtide's Megatron optimizer")
+    forms = {bool(getattr(d, "use_distributed_optimizer", False)) for d in ddp_configs}
+    if len(forms) > 1:
+        raise InvalidArgumentError("the model chunks' DDP configs differ in use_distributed_optimizer")
+    sharded = forms.pop()
+    precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
+    # Megatron demands use_distributed_optimizer=True in the OptimizerConfig with the precision-aware options: with
+    # a plain DDP that combination keeps meaning the non-sharded form.
+    if sharded != bool(config.use_distributed_optimizer) and not (precision_aware and not sharded):
+        raise InvalidArgumentError(
+            f"the OptimizerConfig says use_distributed_optimizer={config.use_distributed_optimizer} and the model's "
+            f"DDP config {sharded}: build both the same way")
     groups = _get_param_groups(list(model_chunks), config, config_overrides)
-    if any(g["is_expert_parallel"] and g["params"] for g in groups):
-        raise UnsupportedError("expert-parallel (MoE) params are not supported by ebbtide's Megatron optimizer")
-    groups = [g for g in groups if not g["is_expert_parallel"]]
+    if not sharded and any(g["is_expert_parallel"] and g["params"] for g in groups):
+        raise UnsupportedError("expert-parallel (MoE) params need the distributed optimizer with ebbtide's Megatron "
+                               "optimizer (use_distributed_optimizer=True in the DDP and OptimizerConfig)")
+    groups = [g for g in groups if g["params"] and (sharded or not g["is_expert_parallel"])]
     for g in groups:
         for p in g["params"]:
             if p.dtype != torch.bfloat16:
@@ -312,11 +325,24 @@ def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "f
         from megatron.core.optimizer.grad_scaler import ConstantGradScaler  # noqa: PLC0415
 
         grad_scaler = ConstantGradScaler(config.loss_scale)
-    inner = OffloadedAdam(groups, lr=config.lr if config.lr is not None else 1e-3,
-                          betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                          weight_decay=config.weight_decay, adamw=config.decoupled_weight_decay, mode=mode,
-                          threads=threads, bucket_numel=bucket_numel, slots=slots, buffer_factory=buffer_factory,
-                          attach_grads=False, moments_dtype=moments_dtype(config))
+    hyper = dict(lr=config.lr if config.lr is not None else 1e-3, betas=(config.adam_beta1, config.adam_beta2),
+                 eps=config.adam_eps, weight_decay=config.weight_decay, adamw=config.decoupled_weight_decay,
+                 mode=mode, threads=threads, slots=slots, moments_dtype=moments_dtype(config))
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if sharded:
+        from ._distributed import EbbtideDistributedOptimizer  # noqa: PLC0415
+        from ._sharded import ShardAdam  # noqa: PLC0415
+
+        if buffer_factory is not None:
+            raise InvalidArgumentError("buffer_factory applies to the non-sharded form only (the distributed form "
+                                       "keeps the params in Megatron's DDP buffers)")
+        buffers = [b for c in model_chunks for b in list(c.buffers) + list(c.expert_parallel_buffers)]
+        inner = ShardAdam(groups, buffers, run_numel=bucket_numel, tp_group=tp_group, **hyper)
+        return EbbtideDistributedOptimizer(
+            inner, config, model_chunks, grad_scaler,
+            grad_stats_parallel_group=parallel_state.get_intra_distributed_optimizer_instance_group(),
+            tp_group=tp_group)
+    inner = OffloadedAdam(groups, bucket_numel=bucket_numel, buffer_factory=buffer_factory, attach_grads=False,
+                          **hyper)
     return EbbtideOptimizer(inner, config, grad_scaler,
-                            grad_stats_parallel_group=parallel_state.get_model_parallel_group(),
-                            tp_group=parallel_state.get_tensor_model_parallel_group())
+                            grad_stats_parallel_group=parallel_state.get_model_parallel_group(), tp_group=tp_group)

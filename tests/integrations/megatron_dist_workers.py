@@ -1,0 +1,171 @@
+"""Rank bodies for the distributed (sharded) optimizer on CPU (Gloo): a real Megatron-core GPT, Megatron's DDP with
+``use_distributed_optimizer=True`` and ``initialize_model_parallel``, against Megatron's own DistributedOptimizer.
+
+Megatron's DDP and GPT allocate on ``torch.cuda.current_device()`` and use CUDA RNG state: :func:`cpu_megatron`
+redirects those calls to the CPU inside the spawned rank (a test harness only; nothing of it is in the library).
+Megatron's DistributedOptimizer on CPU tensors falls back to torch's AdamW (no Transformer Engine/Apex), which runs
+its for-loop form on CPU tensors: the reference ebbtide's exact mode must match bit for bit."""
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+
+def cpu_megatron() -> None:
+    """Redirect Megatron's CUDA-only allocation and RNG calls to the CPU (this process only)."""
+    torch.cuda.current_device = lambda: "cpu"
+
+    def cpu_kw(f):
+        def g(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return f(*a, **k)
+        return g
+
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "randn"):
+        setattr(torch, name, cpu_kw(getattr(torch, name)))
+    import megatron.core.tensor_parallel.random as R  # noqa: PLC0415
+
+    R._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    R._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda s: torch.manual_seed(s)
+    plain_type = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):  # Megatron's DistributedOptimizer checks param.type() for torch.cuda.*Tensor
+        if not a and not k:
+            t = plain_type(self)
+            return t.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else t
+        return plain_type(self, *a, **k)
+
+    torch.Tensor.type = cuda_type
+
+
+def _setup(rank, world, init, tp=1):
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    from ebbtide.bench._spawn import join_store  # noqa: PLC0415
+
+    cpu_megatron()
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, bf16=True,
+                            params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                            use_cpu_initialization=True, init_method_std=0.02)
+    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq)
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False,
+                                            bucket_size=4096)  # several buckets, shards cutting params
+    return DistributedDataParallel(cfg, ddp_cfg, Float16Module(cfg, gpt))
+
+
+def _step(model, opt, step, rank):
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, 128, (2, 17), generator=g)
+    pos = torch.arange(16).unsqueeze(0).expand(2, 16)
+    loss = model(ids[:, :-1], pos, None, labels=ids[:, 1:]).float().mean()
+    loss.backward()
+    model.finish_grad_sync()
+    ok, _norm, _ = opt.step()
+    assert ok
+    out = torch.tensor([loss.item()], dtype=torch.float64)
+    dist.all_reduce(out)  # the DP-mean loss, as Megatron reports it
+    return float(out.item())
+
+
+def _config(**kw):
+    from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
+
+    base = dict(optimizer="adam", lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                bf16=True, use_distributed_optimizer=True, clip_grad=0.0)
+    base.update(kw)
+    return OptimizerConfig(**base)
+
+
+def dp_exact(rank, world, init, steps=6, tp=1):
+    """Losses, masters and Megatron's dp_zero checkpoint: ebbtide's sharded optimizer (exact) vs Megatron's
+    DistributedOptimizer; then Megatron's checkpoint loaded into ebbtide's optimizer and trained on, equal again."""
+    from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
+
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+    from ebbtide.errors import InvalidArgumentError  # noqa: PLC0415
+
+    _setup(rank, world, init, tp=tp)
+    ref_model = _gpt()
+    ref = get_megatron_optimizer(_config(), [ref_model])
+    ref_losses = [_step(ref_model, ref, s, rank) for s in range(steps)]
+    ref_state = ref.chained_optimizers[0].get_parameter_state_dp_zero()
+    model = _gpt()
+    opt = ebt.get_optimizer(_config(), [model], mode="exact", bucket_numel=1000)
+    assert type(opt).__name__ == "EbbtideDistributedOptimizer", type(opt)
+    losses = [_step(model, opt, s, rank) for s in range(steps)]
+    assert losses == ref_losses, (losses, ref_losses)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    total = sum(b.numel for b in model.buffers)
+    owned = opt.optimizer.numel
+    state = opt.get_parameter_state_dp_zero()
+    if dist.get_rank(ref_model.buffers[0].data_parallel_group) == 0:
+        for bi, v in ref_state.items():
+            if bi == "buckets_coalesced":
+                continue
+            for key, world_t in v.items():
+                for k in ("param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(world_t[k], state[bi][key][k]), (bi, key, k)
+    # Megatron's checkpoint into ebbtide's optimizer (a fresh one, other weights), then both go on equal.
+    fresh_model = _gpt(seed=99)
+    fresh = ebt.get_optimizer(_config(), [fresh_model], mode="exact", bucket_numel=1000)
+    fresh.load_state_dict(ref.chained_optimizers[0].state_dict())
+    fresh.load_parameter_state_from_dp_zero(ref_state)
+    for p, q in zip(fresh_model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    more_ref = [_step(ref_model, ref, s, rank) for s in range(steps, steps + 2)]
+    more = [_step(fresh_model, fresh, s, rank) for s in range(steps, steps + 2)]
+    assert more == more_ref, (more, more_ref)
+    # A checkpoint of another layout is refused on every rank, nothing changed.
+    before = [p.clone() for p in fresh_model.parameters()]
+    try:
+        fresh.load_parameter_state_from_dp_zero({"buckets_coalesced": True, 0: {}})
+        refused = ""
+    except InvalidArgumentError as e:
+        refused = str(e)
+    assert "dp_zero" in refused and all(torch.equal(a, b) for a, b in zip(before, fresh_model.parameters()))
+    return {"losses": losses, "owned": owned, "total": total, "host_bytes": opt.optimizer.host_bytes}
+
+
+def refusals(rank, world, init):
+    """Mismatched DDP/optimizer forms are refused by name before anything is built."""
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+    from ebbtide.errors import InvalidArgumentError, UnsupportedError  # noqa: PLC0415
+
+    _setup(rank, world, init)
+    model = _gpt()
+    out = {}
+    for name, cfg, kw in (("plain_config", _config(use_distributed_optimizer=False), {}),
+                          ("cpu_offload", _config(optimizer_cpu_offload=True), {}),
+                          ("factory", _config(), {"buffer_factory": lambda *a: None})):
+        try:
+            ebt.get_optimizer(cfg, [model], **kw)
+            out[name] = ""
+        except (InvalidArgumentError, UnsupportedError) as e:
+            out[name] = str(e)
+    return out
