@@ -34,3 +34,19 @@ def test_rows_name_our_teardown_and_each_other_one_once():
     assert sum("(teardown:" in n for n in rows) == 4
     assert rows["2 GPUs flat: freed by release(include_world=True)"].ours == pytest.approx(95.0)
     assert rows["2 GPUs flat: free-memory drift after reload over 10 cycles (WORLD included)"].ours == 0
+
+
+def test_deepep_rows_take_the_slowest_rank_and_the_median_cycle():
+    from ebbtide.bench.suites.comm import _deepep_rows
+
+    def rank(slow):
+        cyc = [{"freed_bytes": 0.8 * GB, "rebuild_s": r * slow, "connect_s": 0.1 * slow} for r in (0.03, 0.02, 0.04)]
+        return {"world": 2, "nvl_bytes": 2**30, "shape": [4096, 4096, 16, 4], "ctor_s": 0.024 * slow,
+                "ctor_bytes": 0.1 * GB, "cycles": cyc, "before_s": 0.000668 * slow, "after_s": 0.000664 * slow}
+
+    rows = {r.name: r for r in _deepep_rows([rank(1.0), rank(1.5)])}
+    rebuild = rows["2 GPUs DeepEP: rebuild in reload (allocation + IPC exchange)"]
+    assert rebuild.ours == pytest.approx(0.045) and rebuild.anchor == pytest.approx(0.036)
+    after = rows["2 GPUs DeepEP: dispatch + combine after release/reload cycles"]
+    assert after.ours == pytest.approx(0.996) and after.anchor == pytest.approx(1.002)
+    assert len(rows) == 4

@@ -17,18 +17,26 @@ warnings.filterwarnings("ignore")
 SIZES = {"tiny": (2, 256, 4, 1024, 128, 2), "quick": (4, 1024, 16, 32000, 512, 2)}  # layers hidden heads vocab seq b
 
 
-def _setup(rank, world, init, tp):
+def _setup(rank, world, init, tp, ep=1, groups=False):
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
     from ebbtide.bench._spawn import join_store  # noqa: PLC0415
 
     torch.cuda.set_device(rank)
+    if groups:
+        import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+
+        ebt.install_groups(timeout=120)
     dist.init_process_group("nccl", store=join_store(init), rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: PLC0415
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 leaves it undefined without TE
+        moe_utils.te_general_gemm = None
 
 
-def _gpt(size, seed=7):
+def _gpt(size, seed=7, experts=0, dispatcher="alltoall"):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
@@ -39,11 +47,20 @@ def _gpt(size, seed=7):
     layers, hidden, heads, vocab, seq, _ = SIZES[size]
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    moe = {}
+    if experts:
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+        moe = dict(num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
+                   expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                   moe_ffn_hidden_size=2 * hidden)
+        if dispatcher == "flex":
+            moe["moe_flex_dispatcher_backend"] = "deepep"
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, bf16=True,
                             pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                            init_method_std=0.02)
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
-                   position_embedding_type="rope")
+                            init_method_std=0.02, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
+    gpt = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
     gpt.cuda(torch.cuda.current_device())
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False,
                                             overlap_grad_reduce=False)
@@ -133,3 +150,44 @@ def step_time(rank, world, init, size="quick", steps=6):
     _, t = _timed_steps(model, opt, size, steps)
     return {"step_s": statistics.median(t[1:]), "owned": opt.optimizer.numel, "threads": threads,
             "host_bytes": opt.optimizer.host_bytes}
+
+
+def moe(rank, world, init, dispatcher="alltoall", steps=8, size="tiny"):
+    """A MoE GPT at EP=``world`` (4 experts, top-2; ``dispatcher`` "alltoall" or "flex" = DeepEP): ebbtide's sharded
+    optimizer (exact) against Megatron's DistributedOptimizer + HybridDeviceOptimizer; ebbtide's run offloads its
+    state (TrainingState) and releases every group -- DeepEP's buffer too -- between steps, as the colocated loop
+    does around a rollout: losses bit-identical to the reference that never cycles."""
+    import ebbtide.comm as comm  # noqa: PLC0415
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+
+    _setup(rank, world, init, 1, ep=world, groups=True)
+    ref_model = _gpt(size, experts=4, dispatcher=dispatcher)
+    ref = _hdo(ref_model)
+    ref_losses, _ = _timed_steps(ref_model, ref, size, steps)
+    del ref, ref_model
+    model = _gpt(size, experts=4, dispatcher=dispatcher)
+    opt = ebt.get_optimizer(_config(), [model], mode="exact")
+    state = ebt.TrainingState([model], opt)
+    losses, rows = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        losses.append(_train(model, size, s))
+        ok, _, _ = opt.step()
+        assert ok
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        off = state.offload()
+        rel = ebt.release_groups(include_world=True)
+        free1 = torch.cuda.mem_get_info()[0]
+        rel2 = ebt.reload_groups()
+        state.restore()
+        deep = [g for g in rel.groups if g.desc == "DeepEP buffer"]
+        rows.append({"freed_mib": (free1 - free0) / 2**20, "deepep_buffers": len(deep),
+                     "release_s": rel.seconds, "reload_s": rel2.seconds, "offload_s": off.seconds})
+    diff = [(i, a, b) for i, (a, b) in enumerate(zip(losses, ref_losses)) if a != b]
+    assert not diff, diff[:5]
+    if dispatcher == "flex":
+        assert all(r["deepep_buffers"] == 1 for r in rows), rows
+    experts = sum(g["is_expert_parallel"] for g in opt.param_groups)
+    assert experts >= 1 and comm.is_installed()
+    return {"losses": losses, "cycles": rows}

@@ -46,7 +46,7 @@ def cpu_megatron() -> None:
     torch.Tensor.type = cuda_type
 
 
-def _setup(rank, world, init, tp=1):
+def _setup(rank, world, init, tp=1, ep=1):
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
     from ebbtide.bench._spawn import join_store  # noqa: PLC0415
@@ -54,10 +54,14 @@ def _setup(rank, world, init, tp=1):
     cpu_megatron()
     dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: PLC0415
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 leaves it undefined without TE
+        moe_utils.te_general_gemm = None
 
 
-def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16):
+def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16, experts=0):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
@@ -67,10 +71,17 @@ def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16):
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    moe = {}
+    if experts:  # CPU: the allgather dispatcher (the alltoall one allocates on the GPU)
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+        moe = dict(num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+                   expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), moe_ffn_hidden_size=96)
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, bf16=True,
                             params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                            use_cpu_initialization=True, init_method_std=0.02)
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq)
+                            use_cpu_initialization=True, init_method_std=0.02, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
+    gpt = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=seq)
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False,
                                             bucket_size=4096)  # several buckets, shards cutting params
     return DistributedDataParallel(cfg, ddp_cfg, Float16Module(cfg, gpt))
@@ -99,6 +110,30 @@ def _config(**kw):
                 bf16=True, use_distributed_optimizer=True, clip_grad=0.0)
     base.update(kw)
     return OptimizerConfig(**base)
+
+
+def moe_exact(rank, world, init, steps=5, ep=2):
+    """A Megatron MoE GPT at EP=``ep``: expert-parallel params (their own buffers, grad-reduction group and the
+    shared norm group) in ebbtide's sharded optimizer; losses bit-identical to Megatron's DistributedOptimizer
+    (dense + expert optimizers chained)."""
+    from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
+
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+
+    _setup(rank, world, init, ep=ep)
+    ref_model = _gpt(experts=4)
+    ref = get_megatron_optimizer(_config(), [ref_model])
+    assert len(getattr(ref, "chained_optimizers", [])) == 2, "expected a dense and an expert optimizer"
+    ref_losses = [_step(ref_model, ref, s, rank) for s in range(steps)]
+    model = _gpt(experts=4)
+    opt = ebt.get_optimizer(_config(), [model], mode="exact", bucket_numel=1000)
+    experts = [b for b in opt.optimizer.buffers if b in list(model.expert_parallel_buffers)]
+    assert experts, "no expert-parallel buffer reached the optimizer"
+    losses = [_step(model, opt, s, rank) for s in range(steps)]
+    assert losses == ref_losses, (losses, ref_losses)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    return {"losses": losses, "expert_groups": sum(g["is_expert_parallel"] for g in opt.param_groups)}
 
 
 def dp_exact(rank, world, init, steps=6, tp=1):

@@ -35,7 +35,7 @@ from ._report import GroupReport
 
 log = logging.getLogger("ebbtide.comm")
 
-__all__ = ["track", "tracked", "install_hook", "describe", "release_buffers", "reload_buffers"]
+__all__ = ["track", "tracked", "install_hook", "describe", "release_buffers", "reload_buffers", "timings"]
 
 _LOCK = threading.Lock()
 _BUFFERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # id -> Buffer
@@ -209,21 +209,40 @@ def release_buffers() -> list[GroupReport]:
 
 
 def reload_buffers() -> list[GroupReport]:
-    """Rebuild every released buffer in place with its original arguments (after the groups are back)."""
+    """Rebuild every released buffer in place with its original arguments (after the groups are back). The
+    group's first collective (a barrier: NCCL connects a rebuilt communicator's transports on first use) is timed
+    apart from DeepEP's own rebuild (allocation, IPC handle exchange, peer mappings): both in the report's reason
+    and in the buffer's record (``timings``)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
     reports = []
     for buf in tracked():
         rec = getattr(buf, _ATTR)
         if not rec["released"]:
             continue
         t0 = time.perf_counter()
+        group = rec["args"].get("group")
+        if group is not None:
+            dist.barrier(group=group)
+        t1 = time.perf_counter()
         wanted = bool(getattr(buf, "explicitly_destroy", False))
         _original_init(type(buf))(buf, **rec["args"])
         buf.explicitly_destroy = wanted
         rec["box"][0] = buf.runtime
         rec["released"] = False
-        reports.append(GroupReport(_name(buf), "DeepEP buffer", _ranks(buf), "destroy", "rebuilt in place",
-                                   time.perf_counter() - t0, -int(getattr(buf, "num_nvl_bytes", 0))))
+        t2 = time.perf_counter()
+        rec["timings"] = {"connect_s": t1 - t0, "rebuild_s": t2 - t1}
+        reports.append(GroupReport(_name(buf), "DeepEP buffer", _ranks(buf), "destroy",
+                                   f"rebuilt in place: group's first collective {1e3 * (t1 - t0):.1f} ms, DeepEP "
+                                   f"allocation + IPC exchange {1e3 * (t2 - t1):.1f} ms", t2 - t0,
+                                   -int(getattr(buf, "num_nvl_bytes", 0))))
     return reports
+
+
+def timings(buf) -> dict:
+    """The last reload's ``{"connect_s", "rebuild_s"}`` of a tracked buffer (empty before its first reload)."""
+    rec = getattr(buf, _ATTR, None)
+    return dict(rec.get("timings", {})) if rec else {}
 
 
 def _ranks(buf) -> list[int]:

@@ -6,6 +6,8 @@ and the same groups go through release/reload cycles and a soak. Memory is cudaM
 wall-clock on each rank (the slowest rank is reported), each followed by a device sync.
 2 GPUs: WORLD + 6 overlapping groups + a singleton per rank. 4 or 8 GPUs: additionally the
 Megatron-like topology (TP=2 x PP=world/2, embedding, position-embedding, model-parallel, singleton DP groups).
+Where deep_ep and megatron-core are installed: Megatron's DeepEP buffer through the cycles
+(ebbtide.bench.deepep_scenario): rebuild time beside DeepEP's own construction, memory, dispatch+combine after.
 """
 from __future__ import annotations
 
@@ -102,6 +104,31 @@ def _rows(res: list[dict], label: str, soak: int):
                   higher_is_better=False, anchor_note="n/a", note="len(c10d _world.pg_map); goal 0")
 
 
+def _deepep_rows(res: list[dict]):
+    r0 = res[0]
+    tokens, hidden, experts, topk = r0["shape"]
+    params = {"gpus": r0["world"], "nvl_bytes": r0["nvl_bytes"], "tokens": tokens, "hidden": hidden,
+              "experts": experts, "topk": topk}
+    row = lambda name, unit, ours, **kw: Row("comm", f"{r0['world']} GPUs DeepEP: {name}", unit, ours,  # noqa: E731
+                                             params=params, **kw)
+    med = lambda key: statistics.median(max(r["cycles"][i][key] for r in res)  # noqa: E731
+                                        for i in range(len(r0["cycles"])))
+    ctor = _slowest(res, lambda r: r["ctor_s"])
+    yield row("rebuild in reload (allocation + IPC exchange)", "s", med("rebuild_s"), higher_is_better=False,
+              anchor=ctor, anchor_name="Megatron get_buffer (DeepEP Buffer construction, connected group)",
+              note="goal <= 0.1 s with the connect below")
+    yield row("EP group's first collective after reload (NCCL connect), before the rebuild", "s", med("connect_s"),
+              higher_is_better=False, anchor_note="n/a (every rebuilt communicator pays it at its first op)")
+    freed = min(statistics.median(c["freed_bytes"] for c in r["cycles"]) for r in res)
+    took = min(r["ctor_bytes"] for r in res)
+    yield row("device memory freed by release (WORLD + EP group + DeepEP buffer)", "GB", freed / GB,
+              anchor_note="n/a (Megatron keeps the buffer for the process's life)",
+              note=f"DeepEP's buffer took {took / GB:.3f} GB at construction; goal: all of it back")
+    yield row("dispatch + combine after release/reload cycles", "ms", 1e3 * _slowest(res, lambda r: r["after_s"]),
+              higher_is_better=False, anchor=1e3 * _slowest(res, lambda r: r["before_s"]),
+              anchor_name="the same buffer before the first cycle", note="goal within 2%; results bitwise equal")
+
+
 def _teardown_label(td: dict) -> str:
     how = "shutdown (ncclCommFinalize + destroy)" if td["how"] == "shutdown" else td["how"]
     return f"{how}, {'concurrent' if td['concurrent'] else 'one at a time'}"
@@ -130,3 +157,12 @@ def run(ctx):
         res = _spawn.run("cycle_scenario", world, module="ebbtide.bench.comm_scenarios",
                          timeout=240 if ctx.quick else 540, kind=kind, cycles=3, soak=soak)
         yield from _rows(res, f"{world} GPUs {kind}", soak)
+    import importlib.util  # noqa: PLC0415
+
+    missing = [m for m in ("deep_ep", "megatron.core") if importlib.util.find_spec(m.split(".")[0]) is None]
+    if missing:
+        ctx.progress(f"comm: DeepEP rows skipped ({', '.join(missing)} not installed; scripts/build-deepep)")
+        return
+    ctx.progress("comm: DeepEP buffer (Megatron's fused_a2a) through release/reload cycles on 2 GPUs")
+    res = _spawn.run("deepep_cycles", 2, module="ebbtide.bench.deepep_scenario", timeout=240, cycles=3)
+    yield from _deepep_rows(res)
