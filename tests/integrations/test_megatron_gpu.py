@@ -51,6 +51,15 @@ def test_offload_restore_50_cycles_bit_identical():
     print(res["offload"], "|", res["restore"])
 
 
+def test_offload_restore_discarding_the_weights_bit_identical():
+    """weights="discard": the weights are dropped (no D2H) and rebuilt from OffloadedAdam's host mirror."""
+    res = _run("cycles", size="tiny", cycles=20, weights="discard")
+    released, copied, _residual, restored = res["reports"][0]
+    assert released > 0 and copied == 0 and restored > 0, res["reports"]
+    assert len(res["losses"]) == 4 and all(x == x for x in res["losses"])
+    print(res["offload"], "|", res["restore"])
+
+
 def test_training_state_over_megatron_gpu_optimizer():
     res = _run("megatron_state", size="tiny", cycles=3)
     assert any(t.endswith("_optimizer") and v["bytes_copied"] > 0 for t, v in res["tags"].items()), res

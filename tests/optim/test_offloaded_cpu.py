@@ -230,3 +230,33 @@ def test_bf16_moments_state_dict_round_trip_and_fp32_load():
         OffloadedAdam(make_model().parameters(), amsgrad=True, moments_dtype=torch.bfloat16)
     with pytest.raises(ebbtide.InvalidArgumentError, match="moments_dtype"):
         OffloadedAdam(make_model().parameters(), moments_dtype=torch.float16)
+
+
+def test_param_mirror_follows_every_step_and_rebuilds_the_params():
+    """The host mirror equals the params after each step (the kernel writes it), leaves the numerics unchanged,
+    follows sync_master_from_params, and writes the params back."""
+    plain, mirrored = make_model(), make_model()
+    o1 = OffloadedAdam(plain.parameters(), lr=1e-2, mode="exact", bucket_numel=256, slots=2)
+    o2 = OffloadedAdam(mirrored.parameters(), lr=1e-2, mode="exact", bucket_numel=256, slots=2)
+    with pytest.raises(ebbtide.StateError, match="not enabled"):
+        o2.upload_params_from_mirror()
+    assert o2.param_mirror is None
+    mirror = o2.enable_param_mirror()
+    assert o2.enable_param_mirror() is mirror and torch.equal(mirror, o2.flat_params)
+    for step in range(4):
+        for model, opt in ((plain, o1), (mirrored, o2)):
+            x, y = batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
+            opt.step()
+        assert torch.equal(o1.flat_params, o2.flat_params)
+        assert torch.equal(mirror, o2.flat_params)
+    want = o2.flat_params.clone()
+    with torch.no_grad():
+        o2.flat_params.zero_()  # what a discarded, re-mapped buffer holds
+    o2.upload_params_from_mirror()
+    assert torch.equal(o2.flat_params, want)
+    with torch.no_grad():
+        next(mirrored.parameters()).add_(1.0)  # a write outside the optimizer...
+    o2.sync_master_from_params()  # ...reaches the mirror through the documented call
+    assert torch.equal(mirror, o2.flat_params)

@@ -13,7 +13,8 @@ Policies:
   phase ends when its device work is complete.
 - Variant "ebbtide", through the public adapter only: ``install_groups()`` before ``init_process_group``,
   ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
-  restore, ``release_groups(include_world=True, wait=False)`` (the communicators' teardown overlaps the offload
+  restore (``weights="discard"``: the weights are dropped and rebuilt from the optimizer's host mirror, as slime
+  drops its DDP buffers and restores them from its TensorBackuper), ``release_groups(include_world=True, wait=False)`` (the communicators' teardown overlaps the offload
   and the rollout's generate; comm_reload joins it, so a teardown longer than both is paid there) /
   ``reload_groups()``;
   weights by ``ebbtide.sync`` (``Sender`` + ``IpcSender``); the rollout on ebbtide.memory (preload shim).
@@ -161,7 +162,7 @@ class _MegatronTrainer:
         if self.variant == "ebbtide":
             self.model = build_gpt(*dims, dist_opt=False, seed=seed)
             self.opt = self.ebt.get_optimizer(opt_config(lr=s["lr"], clip_grad=1.0), [self.model])
-            self.state = self.ebt.TrainingState([self.model], self.opt)
+            self.state = self.ebt.TrainingState([self.model], self.opt, weights="discard")
             self.setup["optimizer"] = f"EbbtideOptimizer(OffloadedAdam, isa={self.opt.optimizer.isa})"
         else:
             slime = self.variant.startswith("slime")

@@ -31,6 +31,12 @@ Policies:
   an empty ``state``: masters are taken from the model (not reset, not left stale), moments zeroed.
   Call ``sync_master_from_params()`` after loading model weights in place.
 - Params may also live on the CPU (bf16): the same pipeline with synchronous copies (used by the CPU tests).
+- Host mirror (``enable_param_mirror()``): a pinned bf16 copy of the flat params, full size (2 B/param of host
+  memory), which the kernel writes in place of the upload slots, so after every step it equals the GPU params
+  (``sync_master_from_params`` refreshes it too). The GPU params can then be dropped and rebuilt from it
+  (``upload_params_from_mirror``): how ``TrainingState(weights="discard")`` offloads them without a D2H copy.
+  Writes to the params outside this optimizer after its last step are not in the mirror (call
+  ``sync_master_from_params()`` after them, as for the masters).
 - Placement hooks. ``buffer_factory(kind, numel, dtype, device)`` allocates the two device buffers (kind "params"
   or "grads"; default ``torch.zeros``), e.g. inside a memory region so the flat params can be paused with a CPU
   backup and the flat gradient discarded; ``rebind_buffers(factory)`` moves them after construction (content
@@ -152,6 +158,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._bucket_numel = (bucket_numel // _ALIGN) * _ALIGN
         self._slots = slots
         self._step_count = 0
+        self._mirror = None  # pinned bf16 host copy of the flat params (enable_param_mirror)
         self._build_layout()
         self._build_buffers(buffer_factory or _zeros)
         self._transport = _Transport(self._device)
@@ -325,9 +332,42 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync_master_from_params(self):
-        """Set every fp32 master to the model's current (bf16) param value, e.g. after loading model weights."""
+        """Set every fp32 master (and the host mirror, if enabled) to the model's current (bf16) param value, e.g.
+        after loading model weights."""
         for b in self._buckets:  # bucket by bucket: no full-size fp32 temporary on the device
-            self._master[b.start:b.end].copy_(self._pflat[b.start:b.end].cpu())
+            host = self._pflat[b.start:b.end].cpu()
+            self._master[b.start:b.end].copy_(host)
+            if self._mirror is not None:
+                self._mirror[b.start:b.end].copy_(host)
+
+    @torch.no_grad()
+    def enable_param_mirror(self) -> torch.Tensor:
+        """Keep a pinned host copy of the flat bf16 params that every step writes (see the module doc); filled
+        from the params now. Idempotent; returns the mirror."""
+        if self._mirror is None:
+            mirror = torch.empty(self._total, dtype=torch.bfloat16, pin_memory=self._device.type == "cuda")
+            mirror.copy_(self._pflat)
+            self._mirror = mirror
+        return self._mirror
+
+    @property
+    def param_mirror(self) -> torch.Tensor | None:
+        """The pinned host copy of ``flat_params`` (None unless enabled)."""
+        return self._mirror
+
+    @torch.no_grad()
+    def upload_params_from_mirror(self) -> None:
+        """Write the mirror back into the flat params (bucket by bucket on the upload stream; the caller's stream
+        waits for it). StateError if the mirror is not enabled."""
+        if self._mirror is None:
+            raise StateError("upload_params_from_mirror(): the host mirror is not enabled (enable_param_mirror())")
+        t = self._transport
+        t.begin()
+        try:
+            for b in self._buckets:
+                t.upload(self._pflat[b.start:b.end], self._mirror[b.start:b.end])
+        finally:
+            t.end()
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the flat gradient buffer (grads stay views of it whatever set_to_none says)."""
@@ -435,15 +475,17 @@ class OffloadedAdam(torch.optim.Optimizer):
                 n = bk.end - bk.start
                 slot = b % K
                 t.wait(down[b])
-                if b >= K:
+                # The new bf16 params go to the mirror (its own range per bucket) or to a reused upload slot.
+                out = self._mirror[bk.start:bk.end] if self._mirror is not None else self._oslots[slot][:n]
+                if b >= K and self._mirror is None:
                     t.wait(up[b - K])  # its upload slot is free again
                 off4, offm = bk.start * 4, bk.start * msize
                 self._engine.step(
                     hypers[bk.group],
                     [self._master.data_ptr() + off4], [self._m.data_ptr() + offm], [self._v.data_ptr() + offm],
                     [vmax_ptr + off4] if vmax_ptr else [], [self._gslots[slot].data_ptr()], [True],
-                    [self._oslots[slot].data_ptr()], [n], [], [step_no], mom_bf16)
-                up[b] = t.upload(self._pflat[bk.start:bk.end], self._oslots[slot][:n])
+                    [out.data_ptr()], [n], [], [step_no], mom_bf16)
+                up[b] = t.upload(self._pflat[bk.start:bk.end], out)
                 if b + K < nb:
                     down[b + K] = self._download(b + K)
         finally:

@@ -191,7 +191,7 @@ def cmd_cycles(spec: dict) -> dict:
     size, cycles = spec.get("size", "tiny"), spec.get("cycles", 50)
     model = build(size, dist_opt=False)
     opt = ours(model, "exact")
-    state = ebt.TrainingState([model], opt)
+    state = ebt.TrainingState([model], opt, weights=spec.get("weights", "copy"))
     losses = []
     for s in range(2):
         opt.zero_grad()

@@ -12,6 +12,13 @@ Policies:
   (GPU-resident optimizers; new state tensors made by later steps are adopted at the next ``offload``).
   After adoption each tag's engine bytes are checked against what was moved: a storage that did not land in the
   engine is an error, never a silent partial offload.
+- ``weights="discard"``: OffloadedAdam's flat params go to ``<prefix>_weights_mirrored`` (no backup) and the
+  optimizer keeps a pinned host mirror of them that every step writes (``OffloadedAdam.enable_param_mirror``):
+  offload drops the weights without a D2H copy, restore maps fresh pages and uploads the mirror. Params outside
+  OffloadedAdam stay in ``<prefix>_weights`` (copied). Writes to the params after the optimizer's last step that
+  do not go through it are lost at the next offload unless ``optimizer.sync_master_from_params()`` runs after them
+  (loading weights in place needs that call for the masters anyway). Needs ebbtide's non-sharded optimizer
+  (the sharded form's DDP buffer holds every rank's shard): InvalidArgumentError otherwise.
 - ``offload()``: empty the caching allocator (activations and other scratch of the default pool), then pause
   grads (discard), optimizer and weights (copy to pinned host memory); the report has seconds and bytes per tag, and the memory left:
   torch's reserved bytes outside the tags and the device's used bytes (driver view: CUDA context, NCCL, other
@@ -74,7 +81,7 @@ def _inner_optimizers(optimizer):
 class TrainingState:
     """Offload/restore of a Megatron-core trainer's GPU state (params, DDP grad buffers, optimizer state)."""
 
-    def __init__(self, model_chunks, optimizer=None, *, tag_prefix: str = "megatron"):
+    def __init__(self, model_chunks, optimizer=None, *, tag_prefix: str = "megatron", weights: str = "copy"):
         from ...optim import OffloadedAdam  # noqa: PLC0415
 
         if not torch.cuda.is_available():
@@ -94,13 +101,21 @@ class TrainingState:
                 if p.requires_grad and getattr(p, "main_grad", None) is None:
                     raise InvalidArgumentError(f"param {name!r} of chunk {i} is trainable but outside Megatron's "
                                                "DDP grad buffers (no main_grad): it would not be offloaded")
+        if weights not in ("copy", "discard"):
+            raise InvalidArgumentError(f"weights must be 'copy' or 'discard' (got {weights!r})")
         self.chunks = chunks
         self.optimizer = optimizer
-        self.tags = {k: f"{tag_prefix}_{k}" for k in ("weights", "grads", "optimizer")}
+        self.weights = weights
+        self.tags = {k: f"{tag_prefix}_{k}" for k in ("weights", "grads", "optimizer", "weights_mirrored")}
         self._moved: set = set()  # storage data_ptrs already in a tag
         self._expected = {t: 0 for t in self.tags.values()}
         self._offloaded = False
         self._offadams = [o for o in _inner_optimizers(optimizer) if isinstance(o, OffloadedAdam)]
+        if weights == "discard" and not self._offadams:
+            raise InvalidArgumentError("weights='discard' rebuilds the weights from OffloadedAdam's host mirror: the "
+                                       "optimizer must be ebbtide's non-sharded one (get_optimizer with plain DDP)")
+        for opt in self._offadams if weights == "discard" else []:
+            opt.enable_param_mirror()
         torch.cuda.synchronize()
         self._adopt_model()
         self._adopt_optimizer_state()
@@ -133,15 +148,22 @@ class TrainingState:
     def _adopt_model(self) -> None:
         em = self._em
         for opt in self._offadams:
-            def factory(kind, numel, dtype, device, _em=em):
-                tag = self.tags["weights"] if kind == "params" else self.tags["grads"]
-                with _em.region(tag, backup="cpu" if kind == "params" else "none"):
+            mirrored = self.weights == "discard"
+
+            def factory(kind, numel, dtype, device, _em=em, _mirrored=mirrored):
+                if kind == "params":
+                    tag, backup = ((self.tags["weights_mirrored"], "none") if _mirrored
+                                   else (self.tags["weights"], "cpu"))
+                else:
+                    tag, backup = self.tags["grads"], "none"
+                with _em.region(tag, backup=backup):
                     return torch.empty(numel, dtype=dtype, device=device)
 
             opt.rebind_buffers(factory)
             self._moved.update((opt.flat_params.untyped_storage().data_ptr(),
                                 opt.flat_grad.untyped_storage().data_ptr()))
-            self._expected[self.tags["weights"]] += opt.flat_params.untyped_storage().nbytes()
+            self._expected[self.tags["weights_mirrored" if mirrored else "weights"]] += \
+                opt.flat_params.untyped_storage().nbytes()
             self._expected[self.tags["grads"]] += opt.flat_grad.untyped_storage().nbytes()
         for c in self.chunks:
             for buf in list(c.buffers) + list(getattr(c, "expert_parallel_buffers", [])):
@@ -186,7 +208,8 @@ class TrainingState:
         return max(0, torch.cuda.memory_reserved() - tagged), total - free
 
     def _tags_present(self) -> list[str]:
-        return [t for t in (self.tags["grads"], self.tags["optimizer"], self.tags["weights"]) if self._expected[t]]
+        return [t for t in (self.tags["grads"], self.tags["optimizer"], self.tags["weights"],
+                            self.tags["weights_mirrored"]) if self._expected[t]]
 
     def offload(self) -> OffloadReport:
         """Release the training state's GPU memory (grads discarded, weights and optimizer state kept in pinned
@@ -216,6 +239,13 @@ class TrainingState:
             rep = self._em.resume(tag)
             tags[tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
         self._offloaded = False
+        if self.weights == "discard":
+            t1 = time.perf_counter()
+            for opt in self._offadams:
+                opt.upload_params_from_mirror()  # fresh pages mapped above: the weights come from the host mirror
+            tag = self.tags["weights_mirrored"]
+            tags[tag] = {**tags[tag], "bytes_copied": sum(o.flat_params.nbytes for o in self._offadams),
+                         "s": tags[tag]["s"] + time.perf_counter() - t1}
         for c in self.chunks:
             c.zero_grad_buffer()
         for opt in self._offadams:
