@@ -220,6 +220,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
                 "free_released": free_rel, "free_reloaded": free_rl, "strategies": rep.by_strategy(),
                 "reserved_released": reserved,
                 "release_barrier_s": rep.barrier_seconds, "reload_barrier_s": rl.barrier_seconds,
+                "reload_warmup_s": rl.warmup_seconds,
                 "groups": [(g.name, g.strategy, g.reason, g.bytes) for g in rep.groups]}
 
     soak_rows: list = []

@@ -47,6 +47,7 @@ class Report:
     free_after: int | None
     groups: list[GroupReport] = dataclasses.field(default_factory=list)
     reload: "Report | None" = None  # set by the released() context manager on exit
+    warmup_seconds: float = 0.0  # reload: the concurrent transport warm-up of the rebuilt groups (part of seconds)
 
     @property
     def bytes_freed(self) -> int | None:
@@ -65,6 +66,7 @@ class Report:
         if self.noop:
             return f"ebbtide.comm {self.action}: no-op (already {'released' if self.action == 'release' else 'live'})"
         mem = "" if self.bytes_freed is None else f", device free {self.bytes_freed / 2**20:+.0f} MiB"
+        warm = f", warm-up {self.warmup_seconds * 1e3:.1f} ms" if self.warmup_seconds else ""
         return (f"ebbtide.comm {self.action}: {len(self.groups)} groups {self.by_strategy()} in "
-                f"{self.seconds * 1e3:.1f} ms (barriers {self.barrier_seconds * 1e3:.1f} ms){mem}, "
+                f"{self.seconds * 1e3:.1f} ms (barriers {self.barrier_seconds * 1e3:.1f} ms{warm}){mem}, "
                 f"generation {self.generation}")

@@ -381,7 +381,7 @@ class Runtime:
                              f"{type(err).__name__}: {err}") from err
 
     # ---- reload -------------------------------------------------------------------------------------------
-    def reload(self, *, eager: bool, timeout: float | None) -> Report:
+    def reload(self, *, eager: bool, timeout: float | None, warm: bool = True) -> Report:
         t0 = time.perf_counter()
         with self.lock:
             self._check_pid()
@@ -417,6 +417,9 @@ class Runtime:
                 order = sorted((e for e in self.journal if e.plan), key=lambda e: e.kind != "world")
                 for e in order:
                     reports.extend(self._reload_one(e, eager and e.gidx in connect))
+                warm_s = 0.0
+                if eager and warm:  # Note [Concurrent warm-up] in _backend.py; before DeepEP's handle exchange
+                    warm_s = B.warm_up([g for g in self._connected_now if B.has_accelerator(g)])
                 reports.extend(_deepep.reload_buffers())  # over their reloaded groups
             finally:
                 self.replaying = False
@@ -427,7 +430,7 @@ class Runtime:
             self.state = RELEASED if any(e.plan and e.group is not None and e.group._ebt_inner is None
                                          for e in self.journal) else READY
             rep = Report("reload", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
-                         device_free_bytes(), reports)
+                         device_free_bytes(), reports, warmup_seconds=warm_s)
             log.info("%s", rep.summary())
             return rep
 

@@ -79,6 +79,17 @@ def _rows(res: list[dict], label: str, soak: int):
     yield row(f"release + reload + first collective, WORLD kept ({ours})", "s", rel + rl, higher_is_better=False,
               anchor=anchor_rel + anchor_rl, anchor_name="destroy + re-create + first collective",
               note="goal < 0.5 s")
+    if "reload_warmup_s" in r0["cycles_subgroups"][0]:  # where reload's time goes (WORLD kept)
+        warm = _median_slowest(res, "cycles_subgroups", "reload_warmup_s")
+        bar = _median_slowest(res, "cycles_subgroups", "reload_barrier_s")
+        rl_only = _median_slowest(res, "cycles_subgroups", "reload_s")
+        yield row("reload phases: rebuild (replayed creations, NCCL init by split)", "s", rl_only - warm - bar,
+                  higher_is_better=False, anchor_note="n/a", note="reload minus warm-up minus barriers")
+        yield row("reload phases: transport warm-up, concurrent across groups", "s", warm, higher_is_better=False,
+                  anchor_note="n/a", note="NCCL connects at first use; one group after another ~0.13 s each")
+        yield row("reload phases: control-plane barriers", "s", bar, higher_is_better=False, anchor_note="n/a")
+        yield row("first collective on every group after reload", "s", rl - rl_only, higher_is_better=False,
+                  anchor_note="n/a", note="after the warm-up: no init, no connect left")
     relw = _median_slowest(res, "cycles_world", "release_s")
     rlw = _median_slowest(res, "cycles_world", "reload_first_s")
     yield row("release, WORLD included", "s", relw, higher_is_better=False, anchor_note="n/a")
