@@ -154,7 +154,7 @@ class _MegatronTrainer:
     def _build(self):
         from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
 
-        from ..bench.suites._megatron_worker import build_gpt, opt_config  # noqa: PLC0415
+        from ..anchors.megatron import build_gpt, opt_config  # noqa: PLC0415
 
         c, s = self.cfg, self.spec
         dims = (c.n_layers, c.d_model, c.n_heads, c.d_ff, c.vocab, c.max_seq)

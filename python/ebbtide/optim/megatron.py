@@ -9,6 +9,10 @@ Megatron-core builds its offloaded optimizer (``--optimizer-cpu-offload``) as
 kernel, own threads independent of OMP_NUM_THREADS, ``mode`` exact or fast). What stays Megatron's: its transfers
 (fp32 masters H2D, per-parameter optimizers); for the pipelined path use :class:`ebbtide.optim.OffloadedAdam`.
 
+Why it stays beside ``ebbtide.integrations.megatron``: the adapter replaces Megatron's optimizer (and brings
+offload, groups and the sharded form); this is the one-line change for a trainer that keeps Megatron's
+HybridDeviceOptimizer as it is configured today (slime's scripts) and wants only the faster CPU step.
+
     import ebbtide.optim.megatron as ebt_megatron
     ebt_megatron.install(mode="fast", threads=None)   # before get_megatron_optimizer(...)
 """

@@ -34,6 +34,8 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from ...anchors.megatron import build_gpt, hdo, opt_config  # noqa: E402,F401  (shared with the colocated example)
+
 SIZES = {  # name -> (layers, hidden, heads, vocab, seq, batch)
     "tiny": (2, 256, 4, 1024, 128, 2),
     "quick": (4, 1024, 16, 32000, 512, 2),
@@ -68,38 +70,6 @@ def build(size: str, *, dist_opt: bool, seed: int = 1234):
     return build_gpt(layers, hidden, heads, 4 * hidden, vocab, seq, dist_opt=dist_opt, seed=seed)
 
 
-def build_gpt(layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: int, *, dist_opt: bool,
-              seed: int = 1234, ddp_region=None):
-    """GPTModel (local layer spec, rotary positions, no dropout) -> Float16Module (bf16) -> Megatron's DDP.
-    ``ddp_region``: a context manager factory entered around the DDP construction only, so its param and grad
-    buffers are allocated inside it (e.g. a torch_memory_saver region) while the model's construction-time
-    tensors, freed once DDP has copied them into its buffers, stay outside it."""
-    from megatron.core import tensor_parallel  # noqa: PLC0415
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
-    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
-    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
-
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                            ffn_hidden_size=ffn, bf16=True, pipeline_dtype=torch.bfloat16,
-                            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
-                   position_embedding_type="rope")
-    # Megatron's get_model moves each chunk to the GPU before wrapping it: some modules of the local spec (norms)
-    # are built on the CPU, and plain DDP (no distributed optimizer) leaves params where they are.
-    gpt.cuda(torch.cuda.current_device())
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=dist_opt)
-    chunk = Float16Module(cfg, gpt)
-    if ddp_region is None:
-        return DistributedDataParallel(cfg, ddp_cfg, chunk)
-    with ddp_region():
-        return DistributedDataParallel(cfg, ddp_cfg, chunk)
-
-
 def batch(size: str, step: int):
     _, _, _, vocab, seq, b = SIZES[size]
     g = torch.Generator().manual_seed(10_000 + step)
@@ -117,29 +87,6 @@ def train(model, size: str, step: int) -> float:
     loss.backward()
     model.finish_grad_sync()
     return float(loss.item())
-
-
-def opt_config(**kw):
-    from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
-
-    base = dict(optimizer="adam", lr=3e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                bf16=True, clip_grad=0.0)
-    base.update(kw)
-    return OptimizerConfig(**base)
-
-
-def hdo(model, clip: float = 0.0, fused: bool = True):
-    """Megatron's CPU path as slime runs it: DistributedOptimizer + HybridDeviceOptimizer, all of it on the CPU,
-    D2H/H2D overlapped. ``fused=False`` switches its CPU torch AdamW to the for-loop implementation."""
-    from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
-
-    opt = get_megatron_optimizer(opt_config(use_distributed_optimizer=True, optimizer_cpu_offload=True,
-                                            optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=True,
-                                            clip_grad=clip), [model])
-    if not fused:
-        for g in opt.optimizer.param_groups:
-            g["fused"] = False
-    return opt
 
 
 def ours(model, mode: str = "fast", clip: float = 0.0):

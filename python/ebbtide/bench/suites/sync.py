@@ -25,6 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from ...anchors.sync import slime_update
 from ..registry import Row, suite
 
 GB = 1e9
@@ -131,37 +132,6 @@ def _source(plan, device):
             .to(torch.bfloat16) for it in plan.items}
 
 
-def _slime_update(plan, src, conn) -> None:
-    import torch
-
-    import ebbtide.quant as Q
-
-    for b in plan.buckets:
-        flats, meta, off = [], [], 0
-        for it in b.items:
-            w = src[it.source]
-            if it.kind == "fp8":
-                q, s = Q.fp8_block_quant(w)  # one launch per tensor
-                pieces = [(it.outputs[0], q), (it.outputs[1], s)]
-            else:
-                pieces = [(it.outputs[0], w)]
-            for o, t in pieces:
-                f = t.reshape(-1).view(torch.uint8)
-                flats.append(f)
-                meta.append((o.name, o.dtype, o.shape, off, off + f.numel()))
-                off += f.numel()
-        flat = torch.cat(flats)  # the flattening copy, a new producer buffer every bucket
-        torch.cuda.current_stream().synchronize()
-        conn.send(("bucket", flat, meta))  # the CUDA IPC handle, pickled
-        if conn.recv()[0] != "ok":
-            raise RuntimeError("consumer failed")
-        del flat, flats
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
-    conn.send(("done",))
-    conn.recv()
-
-
 def _timed(fn, reps: int) -> float:
     """Median seconds of ``reps`` calls after WARMUP untimed ones (the first IPC open, the allocator, the kept
     launch tables, the GPU's clocks after the process start: an RL run updates hundreds of times)."""
@@ -217,7 +187,7 @@ def _measure(model: str, quick: bool, ctx):
 
         a.send(("slime", reps + WARMUP))
         ctx.progress(f"sync {model}: slime-style")
-        out["slime"] = _timed(lambda: _slime_update(plan, src, a), reps)
+        out["slime"] = _timed(lambda: slime_update(plan, src, a), reps)
 
         hs = Sender(src, HostSender(host), plan=plan)
         a.send(("host", reps + WARMUP))

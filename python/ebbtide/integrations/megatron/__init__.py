@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from ._groups import check_groups, install_groups, megatron_groups, release_groups, reload_groups
 from ._memory import OffloadReport, TrainingState
-from ._optimizer import EbbtideOptimizer, check_config, get_optimizer
+from ._build import get_optimizer
+from ._distributed import EbbtideDistributedOptimizer
+from ._optimizer import EbbtideOptimizer, check_config
 
 __all__ = [
     "install_groups", "release_groups", "reload_groups", "check_groups", "megatron_groups",
-    "TrainingState", "OffloadReport", "get_optimizer", "EbbtideOptimizer", "check_config",
+    "TrainingState", "OffloadReport", "get_optimizer", "EbbtideOptimizer", "EbbtideDistributedOptimizer",
+    "check_config",
 ]

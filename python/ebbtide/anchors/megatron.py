@@ -1,0 +1,63 @@
+"""Megatron-core setups shared by the benchmarks and the colocated example: a GPT built as Megatron trains it, the
+``OptimizerConfig`` they use, and the CPU-offloaded optimizer slime runs (DistributedOptimizer +
+HybridDeviceOptimizer). Import it only where megatron-core is installed."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["build_gpt", "opt_config", "hdo"]
+
+
+def build_gpt(layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: int, *, dist_opt: bool,
+              seed: int = 1234, ddp_region=None):
+    """GPTModel (local layer spec, rotary positions, no dropout) -> Float16Module (bf16) -> Megatron's DDP.
+    ``ddp_region``: a context manager factory entered around the DDP construction only, so its param and grad
+    buffers are allocated inside it (e.g. a torch_memory_saver region) while the model's construction-time
+    tensors, freed once DDP has copied them into its buffers, stay outside it."""
+    from megatron.core import tensor_parallel  # noqa: PLC0415
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                            ffn_hidden_size=ffn, bf16=True, pipeline_dtype=torch.bfloat16,
+                            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
+    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
+                   position_embedding_type="rope")
+    # Megatron's get_model moves each chunk to the GPU before wrapping it: some modules of the local spec (norms)
+    # are built on the CPU, and plain DDP (no distributed optimizer) leaves params where they are.
+    gpt.cuda(torch.cuda.current_device())
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=dist_opt)
+    chunk = Float16Module(cfg, gpt)
+    if ddp_region is None:
+        return DistributedDataParallel(cfg, ddp_cfg, chunk)
+    with ddp_region():
+        return DistributedDataParallel(cfg, ddp_cfg, chunk)
+
+
+def opt_config(**kw):
+    from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
+
+    base = dict(optimizer="adam", lr=3e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                bf16=True, clip_grad=0.0)
+    base.update(kw)
+    return OptimizerConfig(**base)
+
+
+def hdo(model, clip: float = 0.0, fused: bool = True):
+    """Megatron's CPU path as slime runs it: DistributedOptimizer + HybridDeviceOptimizer, all of it on the CPU,
+    D2H/H2D overlapped. ``fused=False`` switches its CPU torch AdamW to the for-loop implementation."""
+    from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
+
+    opt = get_megatron_optimizer(opt_config(use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                                            optimizer_offload_fraction=1.0, overlap_cpu_optimizer_d2h_h2d=True,
+                                            clip_grad=clip), [model])
+    if not fused:
+        for g in opt.optimizer.param_groups:
+            g["fused"] = False
+    return opt

@@ -1,0 +1,85 @@
+"""``get_optimizer``: Megatron's ``get_megatron_optimizer`` for ebbtide. It picks the form from the model's DDP config
+(non-sharded ``EbbtideOptimizer`` over OffloadedAdam, or the sharded ``EbbtideDistributedOptimizer``); what each
+form supports and refuses is in its module (``_optimizer.py``, ``_distributed.py``)."""
+from __future__ import annotations
+
+import torch
+
+from ...errors import InvalidArgumentError, UnsupportedError
+from ...optim import OffloadedAdam
+from ._distributed import EbbtideDistributedOptimizer
+from ._optimizer import EbbtideOptimizer, check_config, moments_dtype
+from ._sharded import ShardAdam
+
+try:
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import _get_param_groups
+except ImportError as e:  # the package is usable without Megatron; this module is not
+    raise ImportError(f"ebbtide.integrations.megatron needs megatron-core (tested with 0.16.1): {e}") from e
+
+__all__ = ["get_optimizer"]
+
+
+def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "fast", threads: int | None = None,
+                  bucket_numel: int = 16 * 2**20, slots: int = 3, buffer_factory=None) -> EbbtideOptimizer:
+    """Megatron's ``get_megatron_optimizer`` for ebbtide: the same ``OptimizerConfig`` and model chunks (Megatron
+    DDP, bf16 params), param groups formed by Megatron (weight-decay and lr multipliers, ``config_overrides``).
+    With ``use_distributed_optimizer=False`` (config and DDP): an :class:`EbbtideOptimizer` (whole host state on
+    every rank). With ``use_distributed_optimizer=True`` in both: an ``EbbtideDistributedOptimizer`` (each
+    data-parallel rank holds its shard; expert-parallel params too). ``mode``: "fast" or "exact" (fp32 master
+    bit-identical to torch's CPU AdamW). ``threads``/``bucket_numel``/``slots`` go to the CPU pipeline
+    (``bucket_numel``: its transfer granularity); ``buffer_factory`` to OffloadedAdam (non-sharded form only).
+    Collective over WORLD (Megatron aligns param groups across ranks)."""
+    check_config(config)
+    if not isinstance(model_chunks, (list, tuple)):
+        model_chunks = [model_chunks]
+    if not model_chunks:
+        raise InvalidArgumentError("model_chunks is empty")
+    ddp_configs = [getattr(chunk, "ddp_config", None) for chunk in model_chunks]  # None: a plain module
+    if any(getattr(d, "use_megatron_fsdp", False) for d in ddp_configs):
+        raise UnsupportedError("the model's DDP was built with use_megatron_fsdp=True (Megatron-FSDP): not "
+                               "supported by ebbtide's Megatron optimizer")
+    forms = {bool(getattr(d, "use_distributed_optimizer", False)) for d in ddp_configs}
+    if len(forms) > 1:
+        raise InvalidArgumentError("the model chunks' DDP configs differ in use_distributed_optimizer")
+    sharded = forms.pop()
+    precision_aware = bool(getattr(config, "use_precision_aware_optimizer", False))
+    # Megatron demands use_distributed_optimizer=True in the OptimizerConfig with the precision-aware options: with
+    # a plain DDP that combination keeps meaning the non-sharded form.
+    if sharded != bool(config.use_distributed_optimizer) and not (precision_aware and not sharded):
+        raise InvalidArgumentError(
+            f"the OptimizerConfig says use_distributed_optimizer={config.use_distributed_optimizer} and the model's "
+            f"DDP config {sharded}: build both the same way")
+    groups = _get_param_groups(list(model_chunks), config, config_overrides)
+    if not sharded and any(g["is_expert_parallel"] and g["params"] for g in groups):
+        raise UnsupportedError("expert-parallel (MoE) params need the distributed optimizer with ebbtide's Megatron "
+                               "optimizer (use_distributed_optimizer=True in the DDP and OptimizerConfig)")
+    groups = [g for g in groups if g["params"] and (sharded or not g["is_expert_parallel"])]
+    for g in groups:
+        for p in g["params"]:
+            if p.dtype != torch.bfloat16:
+                raise UnsupportedError(f"param of dtype {p.dtype}: ebbtide's Megatron optimizer needs bf16 params "
+                                       "(Float16Module with bf16=True)")
+    grad_scaler = None
+    if config.loss_scale:
+        from megatron.core.optimizer.grad_scaler import ConstantGradScaler  # noqa: PLC0415
+
+        grad_scaler = ConstantGradScaler(config.loss_scale)
+    hyper = dict(lr=config.lr if config.lr is not None else 1e-3, betas=(config.adam_beta1, config.adam_beta2),
+                 eps=config.adam_eps, weight_decay=config.weight_decay, adamw=config.decoupled_weight_decay,
+                 mode=mode, threads=threads, slots=slots, moments_dtype=moments_dtype(config))
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if sharded:
+        if buffer_factory is not None:
+            raise InvalidArgumentError("buffer_factory applies to the non-sharded form only (the distributed form "
+                                       "keeps the params in Megatron's DDP buffers)")
+        buffers = [b for c in model_chunks for b in list(c.buffers) + list(c.expert_parallel_buffers)]
+        inner = ShardAdam(groups, buffers, run_numel=bucket_numel, tp_group=tp_group, **hyper)
+        return EbbtideDistributedOptimizer(
+            inner, config, model_chunks, grad_scaler,
+            grad_stats_parallel_group=parallel_state.get_intra_distributed_optimizer_instance_group(),
+            tp_group=tp_group)
+    inner = OffloadedAdam(groups, bucket_numel=bucket_numel, buffer_factory=buffer_factory, attach_grads=False,
+                          **hyper)
+    return EbbtideOptimizer(inner, config, grad_scaler,
+                            grad_stats_parallel_group=parallel_state.get_model_parallel_group(), tp_group=tp_group)
