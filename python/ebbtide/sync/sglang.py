@@ -9,7 +9,10 @@ so the payloads are base64 text) or for the ``Engine`` method of the same name.
   as a CUDA IPC handle, a CPU tensor through shared memory). ``form="named"``: a list of ``(name, tensor)`` views
   into the bucket (``load_format=None``: the model's ``load_weights``). ``form="flattened_bucket"``: the dict
   ``{"flattened_tensor": uint8 bucket, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx,
-  end_idx, numel)]}`` (byte offsets; dtypes mixed), which SGLang rebuilds as views.
+  end_idx, numel)]}`` (byte offsets; dtypes mixed), which SGLang rebuilds as views. ``form="ebbtide"``: one
+  named tensor, the bucket, under a name carrying the layout, version and plan signature, with ``load_format``
+  naming ebbtide's loader (``ebbtide.sync.sglang_loader``; the server needs ``--custom-weight-loader`` with it),
+  which replays a record of SGLang's own placement in one launch per bucket.
 - ``update_weights_from_distributed``: per bucket ``names``/``dtypes``/``shapes`` in wire order with
   ``load_format="flattened_bucket"``: the receiver allocates ``FlattenedTensorBucket.empty(names, dtypes, shapes)``
   and joins one broadcast of the whole bucket, which lands in place because ebbtide's bucket has exactly that
@@ -36,10 +39,10 @@ import torch
 from ..errors import InvalidArgumentError, StateError
 from .plan import BucketPlan
 
-__all__ = ["serialize", "tensor_request", "distributed_request", "init_group_request", "destroy_group_request",
+__all__ = ["serialize", "tensor_request", "ebbtide_payload", "distributed_request", "init_group_request", "destroy_group_request",
            "begin_request", "end_request", "SGLangTensorSender", "SGLangDistributedSender", "FORMS"]
 
-FORMS = ("flattened_bucket", "named")
+FORMS = ("flattened_bucket", "named", "ebbtide")
 
 
 def serialize(obj, *, as_str: bool = False):
@@ -78,21 +81,42 @@ def flattened_payload(bucket: BucketPlan, buf: torch.Tensor) -> dict:
                               end_idx=o.offset + o.nbytes, numel=o.nbytes) for o in bucket.outputs]}
 
 
+def ebbtide_payload(bucket: BucketPlan, buf: torch.Tensor, *, version: int, signature: str, buckets: int) -> list:
+    """The ebbtide form's named tensors: ``[(name carrying the layout, the bucket's bytes)]``."""
+    from .sglang_loader import encode  # noqa: PLC0415
+
+    meta = {"v": int(version), "sig": signature, "bucket": bucket.index, "buckets": int(buckets),
+            "outputs": [[o.name, o.dtype, list(o.shape), o.offset, o.offset + o.nbytes] for o in bucket.outputs]}
+    return [(encode(meta), buf[:bucket.nbytes])]
+
+
 def tensor_request(bucket: BucketPlan, buf: torch.Tensor, *, form: str = "flattened_bucket", tp_size: int = 1,
-                   weight_version=None, flush_cache: bool = False, as_str: bool = False) -> dict:
-    """The ``update_weights_from_tensor`` request for one bucket held in ``buf`` (uint8, ``bucket.nbytes``+)."""
+                   weight_version=None, flush_cache: bool = False, as_str: bool = False,
+                   signature: str | None = None, buckets: int | None = None) -> dict:
+    """The ``update_weights_from_tensor`` request for one bucket held in ``buf`` (uint8, ``bucket.nbytes``+).
+    ``form="ebbtide"`` needs ``weight_version`` (an int), the plan's ``signature`` and its bucket count."""
     if form not in FORMS:
         raise InvalidArgumentError(f"form must be one of {FORMS}, got {form!r}")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise InvalidArgumentError(f"tp_size must be a positive int, got {tp_size!r}")
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.numel() < bucket.nbytes:
         raise InvalidArgumentError(f"buf must be a uint8 tensor of at least {bucket.nbytes} bytes")
+    load_format = None
     if form == "flattened_bucket":
-        obj = flattened_payload(bucket, buf)
+        obj, load_format = flattened_payload(bucket, buf), form
+    elif form == "ebbtide":
+        if not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < 0 \
+                or not signature or not isinstance(buckets, int) or buckets < 1:
+            raise InvalidArgumentError("form='ebbtide' needs weight_version (an int >= 0), the plan's signature and "
+                                       f"its bucket count (got {weight_version!r}, {signature!r}, {buckets!r})")
+        from .sglang_loader import LOADER  # noqa: PLC0415
+
+        obj = ebbtide_payload(bucket, buf, version=weight_version, signature=signature, buckets=buckets)
+        load_format = LOADER
     else:
         obj = [(o.name, o.view(buf)) for o in bucket.outputs]
     return {"serialized_named_tensors": [serialize(obj, as_str=as_str) for _ in range(tp_size)],
-            "load_format": form if form == "flattened_bucket" else None, "flush_cache": flush_cache,
+            "load_format": load_format, "flush_cache": flush_cache,
             "weight_version": None if weight_version is None else str(weight_version)}
 
 
@@ -177,7 +201,8 @@ class SGLangTensorSender:
         if ev is not None:
             ev.synchronize()  # SGLang reads the bytes without waiting for our stream
         req = tensor_request(bucket, buf, form=self.form, tp_size=self.tp_size, weight_version=self.version,
-                             flush_cache=self.flush_cache and last, as_str=self.as_str)
+                             flush_cache=self.flush_cache and last, as_str=self.as_str,
+                             signature=self.plan.signature, buckets=len(self.plan.buckets))
         # the request carries the IPC handle: from here the sender keeps no reference, and torch's IPC reference
         # count decides when the block is reused
         del buf

@@ -1,0 +1,142 @@
+"""ebbtide's SGLang weight loader (ebbtide.sync.sglang_loader): the first update of a layout is placed by the model's
+own ``load_weights`` and recorded, later ones replay the record; the parameters must be bitwise what the model's
+loader writes for the same request, every update. CPU: a plain-torch model placing tensors as SGLang's classes do
+(loader_models.py), the request path as SGLang's weight updater runs it, the refusals; SGLang's own layers in
+test_sglang_loader_layers.py."""
+import importlib
+
+import pytest
+import torch
+
+from ebbtide.sync import Plan, fill_bucket, sglang as S
+from ebbtide.sync import sglang_loader as L
+
+from loader_models import TinyServed, checkpoint
+
+
+def _requests(plan, src, version, form="ebbtide"):
+    """Each bucket's ``update_weights_from_tensor`` request, as the sender builds it."""
+    out = []
+    for b in plan.buckets:
+        buf = torch.empty(b.nbytes, dtype=torch.uint8)
+        fill_bucket(plan, b, src, buf)
+        out.append(S.tensor_request(b, buf, form=form, weight_version=version, signature=plan.signature,
+                                    buckets=len(plan.buckets)))
+    return out
+
+
+def _engine_apply(model, req, custom_loaders=(L.LOADER,)):
+    """What SGLang 0.5.23's weight updater does with a request (weight_updater.py): deserialize this rank's
+    payload, then ``dynamic_import(load_format)(model, named_tensors)`` when load_format is a registered custom
+    loader, ``model.load_weights`` when it is None."""
+    from multiprocessing.reduction import ForkingPickler
+
+    named = ForkingPickler.loads(req["serialized_named_tensors"][0])
+    fmt = req["load_format"]
+    if fmt is None:
+        model.load_weights(named)
+    elif fmt in custom_loaders:
+        module, fn = fmt.rsplit(".", 1)
+        getattr(importlib.import_module(module), fn)(model, named)
+    else:
+        raise NotImplementedError(fmt)
+
+
+def _reference(plan, src, tp_rank=0, tp_size=1):
+    """The model's own loader over the same buckets (SGLang's named form, ``load_weights``)."""
+    ref = TinyServed(tp_rank, tp_size)
+    for req in _requests(plan, src, None, form="named"):
+        _engine_apply(ref, req)
+    return ref
+
+
+@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (1, 2)])
+def test_replay_is_bitwise_what_the_models_loader_writes_over_20_updates(tp_rank, tp_size):
+    model = TinyServed(tp_rank, tp_size)
+    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=40_000)
+    assert len(plan.buckets) > 2
+    for v in range(20):
+        src = checkpoint(v)
+        for req in _requests(plan, src, v):
+            _engine_apply(model, req)
+        want = _reference(plan, src, tp_rank, tp_size)
+        for (n, p), (_, q) in zip(model.named_parameters(), want.named_parameters()):
+            assert torch.equal(p, q), (v, n)
+    st = L.state(model)
+    assert st.held == 19 and st.recorded == len(plan.buckets) and st.replayed == 19 * len(plan.buckets)
+    fallback = {n for r in st.records.values() for n in r.fallback}
+    assert fallback == {"layers.0.norm.weight"}  # the cast is SGLang's loader's, every update
+
+
+def test_stale_versions_and_mixed_plans_are_refused_untouched():
+    model = TinyServed()
+    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=40_000)
+    for req in _requests(plan, checkpoint(1), 5):
+        _engine_apply(model, req)
+    before = [p.clone() for p in model.parameters()]
+    for req in _requests(plan, checkpoint(2), 5):  # not newer than the held version
+        _engine_apply(model, req)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert "not newer" in L.state(model).last_error
+    _engine_apply(model, _requests(plan, checkpoint(3), 6)[0])
+    _engine_apply(model, _requests(plan, checkpoint(3), 6)[0])  # the same bucket twice (a CPU payload reads once)
+    assert "already applied" in L.state(model).last_error
+    other = Plan.of({k: v for k, v in checkpoint(0).items() if "experts" not in k}, default="raw", bucket_bytes=40_000)
+    mixed = _requests(other, checkpoint(3), 6)
+    snapshot = [p.clone() for p in model.parameters()]
+    _engine_apply(model, mixed[1])
+    assert "plan signature" in L.state(model).last_error
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, model.parameters()))
+
+
+def test_moved_parameters_are_recorded_again_and_plain_requests_pass_through():
+    model = TinyServed()
+    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=40_000)
+    for v in range(2):
+        for req in _requests(plan, checkpoint(v), v):
+            _engine_apply(model, req)
+    with torch.no_grad():
+        model.qkv_proj.data = model.qkv_proj.data.clone()  # the engine re-allocated a parameter
+    recorded = L.state(model).recorded
+    for req in _requests(plan, checkpoint(7), 2):
+        _engine_apply(model, req)
+    assert L.state(model).recorded > recorded
+    want = _reference(plan, checkpoint(7))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), want.parameters()))
+    for req in _requests(plan, checkpoint(8), None, form="named"):  # SGLang's own form, load_format None
+        _engine_apply(model, req)
+    assert torch.equal(model.qkv_proj, _reference(plan, checkpoint(8)).qkv_proj)
+
+
+def test_the_ebbtide_form_needs_a_version_and_the_plan():
+    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=40_000)
+    b = plan.buckets[0]
+    buf = torch.empty(b.nbytes, dtype=torch.uint8)
+    with pytest.raises(Exception, match="needs weight_version"):
+        S.tensor_request(b, buf, form="ebbtide", weight_version=None, signature=plan.signature, buckets=3)
+    with pytest.raises(Exception, match="needs weight_version"):
+        S.tensor_request(b, buf, form="ebbtide", weight_version=1, signature=None, buckets=3)
+    req = S.tensor_request(b, buf, form="ebbtide", weight_version=1, signature=plan.signature, buckets=3)
+    assert req["load_format"] == L.LOADER == "ebbtide.sync.sglang_loader.load_weights"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA replay (one SegmentCopy launch per bucket) needs "
+                                                          "a GPU; no CUDA GPU visible to torch")
+@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (1, 2)])
+def test_cuda_replay_is_bitwise_what_the_models_loader_writes(tp_rank, tp_size):
+    """The loader called as SGLang calls it (the rebuilt bucket on the engine's device), 20 updates."""
+    model, ref = TinyServed(tp_rank, tp_size).cuda(), TinyServed(tp_rank, tp_size).cuda()
+    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=40_000)
+    for v in range(20):
+        src = {k: t.cuda() for k, t in checkpoint(v).items()}
+        for b in plan.buckets:
+            buf = torch.empty(b.nbytes, dtype=torch.uint8, device="cuda")
+            fill_bucket(plan, b, src, buf)
+            L.load_weights(model, S.ebbtide_payload(b, buf, version=v, signature=plan.signature,
+                                                    buckets=len(plan.buckets)))
+            ref.load_weights([(o.name, o.view(buf)) for o in b.outputs])
+        torch.cuda.synchronize()
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p, q), (v, n)
+    assert L.state(model).replayed == 19 * len(plan.buckets)
