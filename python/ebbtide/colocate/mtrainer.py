@@ -14,9 +14,9 @@ Policies:
 - Variant "ebbtide", through the public adapter only: ``install_groups()`` before ``init_process_group``,
   ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
   restore (``weights="discard"``: the weights are dropped and rebuilt from the optimizer's host mirror, as slime
-  drops its DDP buffers and restores them from its TensorBackuper), ``release_groups(include_world=True, wait=False)`` (the communicators' teardown overlaps the offload
-  and the rollout's generate; comm_reload joins it, so a teardown longer than both is paid there) /
-  ``reload_groups()``;
+  drops its DDP buffers and restores them from its TensorBackuper), ``release_groups(include_world=True,
+  wait=False)`` (the communicators' teardown overlaps the offload and the rollout's generate; comm_reload joins it,
+  so a teardown longer than both is paid there) / ``reload_groups()``;
   weights by ``ebbtide.sync`` (``Sender`` + ``IpcSender``); the rollout on ebbtide.memory (preload shim).
 - Variant "slime", the configuration slime runs colocated: Megatron's DistributedOptimizer + HybridDeviceOptimizer
   (offload fraction 1.0, D2H/H2D overlap); torch_memory_saver (torch hook mode, ``retain_cpu_backup``) with the

@@ -17,11 +17,12 @@ Policies:
   bf16; 512 MiB buckets). Mode
   "ebbtide": ``Sender`` + ``IpcSender`` -> ``IpcReceiver`` into a ``Receiver`` (staged, applied whole, version
   checked); the producer buffers are given back after every update (``IpcSender.close`` + ``ipc_collect``) so the
-  trainer holds nothing for the sync while the rollout runs. Mode "slime": the slime-style update the sync
-  benchmark runs too (``ebbtide.anchors.sync.slime_update``: per-tensor FP8 launches, a ``torch.cat`` and one IPC
-  request per bucket, ``ipc_collect`` + ``empty_cache`` per bucket); the rollout rebuilds the views, dequantizes each weight with one
-  launch and copies it into its parameter, as a serving engine's ``load_weights`` does, and answers once those
-  copies completed (SGLang answers after enqueuing them; here the sender frees the bucket right after the answer).
+  trainer holds nothing for the sync while the rollout runs. Mode "slime": the slime-style update the sync benchmark
+  runs too (``ebbtide.anchors.sync.slime_update``: per-tensor FP8 launches, a ``torch.cat`` and one IPC request per
+  bucket, ``ipc_collect`` + ``empty_cache`` per bucket); the rollout rebuilds the views, dequantizes each weight
+  with one launch and copies it into its parameter, as a serving engine's ``load_weights`` does, and answers once
+  those copies completed (SGLang answers after enqueuing them; here the sender frees the bucket right after the
+  answer).
 """
 from __future__ import annotations
 

@@ -39,8 +39,9 @@ import torch
 from ..errors import InvalidArgumentError, StateError
 from .plan import BucketPlan
 
-__all__ = ["serialize", "tensor_request", "ebbtide_payload", "distributed_request", "init_group_request", "destroy_group_request",
-           "begin_request", "end_request", "SGLangTensorSender", "SGLangDistributedSender", "FORMS"]
+__all__ = ["serialize", "tensor_request", "ebbtide_payload", "distributed_request", "init_group_request",
+           "destroy_group_request", "begin_request", "end_request", "SGLangTensorSender", "SGLangDistributedSender",
+           "FORMS"]
 
 FORMS = ("flattened_bucket", "named", "ebbtide")
 
