@@ -61,7 +61,7 @@ def _setup(rank, world, init, tp=1, ep=1):
         moe_utils.te_general_gemm = None
 
 
-def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16, experts=0):
+def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16, experts=0, fp32_grads=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
@@ -82,7 +82,7 @@ def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16, experts=0):
                             use_cpu_initialization=True, init_method_std=0.02, **moe)
     spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
     gpt = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=seq)
-    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False,
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=fp32_grads,
                                             bucket_size=4096)  # several buckets, shards cutting params
     return DistributedDataParallel(cfg, ddp_cfg, Float16Module(cfg, gpt))
 
@@ -136,7 +136,7 @@ def moe_exact(rank, world, init, steps=5, ep=2):
     return {"losses": losses, "expert_groups": sum(g["is_expert_parallel"] for g in opt.param_groups)}
 
 
-def dp_exact(rank, world, init, steps=6, tp=1):
+def dp_exact(rank, world, init, steps=6, tp=1, fp32_grads=False):
     """Losses, masters and Megatron's dp_zero checkpoint: ebbtide's sharded optimizer (exact) vs Megatron's
     DistributedOptimizer; then Megatron's checkpoint loaded into ebbtide's optimizer and trained on, equal again."""
     from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
@@ -145,11 +145,11 @@ def dp_exact(rank, world, init, steps=6, tp=1):
     from ebbtide.errors import InvalidArgumentError  # noqa: PLC0415
 
     _setup(rank, world, init, tp=tp)
-    ref_model = _gpt()
+    ref_model = _gpt(fp32_grads=fp32_grads)
     ref = get_megatron_optimizer(_config(), [ref_model])
     ref_losses = [_step(ref_model, ref, s, rank) for s in range(steps)]
     ref_state = ref.chained_optimizers[0].get_parameter_state_dp_zero()
-    model = _gpt()
+    model = _gpt(fp32_grads=fp32_grads)
     opt = ebt.get_optimizer(_config(), [model], mode="exact", bucket_numel=1000)
     assert type(opt).__name__ == "EbbtideDistributedOptimizer", type(opt)
     losses = [_step(model, opt, s, rank) for s in range(steps)]
@@ -167,7 +167,7 @@ def dp_exact(rank, world, init, steps=6, tp=1):
                 for k in ("param", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(world_t[k], state[bi][key][k]), (bi, key, k)
     # Megatron's checkpoint into ebbtide's optimizer (a fresh one, other weights), then both go on equal.
-    fresh_model = _gpt(seed=99)
+    fresh_model = _gpt(seed=99, fp32_grads=fp32_grads)
     fresh = ebt.get_optimizer(_config(), [fresh_model], mode="exact", bucket_numel=1000)
     fresh.load_state_dict(ref.chained_optimizers[0].state_dict())
     fresh.load_parameter_state_from_dp_zero(ref_state)

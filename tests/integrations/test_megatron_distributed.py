@@ -20,6 +20,11 @@ def test_dp_exact_matches_megatron_distributed_optimizer(world):
         assert r["host_bytes"] == 12 * r["owned"]
 
 
+def test_fp32_reduced_grads_exact_matches_megatron_distributed_optimizer():
+    """grad_reduce_in_fp32=True: the shard's gradients are fp32 in DDP's buffer and go to the kernel as fp32."""
+    _spawn.run("dp_exact", 2, module="megatron_dist_workers", timeout=240, fp32_grads=True)
+
+
 def test_tp2_dp2_exact_matches_megatron_distributed_optimizer():
     _spawn.run("dp_exact", 4, module="megatron_dist_workers", timeout=240, tp=2)
 
