@@ -83,22 +83,28 @@ def standin(rank, world, init, cycles=3):
 
 
 def standin_disagreement(rank, world, init):
-    """Ranks holding different DeepEP buffers: release() refuses on every rank before anything is freed."""
+    """Ranks sharing a group but holding different DeepEP buffers on it: release() refuses on every rank before
+    anything is freed. A buffer on a group only some ranks belong to (a pipeline stage with MoE layers) is fine."""
     comm.install(timeout=30)
     sys.path.insert(0, STANDIN)
     import deep_ep  # noqa: PLC0415
 
     dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
-    solo = [dist.new_group([r]) for r in range(world)]
-    buf = deep_ep.Buffer(solo[rank], 4096 * (rank + 1), 0)
+    first = dist.new_group([0])
+    pair = dist.new_group(list(range(world)))
+    only_first = deep_ep.Buffer(first, 2048, 0) if rank == 0 else None
+    comm.release(include_world=True)  # rank 1 holds no buffer of group [0]: agreed
+    comm.reload()
+    assert only_first is None or only_first.runtime.is_available()
+    buf = deep_ep.Buffer(pair, 4096 * (rank + 1), 0)
     try:
         comm.release(include_world=True)
         msg = ""
     except StateError as e:
         msg = str(e)
     assert "different DeepEP buffers" in msg, msg
-    assert buf.runtime.is_available() and len(deep_ep.LIVE) == 1
+    assert buf.runtime.is_available() and len(deep_ep.LIVE) == (2 if rank == 0 else 1)
     dist.all_reduce(torch.ones(1))  # the groups were put back
     return {"msg": msg}
 

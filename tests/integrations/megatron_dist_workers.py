@@ -133,6 +133,14 @@ def moe_exact(rank, world, init, steps=5, ep=2):
     assert losses == ref_losses, (losses, ref_losses)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
+    from ebbtide.errors import UnsupportedError  # noqa: PLC0415
+
+    try:
+        opt.get_parameter_state_dp_zero()
+        refused = ""
+    except UnsupportedError as e:
+        refused = str(e)
+    assert "expert-parallel buffers" in refused, refused
     return {"losses": losses, "expert_groups": sum(g["is_expert_parallel"] for g in opt.param_groups)}
 
 

@@ -54,3 +54,36 @@ def checkpoint(seed: int) -> dict:
     out["layers.0.norm.weight"] = r(H)
     out["layers.0.rotary.inv_freq"] = r(8)  # skipped by the loader
     return out
+
+
+class Combining(torch.nn.Module):
+    """Loaders SGLang has that per-output recording must not break: one that writes a fused parameter only once
+    two outputs of the same call arrived (DeepSeek's q_a_proj + kv_a_proj_with_mqa), a write into a registered
+    buffer, and a transposed copy (one element per run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused_a = torch.nn.Parameter(torch.zeros(2 * H, H, dtype=torch.bfloat16), requires_grad=False)
+        self.register_buffer("table", torch.zeros(H, dtype=torch.bfloat16))
+        self.wt = torch.nn.Parameter(torch.zeros(H, I, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        cached = {}
+        for name, w in weights:
+            if name in ("q_a.weight", "kv_a.weight"):
+                cached[name] = w
+                if len(cached) == 2:
+                    self.fused_a.data.copy_(torch.cat([cached["q_a.weight"], cached["kv_a.weight"]]))
+            elif name == "table":
+                self.table.copy_(w)
+            elif name == "wt.weight":
+                self.wt.data.copy_(w.t())
+
+
+def combining_checkpoint(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    return {"q_a.weight": r(H, H), "kv_a.weight": r(H, H), "table": r(H), "wt.weight": r(I, H)}

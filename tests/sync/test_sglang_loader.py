@@ -11,7 +11,7 @@ import torch
 from ebbtide.sync import Plan, fill_bucket, sglang as S
 from ebbtide.sync import sglang_loader as L
 
-from loader_models import TinyServed, checkpoint
+from loader_models import Combining, TinyServed, checkpoint, combining_checkpoint
 
 
 def _requests(plan, src, version, form="ebbtide"):
@@ -65,7 +65,8 @@ def test_replay_is_bitwise_what_the_models_loader_writes_over_20_updates(tp_rank
     st = L.state(model)
     assert st.held == 19 and st.recorded == len(plan.buckets) and st.replayed == 19 * len(plan.buckets)
     fallback = {n for r in st.records.values() for n in r.fallback}
-    assert fallback == {"layers.0.norm.weight"}  # the cast is SGLang's loader's, every update
+    # the cast is the model's loader's, every update; so is a name it ignores (nothing observed to replay)
+    assert fallback == {"layers.0.norm.weight", "layers.0.rotary.inv_freq"}
 
 
 def test_stale_versions_and_mixed_plans_are_refused_untouched():
@@ -106,6 +107,36 @@ def test_moved_parameters_are_recorded_again_and_plain_requests_pass_through():
     for req in _requests(plan, checkpoint(8), None, form="named"):  # SGLang's own form, load_format None
         _engine_apply(model, req)
     assert torch.equal(model.qkv_proj, _reference(plan, checkpoint(8)).qkv_proj)
+
+
+def test_outputs_the_record_cannot_express_stay_with_the_models_loader():
+    """A fused parameter written once two outputs of one call arrived, a buffer write and a transposed copy: the
+    first update and every later one equal the model's own loader, those outputs loaded by it together."""
+    model, ref = Combining(), Combining()
+    plan = Plan.of(combining_checkpoint(0), default="raw", bucket_bytes=1 << 20)
+    for v in range(3):
+        src = combining_checkpoint(v)
+        for req in _requests(plan, src, v):
+            _engine_apply(model, req)
+        for req in _requests(plan, src, None, form="named"):
+            _engine_apply(ref, req)
+        assert torch.equal(model.fused_a, ref.fused_a) and torch.any(model.fused_a != 0), v
+        assert torch.equal(model.table, ref.table) and torch.equal(model.wt, ref.wt), v
+    rec = next(iter(L.state(model).records.values()))
+    assert sorted(rec.fallback) == ["kv_a.weight", "q_a.weight", "wt.weight"], rec.fallback  # the buffer: replayed
+
+
+def test_an_older_version_cannot_interleave_with_the_one_in_progress():
+    model = TinyServed()
+    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=40_000)
+    _engine_apply(model, _requests(plan, checkpoint(5), 5)[0])
+    before = [p.clone() for p in model.parameters()]
+    _engine_apply(model, _requests(plan, checkpoint(4), 4)[1])
+    assert "older than version 5" in L.state(model).last_error
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    for req in _requests(plan, checkpoint(5), 5)[1:]:
+        _engine_apply(model, req)
+    assert L.state(model).held == 5
 
 
 def test_the_ebbtide_form_needs_a_version_and_the_plan():

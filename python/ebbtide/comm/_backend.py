@@ -358,25 +358,29 @@ def connect(inner: ProcessGroup, g) -> bool:
 #     warm-up one group at a time, and the user's first 1 MB all_reduce on each group then takes ~1 ms. A tiny
 #     all_reduce connects what larger ones use on these machines (the first 1 MB collective found everything
 #     connected). Groups never wait on each other: each collective pairs up within its own group.
-def warm_up(groups: list) -> float:
+def warm_up(groups: list, device: int | None) -> float:
     """Connect the transports of these (attached, device) groups now: one 1-element all_reduce per group, issued
     from one thread per group so the connections are made concurrently. NCCL connects a communicator's transports
     at its first collective, not at init (runtime connect); one after another that costs ~0.13 s per group on 2
-    H200 (Note [Concurrent warm-up]). Every rank warms the same groups (each group's collective pairs up within
-    the group; different groups never wait on each other). A failure is logged, never raised: the group then
-    connects on first use. Returns the seconds spent, device work included."""
+    H200 (Note [Concurrent warm-up]). Every member warms the same groups (the caller passes a set agreed on every
+    rank; each group's collective pairs up within the group; different groups never wait on each other). A
+    failure is logged, never raised: the group then connects on first use. ``device``: the caller's CUDA device,
+    where groups without a bound device run (a fresh thread's current device would be 0). Returns the seconds
+    spent, device work included."""
     if not groups:
         return 0.0
     t0 = time.perf_counter()
+    default = torch.device("cuda", device if device is not None else 0)
 
     def one(g):
-        dev = g.bound_device_id or torch.device("cuda", torch.cuda.current_device())
+        dev = g.bound_device_id or default
         torch.cuda.set_device(dev)
-        x = torch.zeros(1, device=dev)
-        c10d.all_reduce(x, group=g)
-        torch.cuda.synchronize(dev)
+        stream = torch.cuda.Stream(dev)  # its own: a sync then waits for this group's collective only
+        with torch.cuda.stream(stream):
+            x = torch.zeros(1, device=dev)
+            c10d.all_reduce(x, group=g, async_op=True).wait()  # NCCL work: the stream waits for the kernel
+        stream.synchronize()
 
-    current = torch.cuda.current_device()
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     with ThreadPoolExecutor(max_workers=min(len(groups), 64), thread_name_prefix="ebt-comm-warmup") as ex:
@@ -387,7 +391,6 @@ def warm_up(groups: list) -> float:
             except Exception as e:  # an optimisation only
                 log.warning("ebbtide.comm: warm-up of group %s failed (%s); it connects on first use",
                             g._ebt_name, e)
-    torch.cuda.set_device(current)
     return time.perf_counter() - t0
 
 

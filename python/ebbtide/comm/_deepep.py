@@ -17,8 +17,10 @@ What holds:
   ``buffer.runtime`` becomes a guard whose every use raises StateError. Reload (after the groups are back):
   DeepEP's own ``Buffer.__init__`` runs again on the same object with the same arguments, which allocates and
   exchanges the IPC handles over the (reloaded) group.
-- Agreement: the number of tracked live buffers and their sizes travel in release()'s control-plane payload;
-  ranks that disagree fail release() before anything is freed.
+- Agreement: each rank's live buffers (group ranks and sizes, in tracking order) travel in release()'s
+  control-plane payload; two ranks must list the same buffers for the groups they share (a rank outside a group
+  need not hold its buffer: pipeline stages without MoE layers). Ranks that disagree fail release() before
+  anything is freed.
 """
 from __future__ import annotations
 
@@ -75,8 +77,9 @@ def _record(buf, args: dict, auto_destroy: bool) -> None:
     if auto_destroy:
         weakref.finalize(buf, _destroy_if_live, box)
     with _LOCK:
+        if id(buf) not in _ORDER:
+            _ORDER.append(id(buf))
         _BUFFERS[id(buf)] = buf
-        _ORDER.append(id(buf))
 
 
 def _patch(cls) -> None:
@@ -157,6 +160,10 @@ def track(buf) -> None:
         raise UnsupportedError("ebbtide.comm.track(): this DeepEP Buffer was built with explicitly_destroy=False "
                                "before ebbtide.comm.install(): DeepEP's destructor would destroy it a second time "
                                "after a release. Build it after install(), or with explicitly_destroy=True")
+    if getattr(buf, "low_latency_mode", False) or getattr(buf, "group", None) is None:
+        raise UnsupportedError("ebbtide.comm.track(): a low-latency or MPI-communicator DeepEP Buffer built before "
+                               "install() cannot be rebuilt with its own arguments (not kept on the object); "
+                               "build it after ebbtide.comm.install()")
     args = {k: getattr(buf, k) for k in ("group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode",
                                          "explicitly_destroy") if hasattr(buf, k)}
     _record(buf, args, auto_destroy=False)
@@ -177,9 +184,25 @@ def _live(buf) -> bool:
 
 
 def describe() -> list:
-    """This rank's live buffers as ``[num_nvl_bytes, num_rdma_bytes]`` pairs (the release payload's part)."""
-    return [[int(getattr(b, "num_nvl_bytes", 0)), int(getattr(b, "num_rdma_bytes", 0))] for b in tracked()
-            if _live(b)]
+    """This rank's live buffers as ``[group ranks, num_nvl_bytes, num_rdma_bytes]`` (the release payload's
+    part), in tracking order."""
+    return [[_ranks(b), int(getattr(b, "num_nvl_bytes", 0)), int(getattr(b, "num_rdma_bytes", 0))]
+            for b in tracked() if _live(b)]
+
+
+def disagreement(everyone: list) -> str:
+    """"" when every rank lists, in the same order, the buffers of each group it belongs to (DeepEP's destroy is
+    collective among a buffer's ranks; ranks outside a group need not hold its buffer, e.g. pipeline stages
+    without MoE layers); else what differs."""
+    for r, payload in enumerate(everyone):
+        for ranks, *_ in payload["deepep"]:
+            for peer in ranks:
+                mine = [e for e in payload["deepep"] if peer in e[0]]
+                theirs = [e for e in everyone[peer]["deepep"] if r in e[0]] if peer < len(everyone) else None
+                if mine != theirs:
+                    return (f"rank {r} holds {mine} with rank {peer}, rank {peer} holds {theirs} "
+                            "([group ranks, nvl bytes, rdma bytes])")
+    return ""
 
 
 def _name(buf) -> str:

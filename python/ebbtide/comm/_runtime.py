@@ -294,9 +294,9 @@ class Runtime:
                 if len({json.dumps(p["opts"]) for p in everyone}) != 1:
                     raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu "
                                      f"arguments: {[p['opts'] for p in everyone]}")
-                if len({json.dumps(p["deepep"]) for p in everyone}) != 1:
-                    raise StateError("ebbtide.comm.release(): ranks hold different DeepEP buffers "
-                                     f"([nvl, rdma] bytes per rank: {[p['deepep'] for p in everyone]})")
+                why = _deepep.disagreement(everyone)
+                if why:
+                    raise StateError(f"ebbtide.comm.release(): ranks hold different DeepEP buffers: {why}")
                 # DeepEP's destroy is collective among each buffer's ranks (a device barrier): all ranks agreed
                 # above, so every peer is here too. Before any communicator goes.
                 self.deepep_reports = _deepep.release_buffers()
@@ -410,7 +410,7 @@ class Runtime:
                 connect.update(p["connect"])
             self.generation += 1
             reports = []
-            self._rebuilt_now, self._connected_now = set(), set()
+            self._rebuilt_now, self._connected_now, self._warm_now = set(), set(), set()
             self.replaying = True
             try:
                 # WORLD first: subgroups may split from it.
@@ -419,7 +419,7 @@ class Runtime:
                     reports.extend(self._reload_one(e, eager and e.gidx in connect))
                 warm_s = 0.0
                 if eager and warm:  # Note [Concurrent warm-up] in _backend.py; before DeepEP's handle exchange
-                    warm_s = B.warm_up([g for g in self._connected_now if B.has_accelerator(g)])
+                    warm_s = B.warm_up(sorted(self._warm_now, key=lambda g: g._ebt_name), B.current_cuda_device())
                 reports.extend(_deepep.reload_buffers())  # over their reloaded groups
             finally:
                 self.replaying = False
@@ -471,6 +471,7 @@ class Runtime:
 
     def _reload_one(self, e: Entry, connect: bool) -> list[GroupReport]:
         g = e.group
+        asked = connect  # agreed on every rank (unlike whether this rank's eager connect succeeded)
         t = time.perf_counter()
         log.debug("ebbtide.comm: reload: %s entry %d %s '%s' (%s)", e.plan_word, e.gidx, e.kind, e.name,
                   "member" if g is not None else "non-member")
@@ -500,6 +501,8 @@ class Runtime:
                 connect = connect and B.connect(inner, g)
             if connect:
                 self._connected_now.add(g)
+            if B.has_accelerator(g) and (creation_connects(e) or asked):
+                self._warm_now.add(g)  # the same groups on every member: each warm-up pairs up
         g._ebt_attach(inner, fresh=True)
         self.inner_to_wrapper[inner] = g
         _register_native(g._ebt_name, inner)

@@ -11,15 +11,19 @@ What holds:
 - Record. The first time a bucket layout arrives (or when the model's parameters moved), SGLang's own
   ``model.load_weights`` places it, one output at a time, while a ``TorchDispatchMode`` observes every write into
   the model's parameters. A write that is a ``copy_`` from a same-dtype, same-shape view of that output's bytes is
-  recorded as byte segments (destination: parameter storage + offset; source: offset in the bucket), decomposed
-  into contiguous runs (a TP shard along an inner dimension becomes one run per row). An output whose loader does
-  anything else to a parameter (casts, an intermediate tensor, a fill, an in-place op) is marked for SGLang's
-  loader: it is called for those outputs at every update (the docs list what that means per model).
+  recorded as byte segments (destination: parameter or buffer storage + offset; source: offset in the bucket),
+  decomposed into contiguous runs (a TP shard along an inner dimension becomes one run per row). An output whose
+  loader does anything else to the model's tensors (casts, an intermediate tensor, a fill, an in-place op), writes
+  nothing the dispatcher sees (a loader that combines outputs within one call, e.g. DeepSeek's fused q_a/kv_a
+  projection, or a Triton kernel), or would make runs shorter than 8 elements on average (a transposed copy) is
+  kept for SGLang's loader: those outputs go to ``model.load_weights`` together, in one call, at the record and at
+  every update (the docs list what that means per model). Writes the dispatcher cannot see are not detected when
+  the same output also makes an observed placement.
 - Replay. Later updates of the same layout run the record: on CUDA one ``SegmentCopy`` launch per bucket (the
   table's sources rebased on the new bucket's address), on the CPU one copy per segment. The record is checked
   against the bucket's layout and the parameters' storage addresses first; a mismatch records again.
 - Versions. Buckets of one version arrive in order; the loader holds the highest version it completed. A bucket of
-  an older or already-completed version is refused and the parameters stay untouched.
+  a version older than the one held or in progress, or one applied already, is refused and nothing changes.
 - Errors. SGLang 0.5.23 ignores the loader's return value and turns an exception into a scheduler crash, so a
   refusal (stale version, a layout that does not match, a different plan signature within one version) is logged
   at ERROR and kept in ``state(model).last_error`` -- never raised. Requests without the ebbtide form go to
@@ -145,6 +149,8 @@ def _storages(params: list) -> dict:
 
 
 def _record(model, params, bucket: torch.Tensor, layout: tuple, ptrs: tuple) -> _Record:
+    """Place the bucket through ``model.load_weights`` (output by output, then the kept ones together) and record
+    the placements (``params``: the model's parameters and buffers, the tensors a loader may write)."""
     storages = _storages(params)
     base = bucket.untyped_storage().data_ptr()
     dst, src, nb, fallback = [], [], [], []
@@ -153,16 +159,22 @@ def _record(model, params, bucket: torch.Tensor, layout: tuple, ptrs: tuple) -> 
         obs = _Observer(storages, bucket, lo + bucket.storage_offset(), hi + bucket.storage_offset())
         with obs:
             model.load_weights([(name, view)])
-        if obs.bad:
-            log.info("ebbtide.sync: SGLang's loader places %s itself (%s)", name, obs.bad)
+        runs = [(pi,) + _runs(d_t, s_t) for pi, d_t, s_t in obs.copies]
+        elements = sum(d_t.numel() for _, d_t, _ in obs.copies)
+        why = obs.bad or ("" if runs else "no placement observed") or (
+            "runs shorter than 8 elements" if sum(len(d) for _, d, _, _ in runs) * 8 > elements else "")
+        if why:
+            log.info("ebbtide.sync: SGLang's loader keeps %s (%s)", name, why)
             fallback.append(name)
             continue
-        for pi, d_t, s_t in obs.copies:
-            d, s, n = _runs(d_t, s_t)
+        for pi, d, s, n in runs:
             s = s - (bucket.storage_offset() * bucket.element_size())
             dst += [(pi, int(x)) for x in d.tolist()]
             src.append(s)
             nb.append(torch.full_like(s, n))
+    if fallback:  # together, as SGLang's own path would see them (loaders that combine outputs need that)
+        by_name = {o[0]: o for o in layout}
+        model.load_weights([(n, _view(bucket, *by_name[n][1:])) for n in fallback])
     del base
     src_t = torch.cat(src) if src else torch.zeros(0, dtype=torch.int64)
     nb_t = torch.cat(nb) if nb else torch.zeros(0, dtype=torch.int64)
@@ -218,6 +230,8 @@ def load_weights(model, named_tensors) -> None:
     layout = tuple((o[0], o[1], tuple(o[2]), int(o[3]), int(o[4])) for o in meta["outputs"])
     if version <= st.held:
         return _refuse(st, f"version {version} is not newer than the held version {st.held}")
+    if st.current is not None and version < st.current:
+        return _refuse(st, f"version {version} is older than version {st.current}, in progress")
     if st.current != version:
         st.current, st.done, st.signature = version, set(), sig
     elif sig != st.signature:
@@ -228,7 +242,7 @@ def load_weights(model, named_tensors) -> None:
     if bucket.dtype != torch.uint8 or bucket.dim() != 1 or any(hi > bucket.numel() for *_, hi in layout):
         return _refuse(st, f"bucket {index}: the tensor ({bucket.dtype}, {tuple(bucket.shape)}) does not hold its "
                            "outputs")
-    params = [p for _, p in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
     ptrs = tuple(p.untyped_storage().data_ptr() for p in params)
     key = (sig, index)
     rec = st.records.get(key)

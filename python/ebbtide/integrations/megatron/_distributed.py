@@ -14,7 +14,8 @@ What holds:
   each group, the grad scaler; each loads the other's); the parameter state goes
   through ``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero`` (Megatron's layout and names,
   gathered on DP rank 0 over each buffer's data-parallel group; a checkpoint whose layout does not match is
-  refused on every rank before anything changes).
+  refused on every rank before anything changes). MoE models (expert buffers in another data-parallel group) are
+  refused by name for the dp_zero form.
   ``sharded_state_dict`` (Megatron's distributed checkpoint of the distributed optimizer) is refused by name.
 """
 from __future__ import annotations
@@ -121,6 +122,14 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         raise UnsupportedError("sharded_state_dict of ebbtide's distributed optimizer is not supported; save the "
                                "parameter state with get_parameter_state_dp_zero() (Megatron's dp_zero layout)")
 
+    def _single_dp_group(self, what: str) -> None:
+        """The dp_zero form is one data-parallel group's: Megatron keeps expert-parallel buffers (their own DP
+        group) in a second optimizer of its ChainedOptimizer, with its own dp_zero dict."""
+        if len({id(b.data_parallel_group) for b in self.optimizer.buffers}) > 1:
+            raise UnsupportedError(f"{what}: the model has expert-parallel buffers (another data-parallel group); "
+                                   "the dp_zero form of MoE models (Megatron's chained [dense, expert] layout) is "
+                                   "not supported")
+
     def _dp_group(self, bi: int):
         """The bucket shards' own data-parallel group and where its collectives take tensors."""
         buf = self.optimizer.buffers[bi]
@@ -131,6 +140,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
                                     return_on_all_ranks: bool = False):
         """Megatron's ``DistributedOptimizer.get_parameter_state_dp_zero`` layout (see the module doc); gathered over
         each buffer's data-parallel group (``use_gloo_comm`` is accepted for Megatron's signature)."""
+        self._single_dp_group("get_parameter_state_dp_zero")
         inner = self.optimizer
         state, rank0 = {"buckets_coalesced": True}, True
         for bi, buf in enumerate(inner.buffers):
@@ -166,6 +176,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         and the verdict broadcast before anything changes."""
         if update_legacy_format:
             raise UnsupportedError("update_legacy_format=True (Megatron's pre-0.9 layout) is not supported")
+        self._single_dp_group("load_parameter_state_from_dp_zero")
         inner = self.optimizer
         worlds = []
         for bi, buf in enumerate(inner.buffers):
