@@ -354,8 +354,9 @@ def connect(inner: ProcessGroup, g) -> bool:
 #     NCCL_RUNTIME_CONNECT=0 only moves that cost into the (sequential) splits (1.37 s reload), and non-blocking
 #     init (TORCH_NCCL_USE_COMM_NONBLOCKING=1) does not change it (measured). The connects of different
 #     communicators are independent host-side handshakes, so reload issues one 1-element all_reduce per group from
-#     a thread per group: 0.61-0.73 s for reload + every group connected, against 1.06-1.19 s with the same
-#     warm-up one group at a time, and the user's first 1 MB all_reduce on each group then takes ~1 ms. A tiny
+#     a thread per group, each on its own stream: 0.43-0.48 s for reload + every group connected (0.61-0.73 s with
+#     the threads sharing the default stream, whose host sync waits for every group's kernel; 1.06-1.19 s one
+#     group at a time), and the user's first 1 MB all_reduce on each group then takes ~1 ms. A tiny
 #     all_reduce connects what larger ones use on these machines (the first 1 MB collective found everything
 #     connected). Groups never wait on each other: each collective pairs up within its own group.
 def warm_up(groups: list, device: int | None) -> float:
