@@ -12,6 +12,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megatron_dist_workers import opt_config as cpu_config
+from megatron_dist_workers import moe_kwargs, no_te_moe_fix
+
 warnings.filterwarnings("ignore")
 
 SIZES = {"tiny": (2, 256, 4, 1024, 128, 2), "quick": (4, 1024, 16, 32000, 512, 2)}  # layers hidden heads vocab seq b
@@ -30,10 +33,7 @@ def _setup(rank, world, init, tp, ep=1, groups=False):
     dist.init_process_group("nccl", store=join_store(init), rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: PLC0415
-
-    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 leaves it undefined without TE
-        moe_utils.te_general_gemm = None
+    no_te_moe_fix()
 
 
 def _gpt(size, seed=7, experts=0, dispatcher="alltoall"):
@@ -47,15 +47,7 @@ def _gpt(size, seed=7, experts=0, dispatcher="alltoall"):
     layers, hidden, heads, vocab, seq, _ = SIZES[size]
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    moe = {}
-    if experts:
-        from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-        moe = dict(num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
-                   expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                   moe_ffn_hidden_size=2 * hidden)
-        if dispatcher == "flex":
-            moe["moe_flex_dispatcher_backend"] = "deepep"
+    moe = moe_kwargs(experts, dispatcher, 2 * hidden)
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, bf16=True,
                             pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
                             init_method_std=0.02, **moe)
@@ -85,12 +77,7 @@ def _train(model, size, step):
 
 
 def _config(**kw):
-    from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
-
-    base = dict(optimizer="adam", lr=3e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-                bf16=True, use_distributed_optimizer=True, clip_grad=0.0)
-    base.update(kw)
-    return OptimizerConfig(**base)
+    return cpu_config(**{"lr": 3e-4, **kw})
 
 
 def _hdo(model):

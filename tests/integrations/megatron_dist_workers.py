@@ -55,10 +55,30 @@ def _setup(rank, world, init, tp=1, ep=1):
     dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    no_te_moe_fix()
+
+
+def no_te_moe_fix() -> None:
+    """megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` undefined without Transformer Engine (a NameError
+    in every MoE forward); None selects its torch path."""
     import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: PLC0415
 
-    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 leaves it undefined without TE
+    if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def moe_kwargs(experts: int, dispatcher: str, ffn: int) -> dict:
+    """TransformerConfig fields of a top-2 MoE over the expert-parallel group Megatron initialised ({} for a dense
+    model); ``dispatcher`` "flex" runs on DeepEP."""
+    if not experts:
+        return {}
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    moe = dict(num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type=dispatcher,
+               expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), moe_ffn_hidden_size=ffn)
+    if dispatcher == "flex":
+        moe["moe_flex_dispatcher_backend"] = "deepep"
+    return moe
 
 
 def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16, experts=0, fp32_grads=False):
@@ -71,12 +91,7 @@ def _gpt(seed=7, layers=2, hidden=64, heads=4, vocab=128, seq=16, experts=0, fp3
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    moe = {}
-    if experts:  # CPU: the allgather dispatcher (the alltoall one allocates on the GPU)
-        from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-        moe = dict(num_moe_experts=experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
-                   expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), moe_ffn_hidden_size=96)
+    moe = moe_kwargs(experts, "allgather", 96)  # CPU: the alltoall dispatcher allocates on the GPU
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, bf16=True,
                             params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
                             use_cpu_initialization=True, init_method_std=0.02, **moe)
@@ -103,10 +118,10 @@ def _step(model, opt, step, rank):
     return float(out.item())
 
 
-def _config(**kw):
+def opt_config(lr=1e-3, **kw):
     from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
 
-    base = dict(optimizer="adam", lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+    base = dict(optimizer="adam", lr=lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                 bf16=True, use_distributed_optimizer=True, clip_grad=0.0)
     base.update(kw)
     return OptimizerConfig(**base)
@@ -122,11 +137,11 @@ def moe_exact(rank, world, init, steps=5, ep=2):
 
     _setup(rank, world, init, ep=ep)
     ref_model = _gpt(experts=4)
-    ref = get_megatron_optimizer(_config(), [ref_model])
+    ref = get_megatron_optimizer(opt_config(), [ref_model])
     assert len(getattr(ref, "chained_optimizers", [])) == 2, "expected a dense and an expert optimizer"
     ref_losses = [_step(ref_model, ref, s, rank) for s in range(steps)]
     model = _gpt(experts=4)
-    opt = ebt.get_optimizer(_config(), [model], mode="exact", bucket_numel=1000)
+    opt = ebt.get_optimizer(opt_config(), [model], mode="exact", bucket_numel=1000)
     experts = [b for b in opt.optimizer.buffers if b in list(model.expert_parallel_buffers)]
     assert experts, "no expert-parallel buffer reached the optimizer"
     losses = [_step(model, opt, s, rank) for s in range(steps)]
@@ -154,11 +169,11 @@ def dp_exact(rank, world, init, steps=6, tp=1, fp32_grads=False):
 
     _setup(rank, world, init, tp=tp)
     ref_model = _gpt(fp32_grads=fp32_grads)
-    ref = get_megatron_optimizer(_config(), [ref_model])
+    ref = get_megatron_optimizer(opt_config(), [ref_model])
     ref_losses = [_step(ref_model, ref, s, rank) for s in range(steps)]
     ref_state = ref.chained_optimizers[0].get_parameter_state_dp_zero()
     model = _gpt(fp32_grads=fp32_grads)
-    opt = ebt.get_optimizer(_config(), [model], mode="exact", bucket_numel=1000)
+    opt = ebt.get_optimizer(opt_config(), [model], mode="exact", bucket_numel=1000)
     assert type(opt).__name__ == "EbbtideDistributedOptimizer", type(opt)
     losses = [_step(model, opt, s, rank) for s in range(steps)]
     assert losses == ref_losses, (losses, ref_losses)
@@ -176,7 +191,7 @@ def dp_exact(rank, world, init, steps=6, tp=1, fp32_grads=False):
                     assert torch.equal(world_t[k], state[bi][key][k]), (bi, key, k)
     # Megatron's checkpoint into ebbtide's optimizer (a fresh one, other weights), then both go on equal.
     fresh_model = _gpt(seed=99, fp32_grads=fp32_grads)
-    fresh = ebt.get_optimizer(_config(), [fresh_model], mode="exact", bucket_numel=1000)
+    fresh = ebt.get_optimizer(opt_config(), [fresh_model], mode="exact", bucket_numel=1000)
     fresh.load_state_dict(ref.chained_optimizers[0].state_dict())
     fresh.load_parameter_state_from_dp_zero(ref_state)
     for p, q in zip(fresh_model.parameters(), ref_model.parameters()):
@@ -203,9 +218,9 @@ def refusals(rank, world, init):
     _setup(rank, world, init)
     model = _gpt()
     out = {}
-    for name, cfg, kw in (("plain_config", _config(use_distributed_optimizer=False), {}),
-                          ("cpu_offload", _config(optimizer_cpu_offload=True), {}),
-                          ("factory", _config(), {"buffer_factory": lambda *a: None})):
+    for name, cfg, kw in (("plain_config", opt_config(use_distributed_optimizer=False), {}),
+                          ("cpu_offload", opt_config(optimizer_cpu_offload=True), {}),
+                          ("factory", opt_config(), {"buffer_factory": lambda *a: None})):
         try:
             ebt.get_optimizer(cfg, [model], **kw)
             out[name] = ""

@@ -152,7 +152,6 @@ def _record(model, params, bucket: torch.Tensor, layout: tuple, ptrs: tuple) -> 
     """Place the bucket through ``model.load_weights`` (output by output, then the kept ones together) and record
     the placements (``params``: the model's parameters and buffers, the tensors a loader may write)."""
     storages = _storages(params)
-    base = bucket.untyped_storage().data_ptr()
     dst, src, nb, fallback = [], [], [], []
     for name, dtype, shape, lo, hi in layout:
         view = _view(bucket, dtype, shape, lo, hi)
@@ -175,7 +174,6 @@ def _record(model, params, bucket: torch.Tensor, layout: tuple, ptrs: tuple) -> 
     if fallback:  # together, as SGLang's own path would see them (loaders that combine outputs need that)
         by_name = {o[0]: o for o in layout}
         model.load_weights([(n, _view(bucket, *by_name[n][1:])) for n in fallback])
-    del base
     src_t = torch.cat(src) if src else torch.zeros(0, dtype=torch.int64)
     nb_t = torch.cat(nb) if nb else torch.zeros(0, dtype=torch.int64)
     return _Record(layout, ptrs, dst, src_t, nb_t, fallback)

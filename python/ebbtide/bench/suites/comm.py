@@ -122,8 +122,7 @@ def _deepep_rows(res: list[dict]):
               "experts": experts, "topk": topk}
     row = lambda name, unit, ours, **kw: Row("comm", f"{r0['world']} GPUs DeepEP: {name}", unit, ours,  # noqa: E731
                                              params=params, **kw)
-    med = lambda key: statistics.median(max(r["cycles"][i][key] for r in res)  # noqa: E731
-                                        for i in range(len(r0["cycles"])))
+    med = lambda key: _median_slowest(res, "cycles", key)  # noqa: E731
     ctor = _slowest(res, lambda r: r["ctor_s"])
     yield row("rebuild in reload (allocation + IPC exchange)", "s", med("rebuild_s"), higher_is_better=False,
               anchor=ctor, anchor_name="Megatron get_buffer (DeepEP Buffer construction, connected group)",

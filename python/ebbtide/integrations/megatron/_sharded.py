@@ -28,7 +28,6 @@ What holds:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -250,13 +249,6 @@ class ShardAdam(torch.optim.Optimizer):
         """The owned slices of the bf16 params from the masters (after loading a checkpoint)."""
         for r in self._runs:
             self.buffers[r.buffer].param_data[r.lo:r.hi].copy_(self._master[r.host:r.host + r.hi - r.lo])
-
-    def check_finite(self, scale: float) -> bool:
-        amax = 0.0
-        for g in self.grad_slices():
-            if g.numel():
-                amax = max(amax, float(torch.linalg.vector_norm(g, float("inf")).float().item()))
-        return math.isfinite(amax * scale)
 
     def state_dict(self):
         raise StateError("ShardAdam's state is sharded: use the Megatron optimizer's state_dict() for the common part "
