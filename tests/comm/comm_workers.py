@@ -216,6 +216,27 @@ def disagreement(rank, world, init):
     return {"msg": msg}
 
 
+def _without_last_rank(op, what: str, world: int) -> str:
+    """Run ``op(timeout=1.5)`` on a rank whose last peer never joins: it must raise WaitTimeoutError naming that
+    rank within a bound; returns the message."""
+    t0 = time.monotonic()
+    try:
+        op(timeout=1.5)
+    except WaitTimeoutError as e:
+        msg = str(e)
+    else:
+        raise AssertionError(f"{what} without the last rank did not time out")
+    assert time.monotonic() - t0 < 20
+    assert f"ranks [{world - 1}]" in msg, msg
+    return msg
+
+
+def _wait_for_count(store, key: str, n: int) -> None:
+    store.wait([key])
+    while store.add(key, 0) < n:
+        time.sleep(0.05)
+
+
 def missing_rank(rank, world, init):
     """A rank that never joins release(): the others time out with WaitTimeoutError naming it, and their groups
     stay usable."""
@@ -224,21 +245,11 @@ def missing_rank(rank, world, init):
     store = c10d._get_default_store()
     msg = ""
     if rank != world - 1:
-        t0 = time.monotonic()
-        try:
-            comm.release(include_cpu=True, timeout=1.5)
-        except WaitTimeoutError as e:
-            msg = str(e)
-        else:
-            raise AssertionError("release without the last rank did not time out")
-        assert time.monotonic() - t0 < 20
-        assert f"ranks [{world - 1}]" in msg, msg
+        msg = _without_last_rank(lambda timeout: comm.release(include_cpu=True, timeout=timeout), "release", world)
         assert not comm.is_released()
         store.add("test/timed_out", 1)
     else:
-        store.wait(["test/timed_out"])
-        while store.add("test/timed_out", 0) < world - 1:
-            time.sleep(0.05)
+        _wait_for_count(store, "test/timed_out", world - 1)
     _expect_sum(g, list(range(world)), rank)
     dist.destroy_process_group()
     return {"msg": msg}
@@ -719,3 +730,88 @@ def background_release(rank, world, init, cycles=3):
     finally:
         _teardown.B.teardown_concurrently = real
     return out
+
+
+def missing_rank_reload(rank, world, init):
+    """After a release every rank agreed on, a rank that never joins reload() (dead or stuck): the others time out
+    with WaitTimeoutError naming it and stay RELEASED with nothing rebuilt; the rank arriving late finds the step
+    abandoned (an error, never a reload alone); a retry on every rank works."""
+    _init(rank, world, init)
+    g = dist.new_group(list(range(world)))
+    store = c10d._get_default_store()
+    comm.release(include_cpu=True)
+    msg = ""
+    if rank != world - 1:
+        msg = _without_last_rank(comm.reload, "reload", world)
+        assert comm.is_released()
+        try:
+            dist.all_reduce(torch.ones(1), group=g)
+        except StateError:
+            pass
+        else:
+            raise AssertionError("a released group ran a collective")
+        store.add("test/reload_timed_out", 1)
+    else:
+        _wait_for_count(store, "test/reload_timed_out", world - 1)
+        try:  # the latecomer finds the step abandoned and does not act alone
+            comm.reload()
+        except WaitTimeoutError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("a latecomer's reload went ahead alone")
+        assert "gave up" in msg and comm.is_released(), msg
+    comm.reload()  # every rank retries: the retry is a fresh step
+    _expect_sum(g, list(range(world)), rank)
+    dist.destroy_process_group()
+    return {"msg": msg}
+
+
+def nccl_in_flight(rank, world, init):
+    """release() while a collective is in flight on a side stream and can never finish (rank 0 launched it, its
+    peers did not): every rank gets the same StateError within the timeout (rank 0's device did not drain), nothing
+    is released, and once the peers join the collective it completes
+    with the exact sum and a release/reload cycle works."""
+    from ebbtide.bench._spawn import progress
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    comm.install(timeout=60)
+    dist.init_process_group("nccl", store=join_store(init), rank=rank, world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=120))
+    g = dist.new_group(list(range(world)))
+    _expect_sum_dev(g, list(range(world)), rank, dev)
+    store = c10d._get_default_store()
+    side = torch.cuda.Stream(dev)
+    t = torch.full((1 << 20,), float(rank + 1), device=dev)
+    work = None
+    if rank == 0:
+        with torch.cuda.stream(side):
+            work = dist.all_reduce(t, group=g, async_op=True)  # waits on the device for peers that are not coming
+    progress(f"rank {rank}: releasing with {'a collective in flight' if rank == 0 else 'nothing in flight'}")
+    t0 = time.monotonic()
+    try:
+        comm.release(timeout=5)
+    except (StateError, WaitTimeoutError) as e:
+        msg, kind = str(e), type(e).__name__
+    else:
+        raise AssertionError("release with a collective in flight that cannot finish did not fail")
+    took = time.monotonic() - t0
+    progress(f"rank {rank}: release failed after {took:.1f} s: {kind}: {msg[:200]}")
+    assert took < 30, took
+    assert not comm.is_released()
+    assert kind == "StateError" and "on ranks [0]" in msg and "did not finish" in msg, msg
+    store.add("test/in_flight_failed", 1)
+    _wait_for_count(store, "test/in_flight_failed", world)
+    if rank != 0:
+        with torch.cuda.stream(side):
+            dist.all_reduce(t, group=g)  # the peers join: rank 0's collective completes
+    torch.cuda.synchronize(dev)
+    want = float(sum(r + 1 for r in range(world)))
+    assert torch.equal(t, torch.full_like(t, want)), t[:4]
+    if work is not None:
+        work.wait()
+    comm.release()
+    comm.reload()
+    _expect_sum_dev(g, list(range(world)), rank, dev)
+    dist.destroy_process_group()
+    return {"msg": msg, "kind": kind, "took_s": took}

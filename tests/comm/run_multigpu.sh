@@ -3,7 +3,7 @@
 # timeout, so a hang or a crash costs that test only and every log survives: per-test pytest output, per-rank logs
 # (progress, ebbtide.comm DEBUG steps, tracebacks, stack dumps of hung ranks) and per-rank native output, all under
 # $OUT (default ./comm-multigpu-out). Pure Python: no build needed (PYTHONPATH=python).
-#   tests/comm/run_multigpu.sh [TEST_NAME ...]    default: all four, the split_group one (which hung before) first
+#   tests/comm/run_multigpu.sh [TEST_NAME ...]    default: all five, the split_group one (which hung before) first
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-comm-multigpu-out}"
@@ -12,7 +12,7 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export EBBTIDE_COMM_LOGDIR="$out/comm-logs" NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 tests=("$@")
 [ ${#tests[@]} -eq 0 ] && tests=(test_nccl_split_group_and_device_mesh test_nccl_flat_bound_world test_nccl_lazy_world
-                                 test_nccl_megatron_topology_all_gpus)
+                                 test_nccl_megatron_topology_all_gpus test_release_with_a_collective_that_cannot_finish)
 python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(),
             "gpus", torch.cuda.device_count())' 2>&1 | tee "$out/comm-env.txt"
 python3 -c 'import pytest_timeout' 2>/dev/null && echo "pytest-timeout: yes (backstop marks)" | tee -a "$out/comm-env.txt"

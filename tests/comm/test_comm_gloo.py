@@ -33,6 +33,11 @@ def test_barrier_timeout_names_missing_rank():
     assert "ranks [1]" in res[0]["msg"]
 
 
+def test_reload_timeout_names_missing_rank_and_stays_released():
+    res = _spawn.run("missing_rank_reload", 2)
+    assert "ranks [1]" in res[0]["msg"] and "gave up" in res[1]["msg"]
+
+
 def test_threads_and_fork():
     _spawn.run("threads_and_fork", 2)
 

@@ -4,7 +4,7 @@ The scenario (ebbtide.bench.comm_scenarios.cycle_scenario) checks every collecti
 returns the memory and timing figures asserted here. Memory is cudaMemGetInfo on each rank's own GPU (it counts
 NCCL's allocations, which torch's caching allocator never sees).
 
-Fail fast: every scenario has a deadline (``DEADLINE_S``, sized so all four fit one 10-minute GPU command even if
+Fail fast: every scenario has a deadline (``DEADLINE_S``, sized so all five fit one 10-minute GPU command even if
 each ran to its deadline); a rank that fails stops its peers after a short grace; hung ranks get their Python stacks
 dumped into their logs (``$EBBTIDE_COMM_LOGDIR``, set it to a folder that comes back from the GPU machine), and
 the failure message carries each rank's last progress line and log tail. Where pytest-timeout is installed,
@@ -20,9 +20,11 @@ from ebbtide.bench import _spawn  # noqa: E402
 
 MiB = 1 << 20
 # Seconds per scenario (the spawn helper's deadline); conftest.py reads this for the pytest-timeout backstop.
-# run_multigpu.sh gives each test's own pytest process this plus 35 s; the four GPU ones fit one 10-minute command.
+# run_multigpu.sh gives each test's own pytest process this plus 35 s; the five GPU ones take ~3 min together (2 H200),
+# their deadlines 480 s.
 DEADLINE_S = {"test_scenario_code_on_gloo": 100, "test_nccl_flat_bound_world": 140, "test_nccl_lazy_world": 90,
-              "test_nccl_megatron_topology_all_gpus": 110, "test_nccl_split_group_and_device_mesh": 80}
+              "test_nccl_megatron_topology_all_gpus": 110, "test_nccl_split_group_and_device_mesh": 80,
+              "test_release_with_a_collective_that_cannot_finish": 60}
 
 
 def _run(world, test, **kw):
@@ -117,3 +119,15 @@ def test_nccl_split_group_and_device_mesh():
 
     res = comm_spawn.run("nccl_split", 2, timeout=DEADLINE_S["test_nccl_split_group_and_device_mesh"])
     assert res[0]["groups"] >= 4  # WORLD + pair + solo + first (+ the mesh's group)
+
+
+@pytest.mark.multigpu
+def test_release_with_a_collective_that_cannot_finish():
+    """A collective launched on rank 0 only, in flight on a side stream: release(timeout=5) fails on every rank
+    within the bound with the same reason (rank 0's device did not drain), nothing is released, and once
+    rank 1 joins the collective it completes exactly and a release/reload cycle works (comm_workers.nccl_in_flight)."""
+    import comm_spawn  # tests/comm is on sys.path (conftest.py)
+
+    res = comm_spawn.run("nccl_in_flight", 2, timeout=DEADLINE_S["test_release_with_a_collective_that_cannot_finish"])
+    for r in res:
+        assert r["kind"] == "StateError" and "on ranks [0]" in r["msg"] and "did not finish" in r["msg"], r

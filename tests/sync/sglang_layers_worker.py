@@ -1,124 +1,66 @@
 """SGLang's own layers behind ebbtide's loader (run as a script in its own process: ``python sglang_layers_worker.py
-TP_SIZE TP_RANK UPDATES``; prints one JSON line). The layers are SGLang 0.5.23's ``QKVParallelLinear``,
-``MergedColumnParallelLinear``, ``RowParallelLinear`` and ``FusedMoE`` with their own ``weight_loader``s, built on
-the CPU after publishing a ``ServerArgs`` as SGLang's own tests do (TP simulated by the published rank: no process
-group). The model's ``load_weights`` follows qwen3.py / qwen3_moe.py: ``stacked_params_mapping`` onto the fused
-projections, ``FusedMoE.make_expert_params_mapping`` for the experts. (SGLang's whole Qwen3ForCausalLM needs
-vllm's rotary kernel or sgl_kernel on a CPU, so the layers stand in for it.) torchvision, which SGLang's
-multimodal utilities import, is replaced by mock modules in this process only."""
-import importlib.abc
-import importlib.machinery
+TP_SIZE TP_RANK UPDATES FORM``, FORM one of bf16 / fp8 / fp8-ue8m0; prints one JSON line). The model is
+``ebbtide.bench.suites._sglang_served``: SGLang 0.5.23's ``QKVParallelLinear``, ``MergedColumnParallelLinear``,
+``RowParallelLinear``, ``ReplicatedLinear`` and ``FusedMoE`` (unquantized, or FP8 128x128 block with
+``weight_scale_inv``) with their own ``weight_loader``s and SGLang's own ``Qwen3MoeForCausalLM.load_weights``,
+built on the CPU (TP simulated by the published rank: no process group). One dense and one MoE layer; every update
+goes through ebbtide's loader into one model and through SGLang's own path (the flattened-bucket request slime
+sends) into another, and the two must hold the same bits."""
 import json
 import sys
-from unittest import mock
 
 import torch
 
-
-class _NoTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        m = mock.MagicMock(name=spec.name)  # any attribute the importers reach for
-        m.__name__, m.__path__, m.__spec__, m.__version__ = spec.name, [], spec, "0.0"
-        return m
-
-    def exec_module(self, module):
-        pass
+H, Q, KV, I, E = 256, 2048, 256, 2048, 4  # TP=2 shards keep whole FP8 blocks and rows of 8+ scales
 
 
-sys.meta_path.insert(0, _NoTorchvision())
-H, I, E = 64, 96, 4
-
-
-def build(tp_size: int, tp_rank: int):
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-
-    publish(ServerArgs(model_path="dummy", tp_size=tp_size), role="test",
-            ranks=SpawnRanks(world_rank=tp_rank, dp_rank=None))
-    from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-
-    class Served(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            dt = torch.bfloat16
-            self.qkv_proj = QKVParallelLinear(H, 16, 4, 2, bias=False, params_dtype=dt)
-            self.gate_up_proj = MergedColumnParallelLinear(H, [I, I], bias=False, params_dtype=dt)
-            self.down_proj = RowParallelLinear(I, H, bias=False, params_dtype=dt)
-            self.experts = FusedMoE(num_experts=E, hidden_size=H, intermediate_size=I, layer_id=0, top_k=2,
-                                    params_dtype=dt)
-
-        def load_weights(self, weights):
-            stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-                       ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
-            experts = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj",
-                                                          ckpt_down_proj_name="down_proj",
-                                                          ckpt_up_proj_name="up_proj", num_experts=E)
-            params = dict(self.named_parameters())
-            for name, w in weights:
-                for param_name, weight_name, shard in stacked:
-                    if weight_name in name and "experts" not in name:
-                        p = params[name.replace(weight_name, param_name)]
-                        p.weight_loader(p, w, shard)
-                        break
-                else:
-                    for param_name, weight_name, expert_id, shard in experts:
-                        if weight_name in name:
-                            pn = name.replace(weight_name, param_name)
-                            p = params[pn]
-                            p.weight_loader(p, w, pn, shard_id=shard, expert_id=expert_id)
-                            break
-                    else:
-                        p = params.get(name)
-                        if p is not None:
-                            getattr(p, "weight_loader")(p, w)
-
-    return Served()
+def specs() -> list:
+    out = [("model.embed_tokens.weight", (512, H))]
+    for i in range(2):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,)), (p + "self_attn.q_proj.weight", (Q, H)),
+                (p + "self_attn.k_proj.weight", (KV, H)), (p + "self_attn.v_proj.weight", (KV, H)),
+                (p + "self_attn.o_proj.weight", (H, Q)), (p + "post_attention_layernorm.weight", (H,))]
+        if i == 0:
+            out += [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
+                    (p + "mlp.down_proj.weight", (H, I))]
+        else:
+            out.append((p + "mlp.gate.weight", (E, H)))
+            for e in range(E):
+                q = f"{p}mlp.experts.{e}."
+                out += [(q + "gate_proj.weight", (I, H)), (q + "up_proj.weight", (I, H)),
+                        (q + "down_proj.weight", (H, I))]
+    return out + [("model.norm.weight", (H,)), ("lm_head.weight", (512, H))]
 
 
 def checkpoint(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g).to(torch.bfloat16)
-
-    out = {"q_proj.weight": r(64, H), "k_proj.weight": r(32, H), "v_proj.weight": r(32, H),
-           "gate_proj.weight": r(I, H), "up_proj.weight": r(I, H), "down_proj.weight": r(H, I)}
-    for e in range(E):
-        for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-            out[f"experts.{e}.{n}.weight"] = r(*shape)
-    return out
+    return {n: torch.randn(*s, generator=g).to(torch.bfloat16) for n, s in specs()}
 
 
-def main(tp_size: int, tp_rank: int, updates: int) -> dict:
+def main(tp_size: int, tp_rank: int, updates: int, form: str) -> dict:
     from multiprocessing.reduction import ForkingPickler
 
+    from ebbtide.bench.suites import _sglang_served as served
+
+    served.prepare(tp_size, tp_rank)
+    from ebbtide.bench.suites._sglang_loader_worker import _flattened
     from ebbtide.sync import Plan, fill_bucket, sglang as S
     from ebbtide.sync import sglang_loader as L
 
-    model = build(tp_size, tp_rank)
-    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=60_000)
-
-    def requests(src, version, form):
+    fp8 = form.startswith("fp8")
+    plan = Plan.build([(n, s, torch.bfloat16) for n, s in specs()], default="fp8" if fp8 else "raw",
+                      scale="ue8m0" if form == "fp8-ue8m0" else "fp32", bucket_bytes=1_000_000)
+    model, ref = served.build(specs(), fp8=fp8), served.build(specs(), fp8=fp8)
+    for v in range(updates):
+        src = checkpoint(v)
         for b in plan.buckets:
             buf = torch.empty(b.nbytes, dtype=torch.uint8)
             fill_bucket(plan, b, src, buf)
-            yield S.tensor_request(b, buf, form=form, weight_version=version, signature=plan.signature,
+            req = S.tensor_request(b, buf, form="ebbtide", weight_version=v, signature=plan.signature,
                                    buckets=len(plan.buckets))
-
-    for v in range(updates):
-        src = checkpoint(v)
-        for req in requests(src, v, "ebbtide"):
-            named = ForkingPickler.loads(req["serialized_named_tensors"][0])
-            L.load_weights(model, named)  # what SGLang calls for load_format == L.LOADER
-        ref = build(tp_size, tp_rank) if v == 0 else ref  # noqa: F821 (assigned on the first pass)
-        for req in requests(src, None, "named"):
-            ref.load_weights(ForkingPickler.loads(req["serialized_named_tensors"][0]))  # SGLang's own path
+            L.load_weights(model, ForkingPickler.loads(req["serialized_named_tensors"][0]))  # SGLang's call
+            ref.load_weights(_flattened(b, buf))  # SGLang's own path for slime's flattened-bucket request
         for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             if not torch.equal(p, q):
                 return {"ok": False, "why": f"update {v}: {n} differs from SGLang's own placement"}
@@ -126,9 +68,10 @@ def main(tp_size: int, tp_rank: int, updates: int) -> dict:
     return {"ok": True, "recorded": st.recorded, "replayed": st.replayed, "buckets": len(plan.buckets),
             "fallback": sorted({n for r in st.records.values() for n in r.fallback}),
             "segments": sum(len(r.dst) for r in st.records.values()),
-            "params": {n: list(p.shape) for n, p in model.named_parameters()}}
+            "kinds": sorted({it.kind for it in plan.items}),
+            "params": {n: [list(p.shape), str(p.dtype)] for n, p in model.named_parameters()}}
 
 
 if __name__ == "__main__":
     tp_size, tp_rank, updates = (int(x) for x in sys.argv[1:4])
-    print(json.dumps(main(tp_size, tp_rank, updates)))
+    print(json.dumps(main(tp_size, tp_rank, updates, sys.argv[4])))

@@ -151,6 +151,29 @@ def test_the_ebbtide_form_needs_a_version_and_the_plan():
     assert req["load_format"] == L.LOADER == "ebbtide.sync.sglang_loader.load_weights"
 
 
+def test_the_name_is_encode_of_the_meta_and_parses_back_any_key_order():
+    plan = Plan.of(checkpoint(0), default="raw", bucket_bytes=40_000)
+    b = plan.buckets[1]
+    buf = torch.empty(b.nbytes, dtype=torch.uint8)
+    name = S.ebbtide_payload(b, buf, version=7, signature=plan.signature, buckets=len(plan.buckets))[0][0]
+    outputs = [[o.name, o.dtype, list(o.shape), o.offset, o.offset + o.nbytes] for o in b.outputs]
+    meta = {"v": 7, "sig": plan.signature, "bucket": b.index, "buckets": len(plan.buckets), "outputs": outputs}
+    assert name == L.encode(meta) and L.decode(name) == meta
+    layout = tuple((n, d, tuple(sh), lo, hi) for n, d, sh, lo, hi in outputs)
+    assert L._parse(name) == ({k: v for k, v in meta.items() if k != "outputs"}, layout)
+    other = L.encode({"outputs": outputs, "v": 7, "sig": plan.signature, "bucket": b.index, "buckets": 2})
+    assert L._parse(other)[1] == layout  # "outputs" first: the general path
+
+
+def test_an_unreadable_name_is_refused_untouched():
+    model = TinyServed(0, 1)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    for bad in (L.PREFIX + "{not json", L.PREFIX + '{"v":1}', L.PREFIX + '{"v":1,"outputs":[[1]]}'):
+        L.load_weights(model, [(bad, torch.zeros(8, dtype=torch.uint8))])
+        assert "readable ebbtide layout" in L.state(model).last_error, L.state(model).last_error
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA replay (one SegmentCopy launch per bucket) needs "
                                                           "a GPU; no CUDA GPU visible to torch")
@@ -171,3 +194,25 @@ def test_cuda_replay_is_bitwise_what_the_models_loader_writes(tp_rank, tp_size):
         for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             assert torch.equal(p, q), (v, n)
     assert L.state(model).replayed == 19 * len(plan.buckets)
+
+
+def test_a_broken_sglang_install_falls_back_to_plain_metadata(monkeypatch):
+    """An SGLang whose import fails with something other than ImportError (seen: KeyError 'sglang' from importlib
+    when one of its dependencies is missing) must not break the sender: the metadata become SimpleNamespaces."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    from ebbtide.sync import sglang as S
+
+    class Broken(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "sglang" or name.startswith("sglang."):
+                raise KeyError("sglang")
+            return None
+
+    for k in [k for k in sys.modules if k == "sglang" or k.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, k)
+    monkeypatch.setattr(sys, "meta_path", [Broken()] + sys.meta_path)
+    assert S._metadata_class() is types.SimpleNamespace

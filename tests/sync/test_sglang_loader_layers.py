@@ -1,8 +1,9 @@
 """ebbtide's loader behind SGLang 0.5.23's own layers (QKVParallelLinear, MergedColumnParallelLinear,
-RowParallelLinear, FusedMoE and their weight_loaders), each run in a fresh process (sglang_layers_worker.py): after
-every one of 20 updates the parameters equal, bit for bit, what SGLang's placement writes for the same buckets;
-TP=1 and the rank-1 shard of TP=2. Skipped with the reason where SGLang's layers do not import (.ci/run installs
-them)."""
+RowParallelLinear, ReplicatedLinear, FusedMoE and their weight_loaders, under SGLang's own Qwen3-MoE load_weights),
+each run in a fresh process (sglang_layers_worker.py): after every one of 20 updates the parameters equal, bit for
+bit, what SGLang's own path writes for slime's flattened-bucket request of the same buckets; bf16, FP8 with fp32
+scales and FP8 with UE8M0 scales (weight_scale_inv); TP=1 and the rank-1 shard of TP=2. Skipped with the reason
+where SGLang's layers do not import (.ci/run installs them)."""
 import importlib.util
 import json
 import os
@@ -14,9 +15,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(tp_size, tp_rank, updates):
+def _run(tp_size, tp_rank, updates, form):
     p = subprocess.run([sys.executable, os.path.join(HERE, "sglang_layers_worker.py"), str(tp_size), str(tp_rank),
-                        str(updates)], capture_output=True, text=True, timeout=600)
+                        str(updates), form], capture_output=True, text=True, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = (p.stdout + p.stderr)[-3000:]
@@ -28,11 +29,17 @@ def _run(tp_size, tp_rank, updates):
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
                     reason="sglang 0.5.23 is not installed here; .ci/run installs it")
-@pytest.mark.parametrize("tp_size,tp_rank", [(1, 0), (2, 1)])
-def test_replay_equals_sglangs_own_placement_20_updates(tp_size, tp_rank):
-    r = _run(tp_size, tp_rank, 20)
+@pytest.mark.parametrize("tp_size,tp_rank,form", [(1, 0, "bf16"), (2, 1, "bf16"), (1, 0, "fp8"), (2, 1, "fp8"),
+                                                  (2, 1, "fp8-ue8m0")])
+def test_replay_equals_sglangs_own_placement_20_updates(tp_size, tp_rank, form):
+    r = _run(tp_size, tp_rank, 20, form)
     assert r["ok"], r["why"]
     assert r["recorded"] == r["buckets"] and r["replayed"] == 19 * r["buckets"], r
-    assert r["fallback"] == [], r  # every SGLang loader here only places bytes
-    if tp_size == 2:
-        assert r["params"]["down_proj.weight"] == [64, 48]  # the rank's shard along the input dimension
+    assert r["fallback"] == [], r  # every SGLang loader here only places bytes, FP8 scales included
+    assert r["kinds"] == (["fp8", "raw"] if form != "bf16" else ["raw"]), r
+    qkv = "model.layers.0.self_attn.qkv_proj."
+    if form != "bf16":
+        assert r["params"][qkv + "weight"][1] == "torch.float8_e4m3fn", r["params"][qkv + "weight"]
+        assert r["params"][qkv + "weight_scale_inv"][1] == "torch.float32"
+    if tp_size == 2:  # the rank's shard along the input dimension
+        assert r["params"]["model.layers.0.mlp.down_proj.weight"][0] == [256, 1024]

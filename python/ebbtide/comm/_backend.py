@@ -20,6 +20,7 @@ import datetime
 import logging
 import os
 import re
+import threading
 import time
 
 import torch
@@ -114,18 +115,34 @@ def local_choices(journal: list, requested: str, include_world: bool, include_cp
     return out
 
 
-def drain(groups: list) -> None:
+def drain(groups: list, timeout: float) -> None:
     """Wait for the device work of these groups: a synchronize of every device they are bound to, and of the
     current device (where unbound groups run). A bare ``torch.cuda.synchronize()`` covers the current device
-    only, so a group bound to another device would still have kernels running while it is torn down."""
+    only, so a group bound to another device would still have kernels running while it is torn down.
+
+    Bounded: a collective whose peers never join (launched on one rank only, or a peer that died) never finishes,
+    and neither would a plain synchronize. The synchronizes run on a helper thread; past ``timeout`` seconds this
+    raises ``StateError`` naming the devices (the helper stays blocked until the work ends, harmlessly)."""
     if not groups:
         return
     devices = {g.bound_device_id for g in groups if g.bound_device_id is not None}
     with contextlib.suppress(Exception):
         devices.add(torch.device("cuda", torch.cuda.current_device()))
-    for dev in devices:
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize(dev)
+    if not devices:
+        return
+    finished = threading.Event()
+
+    def sync_all():
+        for dev in sorted(devices, key=str):
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(dev)
+        finished.set()
+
+    threading.Thread(target=sync_all, name="ebbtide-comm-drain", daemon=True).start()
+    if not finished.wait(timeout):
+        raise StateError(f"ebbtide.comm.release(): device work on {sorted(map(str, devices))} did not finish within "
+                         f"{timeout:.0f} s (a collective waiting for peers that never joined it, or a kernel that "
+                         "does not end); nothing was released and the groups are usable again")
 
 
 def suspend(inner: ProcessGroup) -> None:

@@ -10,7 +10,8 @@ What holds (the caller's contract is in ``__init__.py``):
   methods.
 - release() and reload() are collective over WORLD: every rank calls them, in the same order, with the same
   arguments. They are idempotent (a repeated call returns a no-op report) and serialised by one lock.
-- Order of release: detach the inners (ops now raise StateError) -> drain the device -> agree on the CPU control
+- Order of release: detach the inners (ops now raise StateError) -> drain the device (bounded: device work that
+  never finishes fails the release on every rank, everything re-attached) -> agree on the CPU control
   plane (journal hash, options, per-group strategy) -> tear down or suspend in reverse journal order (children
   before the WORLD they were split from, as c10d does; a global order, so overlapping groups never wait on each
   other in a cycle; teardowns of one split level run concurrently, Note [Concurrent teardown] in ``_backend.py``)
@@ -280,8 +281,6 @@ class Runtime:
             detached = {e: e.group._ebt_detach() for e, _choice, _reason in local}
             # 2. Drain outstanding device work (NCCL kernels run on internal streams; a device sync covers them).
             log.debug("ebbtide.comm: release: detached %s", [e.group._ebt_name for e in detached])
-            B.drain([e.group for e in detached if B.has_accelerator(e.group)])
-            log.debug("ebbtide.comm: release: drained; agreeing on the control plane")
             # 3. Agree: same journal, same options; each group's strategy is the weakest of its members' choices.
             payload = {"journal": journal_hash(self.journal), "opts": [include_world, include_cpu],
                        "choices": {str(e.gidx): c for e, c, _ in local if e.gidx >= 0},
@@ -289,7 +288,19 @@ class Runtime:
                        "deepep": _deepep.describe()}
             tb = time.perf_counter()
             try:
+                # Bounded by half the timeout, so a rank whose device never drains still reaches the agreement
+                # while its peers wait there: every rank then fails with the same reason and the same call count.
+                try:
+                    B.drain([e.group for e in detached if B.has_accelerator(e.group)], tmo.total_seconds() / 2)
+                    payload["drain"] = ""
+                except StateError as e:
+                    payload["drain"] = str(e)
+                log.debug("ebbtide.comm: release: drained; agreeing on the control plane")
                 everyone = self._exchange(control, "release", payload, tmo)
+                stuck = [r for r, p in enumerate(everyone) if p.get("drain")]
+                if stuck:
+                    raise StateError(f"ebbtide.comm.release(): on ranks {stuck} " +
+                                     everyone[stuck[0]]["drain"].split("release(): ", 1)[-1])
                 check_agreement(everyone, "release")
                 if len({json.dumps(p["opts"]) for p in everyone}) != 1:
                     raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
 import types
 from multiprocessing.reduction import ForkingPickler
 
@@ -65,7 +66,8 @@ def _metadata_class():
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # noqa: PLC0415
 
         return FlattenedTensorMetadata
-    except ImportError:
+    except Exception:  # noqa: BLE001 (an install missing one of SGLang's dependencies fails with other errors too:
+        # seen, KeyError 'sglang' from importlib when sglang/__init__ cannot import IPython)
         return types.SimpleNamespace
 
 
@@ -82,13 +84,29 @@ def flattened_payload(bucket: BucketPlan, buf: torch.Tensor) -> dict:
                               end_idx=o.offset + o.nbytes, numel=o.nbytes) for o in bucket.outputs]}
 
 
-def ebbtide_payload(bucket: BucketPlan, buf: torch.Tensor, *, version: int, signature: str, buckets: int) -> list:
-    """The ebbtide form's named tensors: ``[(name carrying the layout, the bucket's bytes)]``."""
-    from .sglang_loader import encode  # noqa: PLC0415
+_OUTPUTS_JSON: dict = {}  # id(bucket) -> (bucket, its outputs as JSON): each bucket's layout is encoded once
 
-    meta = {"v": int(version), "sig": signature, "bucket": bucket.index, "buckets": int(buckets),
-            "outputs": [[o.name, o.dtype, list(o.shape), o.offset, o.offset + o.nbytes] for o in bucket.outputs]}
-    return [(encode(meta), buf[:bucket.nbytes])]
+
+def _outputs_json(bucket: BucketPlan) -> str:
+    hit = _OUTPUTS_JSON.get(id(bucket))
+    if hit is None or hit[0] is not bucket:  # the entry holds the bucket, so its id cannot be reused meanwhile
+        if len(_OUTPUTS_JSON) >= 4096:
+            _OUTPUTS_JSON.clear()
+        hit = (bucket, json.dumps([[o.name, o.dtype, list(o.shape), o.offset, o.offset + o.nbytes]
+                                   for o in bucket.outputs], separators=(",", ":")))
+        _OUTPUTS_JSON[id(bucket)] = hit
+    return hit[1]
+
+
+def ebbtide_payload(bucket: BucketPlan, buf: torch.Tensor, *, version: int, signature: str, buckets: int) -> list:
+    """The ebbtide form's named tensors: ``[(name carrying the layout, the bucket's bytes)]``; the name is
+    ``sglang_loader.encode`` of ``{"v", "sig", "bucket", "buckets", "outputs"}``, the outputs' JSON made once per
+    bucket (an MoE bucket lists hundreds of outputs)."""
+    from .sglang_loader import PREFIX  # noqa: PLC0415
+
+    head = json.dumps({"v": int(version), "sig": signature, "bucket": bucket.index, "buckets": int(buckets)},
+                      separators=(",", ":"))
+    return [(PREFIX + head[:-1] + ',"outputs":' + _outputs_json(bucket) + "}", buf[:bucket.nbytes])]
 
 
 def tensor_request(bucket: BucketPlan, buf: torch.Tensor, *, form: str = "flattened_bucket", tp_size: int = 1,

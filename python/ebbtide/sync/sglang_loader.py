@@ -20,8 +20,11 @@ What holds:
   every update (the docs list what that means per model). Writes the dispatcher cannot see are not detected when
   the same output also makes an observed placement.
 - Replay. Later updates of the same layout run the record: on CUDA one ``SegmentCopy`` launch per bucket (the
-  table's sources rebased on the new bucket's address), on the CPU one copy per segment. The record is checked
-  against the bucket's layout and the parameters' storage addresses first; a mismatch records again.
+  table's sources rebased on the new bucket's address; the table uploaded once and launched again while buckets
+  arrive at the same address on the same stream), on the CPU one copy per segment. The record is checked against
+  the bucket's layout and the parameters' storage addresses first; a mismatch records again. The model's
+  parameters are walked on the first bucket of each version (and after a record), not per bucket: a loader that
+  replaced parameters in the middle of one version's buckets would go unseen until the next version.
 - Versions. Buckets of one version arrive in order; the loader holds the highest version it completed. A bucket of
   a version older than the one held or in progress, or one applied already, is refused and nothing changes.
 - Errors. SGLang 0.5.23 ignores the loader's return value and turns an exception into a scheduler crash, so a
@@ -31,6 +34,7 @@ What holds:
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -59,6 +63,29 @@ def decode(name: str) -> dict | None:
     return json.loads(name[len(PREFIX):])
 
 
+_OUTPUTS_KEY = ',"outputs":'
+
+
+@functools.lru_cache(maxsize=512)
+def _layout(outputs_json: str) -> tuple:
+    """A bucket's outputs as (name, dtype, shape, start, end) tuples, parsed once per layout (the sender repeats the
+    same layout every update; an MoE bucket lists hundreds of outputs)."""
+    return tuple((o[0], o[1], tuple(o[2]), int(o[3]), int(o[4])) for o in json.loads(outputs_json))
+
+
+def _parse(name: str) -> tuple[dict, tuple]:
+    """(meta without "outputs", layout) of an ebbtide-form name; ValueError/KeyError/TypeError if unreadable."""
+    body = name[len(PREFIX):]
+    i = body.find(_OUTPUTS_KEY)
+    if i > 0 and body.endswith("}"):  # "outputs" last, as encode and the sender write it
+        try:
+            return json.loads(body[:i] + "}"), _layout(body[i + len(_OUTPUTS_KEY):-1])
+        except ValueError:
+            pass
+    meta = json.loads(body)
+    return meta, _layout(json.dumps(meta["outputs"], separators=(",", ":")))
+
+
 @dataclass
 class _Record:
     layout: tuple  # the bucket's (name, dtype, shape, start, end) outputs
@@ -68,6 +95,9 @@ class _Record:
     nbytes: torch.Tensor  # int64 [n]
     fallback: list  # output names SGLang's loader places at every update
     table: torch.Tensor | None = None  # CUDA: the segment table's fixed columns (dst, -, bytes, first chunk)
+    # CUDA: (bucket address, stream, pinned table, device table) of the last replay, launched again as they are
+    # while the bucket arrives at the same address (the sender reuses its buffers) on the same stream
+    launch: tuple | None = None
 
 
 @dataclass
@@ -82,6 +112,9 @@ class LoaderState:
     last_error: str = ""
     recorded: int = 0  # how many layouts were recorded (re-recorded after the parameters moved included)
     replayed: int = 0
+    # the model's parameters and buffers and their storage addresses, walked once per version (the first bucket
+    # of each; again after a record): (version, tensors, addresses)
+    walked: tuple | None = None
 
 
 def state(model) -> LoaderState:
@@ -161,7 +194,8 @@ def _record(model, params, bucket: torch.Tensor, layout: tuple, ptrs: tuple) -> 
         runs = [(pi,) + _runs(d_t, s_t) for pi, d_t, s_t in obs.copies]
         elements = sum(d_t.numel() for _, d_t, _ in obs.copies)
         why = obs.bad or ("" if runs else "no placement observed") or (
-            "runs shorter than 8 elements" if sum(len(d) for _, d, _, _ in runs) * 8 > elements else "")
+            "runs shorter than 8 elements" if sum(len(d) for _, d, _, _ in runs) * min(8, elements) > elements
+            else "")  # a transpose (one element per run); a whole output shorter than 8 elements is one run
         if why:
             log.info("ebbtide.sync: SGLang's loader keeps %s (%s)", name, why)
             fallback.append(name)
@@ -196,11 +230,14 @@ def _replay(rec: _Record, params, bucket: torch.Tensor) -> None:
             table[:, 0] = torch.tensor([params[pi].untyped_storage().data_ptr() + off for pi, off in rec.dst])
             table[:, 2] = rec.nbytes
             table[:, 3] = torch.cumsum(counts, 0) - counts
-            rec.table = table
-        host = rec.table.clone()
-        host[:, 1] = rec.src + bucket.data_ptr()
-        host = host.pin_memory()
-        _cuda.launch_segments(host, _cuda.upload(host, bucket.device), len(rec.dst), bucket.device)
+            rec.table, rec.launch = table, None
+        stream = torch.cuda.current_stream(bucket.device).cuda_stream
+        if rec.launch is None or rec.launch[:2] != (bucket.data_ptr(), stream):
+            host = rec.table.clone()
+            host[:, 1] = rec.src + bucket.data_ptr()
+            host = host.pin_memory()  # the device copy is ordered on this stream: later launches here follow it
+            rec.launch = (bucket.data_ptr(), stream, host, _cuda.upload(host, bucket.device))
+        _cuda.launch_segments(rec.launch[2], rec.launch[3], len(rec.dst), bucket.device)
         return
     flat = bucket.reshape(-1)
     stores = [torch.empty(0, dtype=torch.uint8).set_(p.untyped_storage()) for p in params]
@@ -218,14 +255,17 @@ def load_weights(model, named_tensors) -> None:
     """SGLang's custom weight loader entry (see the module doc). ``named_tensors``: SGLang's list of (name,
     tensor); the ebbtide form is one entry, anything else goes to ``model.load_weights``."""
     named_tensors = list(named_tensors)
-    meta = decode(named_tensors[0][0]) if len(named_tensors) == 1 else None
-    if meta is None:
+    name = named_tensors[0][0] if len(named_tensors) == 1 else None
+    if not (isinstance(name, str) and name.startswith(PREFIX)):
         model.load_weights(named_tensors)
         return
     bucket = named_tensors[0][1]
     st = state(model)
-    version, index, count, sig = int(meta["v"]), int(meta["bucket"]), int(meta["buckets"]), meta["sig"]
-    layout = tuple((o[0], o[1], tuple(o[2]), int(o[3]), int(o[4])) for o in meta["outputs"])
+    try:
+        meta, layout = _parse(name)
+        version, index, count, sig = int(meta["v"]), int(meta["bucket"]), int(meta["buckets"]), meta["sig"]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        return _refuse(st, f"the tensor's name does not carry a readable ebbtide layout ({type(e).__name__}: {e})")
     if version <= st.held:
         return _refuse(st, f"version {version} is not newer than the held version {st.held}")
     if st.current is not None and version < st.current:
@@ -240,14 +280,17 @@ def load_weights(model, named_tensors) -> None:
     if bucket.dtype != torch.uint8 or bucket.dim() != 1 or any(hi > bucket.numel() for *_, hi in layout):
         return _refuse(st, f"bucket {index}: the tensor ({bucket.dtype}, {tuple(bucket.shape)}) does not hold its "
                            "outputs")
-    params = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
-    ptrs = tuple(p.untyped_storage().data_ptr() for p in params)
+    if st.walked is None or st.walked[0] != version:
+        params = [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]
+        st.walked = (version, params, tuple(p.untyped_storage().data_ptr() for p in params))
+    _, params, ptrs = st.walked
     key = (sig, index)
     rec = st.records.get(key)
     if rec is None or rec.layout != layout or rec.ptrs != ptrs:
         rec = _record(model, params, bucket, layout, ptrs)  # places this bucket through SGLang's loader
         st.records[key] = rec
         st.recorded += 1
+        st.walked = None  # SGLang's loader ran: walk the parameters again for the next bucket
     else:
         _replay(rec, params, bucket)
         if rec.fallback:

@@ -252,6 +252,10 @@ def alloc_rows(mem: _Memory) -> dict:
             out[f"{where}/{size}"] = {"cold_us": statistics.median(cold) * 1e6,
                                       "warm_us": statistics.median(warm) * 1e6}
     torch.cuda.empty_cache()
+    if mem.mode == "plain":  # the driver's VMM calls alone: the floor of any allocator that maps its own memory
+        from ._vmm_floor import vmm_floor_us  # noqa: PLC0415
+
+        out["vmm"] = {str(k): v for k, v in vmm_floor_us(ALLOC_SIZES).items()}
     return out
 
 

@@ -240,9 +240,16 @@ def alloc_rows(runs: dict):
         ours, base = cold("ebbtide-preload", "default", size), cold("plain", "default", size)
         if ours:
             w, wb = warm("ebbtide-preload", "default", size), warm("plain", "default", size)
-            yield _row(f"torch.empty {human} reaching the allocator (shim default tag vs cudaMalloc)", ours, base,
-                       "us", {"bytes": size}, f"a cached block: {_spread(w, 'us')} vs {_spread(wb, 'us')}",
+            floor = {k: summary(runs.get("plain", []), ("alloc", "vmm", str(size), k))
+                     for k in ("total_us", "create_us", "map_us", "access_us")}
+            row = _row(f"torch.empty {human} reaching the allocator (shim default tag vs cudaMalloc)", ours, base,
+                       "us", {"bytes": size, **{f"vmm_{k}": round(v["median"], 1) for k, v in floor.items() if v}},
+                       f"a cached block: {_spread(w, 'us')} vs {_spread(wb, 'us')}",
                        anchor_name="the driver's cudaMalloc")
+            if floor["total_us"]:
+                row.limit = floor["total_us"]["median"]
+                row.limit_name = "the driver's VMM calls alone (cuMemCreate + Map + SetAccess + Release)"
+            yield row
         ours, tms = cold("ebbtide-torch", "region", size), cold("tms-torch", "region", size)
         if ours:
             yield _row(f"torch.empty {human} reaching the allocator in a region (ebbtide vs torch_memory_saver)",

@@ -15,6 +15,10 @@ Paths, each timed in the same run:
   pickled and sent as one flattened-bucket request, a wait for the reply, ``ipc_collect`` and ``empty_cache``
   after every bucket, a new producer buffer each time; the receiver rebuilds views and copies into its params.
 - ebbtide host buffer: ``HostSender`` -> ``HostReceiver`` through a pinned shared buffer.
+- Into SGLang's loaders (where SGLang is installed; ``_sglang_loader_worker``): the same buckets applied inside
+  the engine, from the tensors SGLang's weight updater rebuilt to the parameters holding them, into SGLang's own
+  layers (FP8 served form): ebbtide's loader (``--custom-weight-loader``) against SGLang's ``load_weights`` for
+  slime's flattened-bucket request; limit: the HBM copy of the bucket bytes.
 
 Limits from the same run: the IPC paths against the HBM time of the bytes that must move (read bf16, write FP8 +
 scales, the receiver's read and write of them) at the measured device-copy bandwidth; the host path against the
@@ -22,11 +26,14 @@ pinned D2H + H2D time of the quantized bytes.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import statistics
 import time
 
 from ...anchors.sync import slime_update
 from ..registry import Row, suite
+from ._process import run_json_worker
 
 GB = 1e9
 BUCKET = 512 << 20
@@ -210,6 +217,31 @@ def _measure(model: str, quick: bool, ctx):
     return plan, out
 
 
+def _loader_rows(ctx, model: str, label: str, hbm: float):
+    """The "into SGLang's loaders" row of ``model`` (nothing where SGLang is not installed: said as progress)."""
+    if importlib.util.find_spec("sglang") is None:
+        ctx.progress(f"sync {model}: SGLang not installed, no 'into SGLang's loaders' row")
+        return
+    ctx.progress(f"sync {model}: into SGLang's loaders (ebbtide's loader vs SGLang's load_weights)")
+    r, why = run_json_worker("ebbtide.bench.suites._sglang_loader_worker",
+                             [model, "1" if ctx.quick else "0", "3" if ctx.quick else "8", "cuda:0"],
+                             dict(os.environ), timeout=900)
+    if r is None:
+        ctx.progress(f"sync {model}: into SGLang's loaders failed: {why}")
+        yield Row("sync", f"{label}: into SGLang's loaders", "GB/s", None, anchor_note="worker failed",
+                  note=why[-300:])
+        return
+    wire = r["wire_bytes"]
+    yield Row("sync", f"{label}: into SGLang's loaders", "GB/s", wire / r["ebbtide_s"] / GB,
+              anchor=wire / r["sglang_s"] / GB, anchor_name="SGLang load_weights (slime's flattened bucket)",
+              limit=hbm / 2, limit_name="HBM copy of the bucket bytes",
+              params={"ms": r["ebbtide_s"] * 1e3, "anchor_ms": r["sglang_s"] * 1e3,
+                      "record_ms": r["ebbtide_record_s"] * 1e3, "wire_GB": round(wire / GB, 3),
+                      "buckets": r["buckets"], "tensors": r["tensors"], "segments": r["segments"],
+                      "bitwise_equal": r["bitwise_equal"], "fallback": r["fallback"], "stood_in": r["stood_in"]},
+              note="" if r["bitwise_equal"] else "parameters differ from SGLang's placement")
+
+
 @suite("sync", needs="gpu", description="weight update to a second process on one GPU: ebbtide IPC / host vs "
                                         "a slime-style path, GB/s of bf16 published")
 def run(ctx):
@@ -227,6 +259,7 @@ def run(ctx):
                   anchor_name="slime-style (per-tensor FP8, cat, request per bucket)", limit=src / hbm_s / GB,
                   limit_name="HBM: bf16 read + FP8 write + receiver copy", params={**params, "ms": t["ipc"] * 1e3,
                                                                                    "anchor_ms": t["slime"] * 1e3})
+        yield from _loader_rows(ctx, model, label, hbm)
         yield Row("sync", f"{label}: pinned host buffer", "GB/s", src / t["host"] / GB, anchor_note="n/a",
                   limit=src / pcie_s / GB, limit_name="pinned D2H + H2D of the FP8 bytes",
                   params={**params, "ms": t["host"] * 1e3})
