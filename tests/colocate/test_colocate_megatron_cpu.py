@@ -182,3 +182,36 @@ def test_report_and_bench_rows_of_three_variants():
     # three anchors: step and overhead against each, the phases against slime, memory against each
     assert len(rows) == 3 * 2 + 9 + 3
     assert by["colocated loop: RL step (vs slime-ebbtide)"].anchor_note == "not measured"
+
+
+def test_critical_paths_and_their_goals_in_the_report():
+    """update = optimizer + rollout_resume + sync, restart = onload + comm_reload: per step, the slowest rank,
+    median over the measured steps; the report prints them beside the optimizer step and the host floor."""
+    phases = {p: 0.001 for p in MEGATRON_PHASES}
+    phases.update(optimizer=0.300, rollout_resume=0.005, sync=0.020, onload=0.015, comm_reload=0.002)
+    ours = _rank(phases, 3)
+    ours["setup"].update(moments="bf16", optimizer_floor_s=0.250, host_triad_gbps=100.0)
+    ours["phases"][-1]["s"] = 9.0  # the last step's comm_reload (its last phase) is slow
+    slime = _rank({p: 0.04 for p in MEGATRON_PHASES}, 3)
+    s = summarize([ours], 1)
+    assert s["paths_s"]["update"] == pytest.approx(0.325)
+    assert s["paths_s"]["restart"] == pytest.approx((0.017 + 9.015) / 2)  # median of the two measured steps
+    res = {"config": {"decode": "cuda-graph", "steps": 3, "warmup": 1}, "variants": {
+        "ebbtide": {"ranks": [ours], "summary": s, "checks": {"correct": True, "verify": []}},
+        "slime": {"ranks": [slime], "summary": summarize([slime], 1)}}}
+    text = format_report(res)
+    assert "== critical paths" in text and "moments bf16" in text and "1.08x the optimizer step" in text
+    assert "    250.0" in text  # the floor column
+    goals = launcher._goals(res)
+    assert goals["backward done -> rollout holds the new weights (goal <= 1.1x the optimizer step)"].startswith(
+        "1.08x (met")
+
+
+def test_moments_option():
+    assert parse_args(["--trainer", "megatron", "--moments", "bf16"]).moments == "bf16"
+    assert parse_args(["--trainer", "megatron"]).moments == "fp32"
+    assert RunConfig(trainer="megatron", moments="bf16").worker_spec("ebbtide")["moments"] == "bf16"
+    with pytest.raises(InvalidArgumentError, match="option of --trainer megatron"):
+        parse_args(["--moments", "bf16"])
+    with pytest.raises(InvalidArgumentError, match="moments must be one of"):
+        RunConfig(trainer="megatron", moments="fp16").validate()

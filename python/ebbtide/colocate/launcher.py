@@ -60,6 +60,7 @@ TRAINERS = {"toy": ("ebbtide.colocate.trainer", VARIANTS),
 # = mtrainer.VARIANTS; the variants that run on the torch_memory_saver package (the others need only ebbtide)
 NEEDS_TMS = ("anchor", "slime", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")  # = mtrainer.GROUP_MODES
+MOMENTS = ("fp32", "bf16")  # = mtrainer.MOMENTS: Adam's moments in the ebbtide variant's host state
 STEADY_GUARDS = ("error", "warn")
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
@@ -94,6 +95,7 @@ class RunConfig:
     # release frees only those that exist) or "eager" (WORLD bound to the device: every group connects at creation
     # and again at reload). The anchors always run slime's own settings (lazy, NCCL_CUMEM_ENABLE=0).
     groups: str = "lazy"
+    moments: str = "fp32"
     # the steady phases (forward + backward, generate) of ebbtide against each anchor's: "error" (exit status 3 when
     # ebbtide is more than steady_tolerance slower), "warn" (say so, exit as usual)
     steady_guard: str = "error"
@@ -154,6 +156,11 @@ class RunConfig:
             raise InvalidArgumentError(f"steady_tolerance must be a fraction in [0, 1], got {self.steady_tolerance!r}")
         if self.groups not in GROUP_MODES:
             raise InvalidArgumentError(f"groups must be one of {GROUP_MODES}, got {self.groups!r}")
+        if self.moments not in MOMENTS:
+            raise InvalidArgumentError(f"moments must be one of {MOMENTS}, got {self.moments!r}")
+        if self.moments != "fp32" and self.trainer != "megatron":
+            raise InvalidArgumentError("--moments bf16 is an option of --trainer megatron (the toy trainer's "
+                                       "optimizer keeps fp32 moments)")
         return self
 
     def worker_spec(self, variant: str) -> dict:
@@ -162,7 +169,7 @@ class RunConfig:
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
                 "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
-                "verify_batch": self.verify_batch,
+                "moments": self.moments, "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
 
@@ -209,6 +216,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="megatron, ebbtide variant: communicators made at each group's first collective (lazy, "
                         "default; release frees those that exist) or at creation and reload (eager: WORLD bound to "
                         "the device). The anchors run slime's settings whatever this says")
+    p.add_argument("--moments", default=d.moments, choices=MOMENTS,
+                   help="megatron, ebbtide variant: Adam's moments in fp32 (default) or bf16 (Megatron's precision-"
+                        "aware exp_avg_dtype/exp_avg_sq_dtype; 20 instead of 28 bytes per parameter through host "
+                        "memory). The slime anchors keep fp32 moments: HybridDeviceOptimizer's CPU AdamW has no "
+                        "moment dtype")
     p.add_argument("--steady-guard", default=d.steady_guard, choices=STEADY_GUARDS,
                    help="when ebbtide's train (forward + backward) or generate median is more than --steady-tolerance "
                         "slower than an anchor's: error (default: exit status 3) or warn")
@@ -233,7 +245,7 @@ def parse_args(argv=None) -> RunConfig:
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
     kw = {k: getattr(a, k) for k in ("gpus", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
                                      "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode", "groups",
-                                     "steady_guard", "steady_tolerance",
+                                     "moments", "steady_guard", "steady_tolerance",
                                      "timeout_s",
                                      "verify_batch", "verify_len",
                                      "out", "device", "store_bind")}
@@ -414,6 +426,18 @@ def _goals(res: dict) -> dict:
                 f"context {ctx / 1e9:.3f} GB)")
         else:
             out["trainer GPU memory during generation"] = "no NVML per-process reading (see nvml in setup)"
+        paths, opt = ours.get("paths_s") or {}, ours["phase_s"].get("optimizer")
+        if paths.get("update") and opt:
+            r = paths["update"] / opt
+            out["backward done -> rollout holds the new weights (goal <= 1.1x the optimizer step)"] = (
+                f"{r:.2f}x ({'met' if r <= 1.1 else 'NOT met'}; {paths['update'] * 1e3:.1f} vs {opt * 1e3:.1f} ms)")
+            over = _overhead(ours)
+            out["everything but train and generate (goal <= 1.15x the optimizer step)"] = (
+                f"{over / opt:.2f}x ({'met' if over / opt <= 1.15 else 'NOT met'})")
+        if paths.get("restart") is not None:
+            r = paths["restart"]
+            out["rollout paused -> the first forward (goal <= 20 ms)"] = (
+                f"{r * 1e3:.1f} ms ({'met' if r <= 0.02 else 'NOT met'})")
     return out
 
 

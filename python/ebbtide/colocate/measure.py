@@ -20,7 +20,8 @@ import statistics
 import time
 
 __all__ = ["PHASES", "MEGATRON_PHASES", "STEADY_PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize",
-           "growth_check", "steady_check", "format_report", "plot_timeline", "GROWTH_TOLERANCE", "STEADY_TOLERANCE"]
+           "growth_check", "steady_check", "format_report", "plot_timeline", "GROWTH_TOLERANCE", "STEADY_TOLERANCE",
+           "PATHS", "path_lines"]
 
 # The order of one RL step of the toy loop. "comm_*" only run with 2+ GPUs.
 PHASES = ("train", "optimizer", "sync_pack", "trainer_pause", "comm_release", "rollout_resume", "sync_load", "generate",
@@ -178,6 +179,29 @@ def step_times(phases: list[dict]) -> dict[int, float]:
     return out
 
 
+# The colocated step's two critical paths (phases of the Megatron loop, in step order): from the backward done to
+# the rollout holding the new weights, and from the rollout paused to the trainer's first forward.
+PATHS = {"update": ("optimizer", "rollout_resume", "sync"), "restart": ("onload", "comm_reload")}
+
+
+def _paths(ranks: list[dict], measured: list[int]) -> dict:
+    """path -> median over the measured steps of the slowest rank's sum of the path's phases (where all ran)."""
+    out = {}
+    for name, parts in PATHS.items():
+        per_step = []
+        for s in measured:
+            sums = []
+            for r in ranks:
+                got = {p["phase"]: p["s"] for p in r["phases"] if p["step"] == s and p["phase"] in parts}
+                if len(got) == len(parts):
+                    sums.append(sum(got.values()))
+            if sums:
+                per_step.append(max(sums))
+        if per_step:
+            out[name] = statistics.median(per_step)
+    return out
+
+
 def summarize(ranks: list[dict], warmup: int) -> dict:
     """Combine per-rank results (each {"phases": [...], "memory": [...], ...}) into medians over steps >= warmup.
     A phase's time for a step is the slowest rank's; so is the step time. Phases keep the order of the step."""
@@ -223,6 +247,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         "bytes": bytes_moved,
         "memory": mem,
         "losses": [p["loss"] for p in ranks[0]["phases"] if p["phase"] == "train" and "loss" in p],
+        "paths_s": _paths(ranks, measured),
     }
 
 
@@ -350,6 +375,7 @@ def format_report(results: dict) -> str:
             if setup.get("rollout"):
                 lines.append(f"rollout: {setup['rollout']}")
     lines += _decode_lines(v)
+    lines += path_lines(v, names)
     tol = (results.get("config") or {}).get("steady_tolerance", STEADY_TOLERANCE)
     lines += steady_lines(steady_check(results, tol), tol)
     goals = results.get("goals")
@@ -359,6 +385,26 @@ def format_report(results: dict) -> str:
         if not info.get("summary"):
             lines.append(f"{n}: not measured ({info.get('why', 'unknown reason')})")
     return "\n".join(lines)
+
+
+def path_lines(v: dict, names: list) -> list:
+    """The critical paths of each variant beside its optimizer step alone and the step's host-memory floor."""
+    rows = []
+    for n in names:
+        s, setup = v[n]["summary"], (v[n].get("ranks") or [{}])[0].get("setup", {})
+        paths, opt = s.get("paths_s") or {}, s["phase_s"].get("optimizer")
+        if not paths:
+            continue
+        up, rs, floor = paths.get("update"), paths.get("restart"), setup.get("optimizer_floor_s")
+        ratio = f"{up / opt:.2f}x the optimizer step" if up and opt else "-"
+        rows.append(f"{n:<14}{_ms(up)}{_ms(rs)}{_ms(opt)}{_ms(floor)}   update = {ratio}; moments "
+                    f"{setup.get('moments', '?')}, host triad {setup.get('host_triad_gbps', '?')} GB/s")
+    if not rows:
+        return []
+    return ["", "== critical paths (ms, median over measured steps): update = optimizer + rollout resume + sync "
+                "(backward done -> the rollout holds the new weights); restart = onload + group reload (rollout "
+                "paused -> the first forward)",
+            f"{'variant':<14}{'update':>9}{'restart':>9}{'optimizer':>9}{'floor':>9}"] + rows
 
 
 def _decode_lines(v: dict) -> list:

@@ -69,6 +69,10 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 
 VARIANTS = ("ebbtide", "slime", "slime-ebbtide", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")
+MOMENTS = ("fp32", "bf16")
+# One CPU Adam step's bytes through host memory per parameter: fp32 master read + write (8), both moments read +
+# write (16 in fp32, 8 in bf16), the bf16 gradient read (2) and the bf16 parameter written back (2).
+STEP_BYTES = {"fp32": 28, "bf16": 20}
 # Megatron's forward and the rollout's plain-PyTorch one on the same bf16 weights: same math, other kernels and
 # operation order (fused QKV split, softmax, LayerNorm) through every layer; a wrong name or layout differs by O(1).
 LOGITS_RTOL = 2.0 ** -4
@@ -160,10 +164,21 @@ class _MegatronTrainer:
         dims = (c.n_layers, c.d_model, c.n_heads, c.d_ff, c.vocab, c.max_seq)
         seed = s["seed"] + 1234
         if self.variant == "ebbtide":
+            moments = s.get("moments", "fp32")
+            if moments not in MOMENTS:
+                raise RuntimeError(f"moments must be one of {MOMENTS}, not {moments!r}")
             self.model = build_gpt(*dims, dist_opt=False, seed=seed)
-            self.opt = self.ebt.get_optimizer(opt_config(lr=s["lr"], clip_grad=1.0), [self.model])
+            cfg = opt_config(lr=s["lr"], clip_grad=1.0)
+            if moments == "bf16":
+                # Megatron's precision-aware fields, set after construction as a config made on a Transformer Engine
+                # machine carries them: megatron-core 0.16.1 validates use_precision_aware_optimizer through TE's
+                # version and fails without TE (is_te_min_version), even with CPU offload.
+                cfg.use_precision_aware_optimizer = cfg.use_distributed_optimizer = True
+                cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.bfloat16
+            self.opt = self.ebt.get_optimizer(cfg, [self.model])
             self.state = self.ebt.TrainingState([self.model], self.opt, weights="discard")
             self.setup["optimizer"] = f"EbbtideOptimizer(OffloadedAdam, isa={self.opt.optimizer.isa})"
+            self.setup["moments"] = moments
         else:
             slime = self.variant.startswith("slime")
             extra = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
@@ -179,11 +194,23 @@ class _MegatronTrainer:
                 self.backup = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self.params]
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            self.setup["moments"] = "fp32"  # HybridDeviceOptimizer's CPU torch AdamW: no moment dtype
             subs = getattr(self.opt, "chained_optimizers", [self.opt])  # Megatron returns a ChainedOptimizer
             self.setup["optimizer"] = ", ".join(f"{type(o).__name__}({type(getattr(o, 'optimizer', o)).__name__})"
                                                 for o in subs)
         self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
         self.setup["params"] = sum(p.numel() for p in self.model.parameters())
+        self._host_floor()
+
+    def _host_floor(self):
+        """The CPU optimizer step's host-memory floor on this machine, measured before the rollout starts: the
+        step's bytes per parameter over the in-place triad bandwidth of every thread."""
+        from .. import _native  # noqa: PLC0415
+
+        C = _native.load()
+        gbps = C.host_triad_bandwidth(512 << 20, C.cpu_affinity_count(), 8) / 1e9
+        self.setup["host_triad_gbps"] = round(gbps, 2)
+        self.setup["optimizer_floor_s"] = STEP_BYTES[self.setup["moments"]] * self.setup["params"] / (gbps * 1e9)
 
     def _start_rollout(self):
         import socket  # noqa: PLC0415
