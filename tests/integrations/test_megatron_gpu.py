@@ -60,6 +60,14 @@ def test_offload_restore_discarding_the_weights_bit_identical():
     print(res["offload"], "|", res["restore"])
 
 
+def test_restore_overlapping_the_first_forward_is_bit_identical():
+    """restore(overlap_forward=True) with the upload held back by a long kernel: every layer's first forward waits
+    for its own weights (losses and params bitwise those of a plain restore); the hooks were armed each cycle."""
+    res = _run("overlap", size="tiny", cycles=3)
+    assert res["losses_overlap"] == res["losses_plain"], res
+    assert res["params_equal"] and all(n > 0 for n in res["hooks_armed"]), res
+
+
 def test_training_state_over_megatron_gpu_optimizer():
     res = _run("megatron_state", size="tiny", cycles=3)
     assert any(t.endswith("_optimizer") and v["bytes_copied"] > 0 for t, v in res["tags"].items()), res

@@ -257,6 +257,12 @@ def test_param_mirror_follows_every_step_and_rebuilds_the_params():
     o2.upload_params_from_mirror()
     assert torch.equal(o2.flat_params, want)
     with torch.no_grad():
+        o2.flat_params.zero_()
+    spans = o2.upload_params_from_mirror(wait=False)  # per bucket (start, end, event): events are None on a CPU
+    assert torch.equal(o2.flat_params, want)
+    assert [(a, b) for a, b, _ in spans] == o2.buckets
+    assert spans[0][0] == 0 and spans[-1][1] == o2.flat_params.numel() and all(e is None for *_, e in spans)
+    with torch.no_grad():
         next(mirrored.parameters()).add_(1.0)  # a write outside the optimizer...
     o2.sync_master_from_params()  # ...reaches the mirror through the documented call
     assert torch.equal(mirror, o2.flat_params)

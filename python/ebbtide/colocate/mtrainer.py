@@ -10,7 +10,9 @@ Policies:
 - The step: train (zero the grad buffer, forward, backward, ``finish_grad_sync``) -> optimizer -> rollout_resume
   -> sync (the rollout holds the new weights) -> comm_release -> offload -> generate -> rollout_pause -> onload ->
   comm_reload (slime's sleep() destroys the groups, then pauses its memory; wake_up() resumes, then reloads). Each
-  phase ends when its device work is complete.
+  phase ends when its device work is complete, except the ebbtide variant's onload: ``restore(overlap_forward=
+  True)`` queues the weights' upload and each layer's first forward waits for its own, so the upload's tail is
+  inside the next train phase.
 - Variant "ebbtide", through the public adapter only: ``install_groups()`` before ``init_process_group``,
   ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
   restore (``weights="discard"``: the weights are dropped and rebuilt from the optimizer's host mirror, as slime
@@ -290,8 +292,8 @@ class _MegatronTrainer:
         return {}
 
     def _onload(self) -> dict:
-        if self.em is not None:
-            rep = self.state.restore()
+        if self.em is not None:  # the upload overlaps the next train phase's first forward, layer by layer
+            rep = self.state.restore(overlap_forward=True)
             return {"bytes": rep.bytes_copied}
         self.tms.resume()
         if self.backup is not None:

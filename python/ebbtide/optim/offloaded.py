@@ -159,6 +159,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._slots = slots
         self._step_count = 0
         self._mirror = None  # pinned bf16 host copy of the flat params (enable_param_mirror)
+        self._mirror_upload = None  # the last event of an unwaited mirror upload (upload_params_from_mirror)
         self._build_layout()
         self._build_buffers(buffer_factory or _zeros)
         self._transport = _Transport(self._device)
@@ -356,18 +357,25 @@ class OffloadedAdam(torch.optim.Optimizer):
         return self._mirror
 
     @torch.no_grad()
-    def upload_params_from_mirror(self) -> None:
-        """Write the mirror back into the flat params (bucket by bucket on the upload stream; the caller's stream
-        waits for it). StateError if the mirror is not enabled."""
+    def upload_params_from_mirror(self, *, wait: bool = True) -> list:
+        """Write the mirror back into the flat params, bucket by bucket on the upload stream. ``wait=True``: the
+        caller's stream waits for all of it. ``wait=False``: nothing waits; returns ``[(start, end, event)]`` per
+        bucket (elements of ``flat_params``; ``event`` recorded after that bucket's copy, ``None`` on a CPU), for a
+        caller that waits per bucket (``TrainingState.restore(overlap_forward=True)``); the next ``step`` waits for
+        the last one before it writes the mirror. StateError if the mirror is not enabled."""
         if self._mirror is None:
             raise StateError("upload_params_from_mirror(): the host mirror is not enabled (enable_param_mirror())")
         t = self._transport
         t.begin()
+        out = []
         try:
             for b in self._buckets:
-                t.upload(self._pflat[b.start:b.end], self._mirror[b.start:b.end])
+                out.append((b.start, b.end, t.upload(self._pflat[b.start:b.end], self._mirror[b.start:b.end])))
         finally:
-            t.end()
+            if wait:
+                t.end()
+        self._mirror_upload = None if wait or not out else out[-1][2]
+        return out
 
     def zero_grad(self, set_to_none: bool = True):
         """Zero the flat gradient buffer (grads stay views of it whatever set_to_none says)."""
@@ -431,6 +439,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._reset_overlap()
                 self.last_step_applied = False
                 return loss
+        if self._mirror_upload is not None:  # an unwaited mirror upload may still read the mirror
+            self._transport.wait(self._mirror_upload)
+            self._mirror_upload = None
         # Native validation fails on the first bucket, before any change, so the count moves only on success.
         self._run_pipeline(hypers, float(self._step_count + 1))
         self._step_count += 1

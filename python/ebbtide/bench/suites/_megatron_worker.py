@@ -8,6 +8,8 @@ to OUT_JSON. Commands:
   CPU AdamW as Megatron configures it (``fused=True``) and once with ``fused=False``; the losses of each.
 - ``cycles``: ebbtide's optimizer + TrainingState; ``cycles`` offload/restore cycles; params, host state and grad
   buffers compared bit for bit; the refusals (offload twice, restore without offload).
+- ``overlap``: weights discarded at each offload, restored plainly in one model and with
+  ``restore(overlap_forward=True)`` (its upload held back by a long kernel) in an identical one; losses and params.
 - ``megatron_state``: TrainingState over Megatron's own GPU-resident DistributedOptimizer (params, grad buffers,
   fp32 main params and Adam moments) for a few cycles, compared bit for bit.
 - ``checkpoint``: ebbtide's state_dict loads into Megatron's Float16OptimizerWithFloat16Params and back.
@@ -176,6 +178,39 @@ def cmd_cycles(spec: dict) -> dict:
             "offload": off.summary(), "restore": on.summary()}
 
 
+def cmd_overlap(spec: dict) -> dict:
+    """Two identical models, weights discarded at every offload: one restored plainly, one with
+    ``restore(overlap_forward=True)`` whose upload stream is held back by a long kernel first (so a forward that
+    did not wait for its weights would read the fresh, unfilled pages). Losses and params must be bitwise equal."""
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+
+    init(ebbtide_groups=True)
+    size, cycles = spec.get("size", "tiny"), spec.get("cycles", 3)
+    runs = {}
+    for overlap in (False, True):
+        model = build(size, dist_opt=False)
+        opt = ours(model, "exact")
+        state = ebt.TrainingState([model], opt, weights="discard", tag_prefix=f"ov{int(overlap)}")
+        losses, armed = [], []
+        for s in range(2 + cycles):
+            if s >= 2:
+                state.offload()
+                if overlap:
+                    for o in state._offadams:
+                        with torch.cuda.stream(o._transport.h2d):
+                            torch.cuda._sleep(spec.get("delay_cycles", 200_000_000))
+                state.restore(overlap_forward=overlap)
+                armed.append(len(state._armed))
+            opt.zero_grad()
+            losses.append(train(model, size, s))
+            opt.step()
+        torch.cuda.synchronize()
+        runs[overlap] = (losses, [p.detach().clone() for p in model.parameters()], armed)
+    (l0, p0, _), (l1, p1, armed) = runs[False], runs[True]
+    return {"losses_plain": l0, "losses_overlap": l1, "params_equal": all(torch.equal(a, b) for a, b in zip(p0, p1)),
+            "hooks_armed": armed}
+
+
 def cmd_megatron_state(spec: dict) -> dict:
     import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
     from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
@@ -335,7 +370,7 @@ def get_gpu_opt(model):
     return get_megatron_optimizer(opt_config(use_distributed_optimizer=True, clip_grad=1.0), [model])
 
 
-COMMANDS = {"exact": cmd_exact, "cycles": cmd_cycles, "megatron_state": cmd_megatron_state,
+COMMANDS = {"exact": cmd_exact, "cycles": cmd_cycles, "overlap": cmd_overlap, "megatron_state": cmd_megatron_state,
             "checkpoint": cmd_checkpoint, "bench": cmd_bench}
 
 

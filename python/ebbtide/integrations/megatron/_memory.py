@@ -23,7 +23,9 @@ Policies:
   grads (discard), optimizer and weights (copy to pinned host memory); the report has seconds and bytes per tag, and the memory left:
   torch's reserved bytes outside the tags and the device's used bytes (driver view: CUDA context, NCCL, other
   processes included). ``restore()``: resume weights, optimizer, grads (same addresses), zero the DDP grad
-  buffers (``zero_grad_buffer``: the state Megatron expects at the start of a step).
+  buffers (``zero_grad_buffer``: the state Megatron expects at the start of a step). ``restore(overlap_forward=
+  True)`` (discard mode) queues the mirror's upload and returns: each module's first forward waits for its own
+  parameters' buckets (a one-shot forward pre-hook), so the upload overlaps the first layers' compute.
 - Errors: offload twice or restore without offload -> StateError; a model chunk that is not Megatron's DDP, or a
   trainable param without ``main_grad`` (held outside the DDP buffers) -> InvalidArgumentError naming it; no GPU
   -> UnsupportedError. Checks happen before anything is paused.
@@ -110,6 +112,7 @@ class TrainingState:
         self._moved: set = set()  # storage data_ptrs already in a tag
         self._expected = {t: 0 for t in self.tags.values()}
         self._offloaded = False
+        self._armed, self._uploads = [], []  # an overlapped restore's forward pre-hooks and last upload events
         self._offadams = [o for o in _inner_optimizers(optimizer) if isinstance(o, OffloadedAdam)]
         if weights == "discard" and not self._offadams:
             raise InvalidArgumentError("weights='discard' rebuilds the weights from OffloadedAdam's host mirror: the "
@@ -217,6 +220,7 @@ class TrainingState:
         if self._offloaded:
             raise StateError("offload() called twice: the training state is already offloaded (call restore())")
         t0 = time.perf_counter()
+        self.wait_weights()  # an overlapped restore whose forward never ran: its upload ends before the pause
         torch.cuda.synchronize()
         self._adopt_optimizer_state()  # state tensors a GPU optimizer created since the last call
         torch.cuda.empty_cache()
@@ -228,11 +232,20 @@ class TrainingState:
         residual, used = self._residual()
         return OffloadReport("offload", time.perf_counter() - t0, tags, residual, used)
 
-    def restore(self) -> OffloadReport:
+    def restore(self, *, overlap_forward: bool = False) -> OffloadReport:
         """Map the training state back at the same addresses, restore weights and optimizer state, zero the DDP
-        grad buffers. StateError without a previous offload()."""
+        grad buffers. StateError without a previous offload().
+
+        ``overlap_forward=True`` (``weights="discard"`` only): return once the weights' upload from the host mirror
+        is queued; each module's first forward afterwards waits, on its own stream, for the buckets holding its
+        parameters (a forward pre-hook, removed once it ran), so the first layers compute while the later ones
+        arrive. Anything else that reads the weights before that forward calls :meth:`wait_weights` first
+        (``offload`` and the optimizer's step wait by themselves)."""
         if not self._offloaded:
             raise StateError("restore() without offload(): the training state is resident")
+        if overlap_forward and self.weights != "discard":
+            raise InvalidArgumentError("restore(overlap_forward=True) overlaps the upload of the host mirror: it "
+                                       "needs TrainingState(weights='discard')")
         t0 = time.perf_counter()
         tags = {}
         for tag in reversed(self._tags_present()):
@@ -241,8 +254,10 @@ class TrainingState:
         self._offloaded = False
         if self.weights == "discard":
             t1 = time.perf_counter()
-            for opt in self._offadams:
-                opt.upload_params_from_mirror()  # fresh pages mapped above: the weights come from the host mirror
+            # fresh pages mapped above: the weights come from the host mirror
+            uploads = [(o, o.upload_params_from_mirror(wait=not overlap_forward)) for o in self._offadams]
+            if overlap_forward:
+                self._arm_forward_waits(uploads)
             tag = self.tags["weights_mirrored"]
             tags[tag] = {**tags[tag], "bytes_copied": sum(o.flat_params.nbytes for o in self._offadams),
                          "s": tags[tag]["s"] + time.perf_counter() - t1}
@@ -250,6 +265,48 @@ class TrainingState:
             c.zero_grad_buffer()
         for opt in self._offadams:
             opt.flat_grad.zero_()
-        torch.cuda.synchronize()
+        if not overlap_forward:
+            torch.cuda.synchronize()
         residual, used = self._residual()
         return OffloadReport("restore", time.perf_counter() - t0, tags, residual, used)
+
+    def _arm_forward_waits(self, uploads) -> None:
+        """A forward pre-hook on every module with parameters in an OffloadedAdam flat buffer: its stream waits for
+        the upload event of the last bucket holding any of them (one stream per optimizer uploads in order, so that
+        event covers the earlier buckets), then the hook removes itself."""
+        flats = []
+        for opt, buckets in uploads:
+            f = opt.flat_params
+            flats.append((f.data_ptr(), f.element_size(), f.numel(), buckets))
+        for c in self.chunks:
+            for module in c.modules():
+                need = {}
+                for p in module.parameters(recurse=False):
+                    for i, (base, es, n, buckets) in enumerate(flats):
+                        last = (p.data_ptr() - base) // es + p.numel() - 1
+                        if 0 <= last < n:
+                            k = next(j for j, (_, end, _) in enumerate(buckets) if last < end)
+                            need[i] = max(need.get(i, -1), k)
+                events = [flats[i][3][k][2] for i, k in need.items() if flats[i][3][k][2] is not None]
+                if events:
+                    box: list = []
+
+                    def hook(module, args, _events=tuple(events), _box=box):
+                        stream = torch.cuda.current_stream()
+                        for ev in _events:
+                            stream.wait_event(ev)
+                        _box[0].remove()
+
+                    box.append(module.register_forward_pre_hook(hook))
+                    self._armed.append(box[0])
+        self._uploads = [b[-1][2] for _, b in uploads if b and b[-1][2] is not None]
+
+    def wait_weights(self) -> None:
+        """Make the current stream wait for an overlapped restore's whole upload and drop its remaining hooks (a
+        no-op when nothing is pending)."""
+        stream = torch.cuda.current_stream()
+        for ev in self._uploads:
+            stream.wait_event(ev)
+        for h in self._armed:
+            h.remove()
+        self._uploads, self._armed = [], []
