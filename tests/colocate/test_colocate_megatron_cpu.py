@@ -202,6 +202,15 @@ def test_critical_paths_and_their_goals_in_the_report():
     text = format_report(res)
     assert "== critical paths" in text and "moments bf16" in text and "1.08x the optimizer step" in text
     assert "    250.0" in text  # the floor column
+    from ebbtide.colocate.measure import steady_check
+
+    assert all(c["ok"] for c in steady_check(res) if c["phase"] == "train")  # equal phases here
+    ours["setup"]["onload_overlaps_train"] = True
+    slow = {**res, "variants": {**res["variants"], "slime": {
+        "ranks": [slime], "summary": summarize([_rank({p: 0.0001 for p in MEGATRON_PHASES}, 3)], 1)}}}
+    train = [c for c in steady_check(slow) if c["phase"] == "train"][0]
+    assert train["ok"] and not train["guarded"]  # 10x slower train, but it holds the upload's tail: reported only
+    assert "not guarded" in format_report(slow)
     goals = launcher._goals(res)
     assert goals["backward done -> rollout holds the new weights (goal <= 1.1x the optimizer step)"].startswith(
         "1.08x (met")

@@ -168,7 +168,11 @@ def test_the_name_is_encode_of_the_meta_and_parses_back_any_key_order():
 def test_an_unreadable_name_is_refused_untouched():
     model = TinyServed(0, 1)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    for bad in (L.PREFIX + "{not json", L.PREFIX + '{"v":1}', L.PREFIX + '{"v":1,"outputs":[[1]]}'):
+    good = {"v": 1, "sig": "s", "bucket": 0, "buckets": 1}
+    for bad in (L.PREFIX + "{not json", L.PREFIX + '{"v":1}', L.PREFIX + '{"v":1,"outputs":[[1]]}',
+                L.encode({**good, "outputs": [["w", "nodtype", [2], 0, 4]]}),
+                L.encode({**good, "outputs": [["w", "float32", [2], 0, 4]]}),  # 8 bytes of float32 in 4
+                L.encode({**good, "outputs": [["w", "bfloat16", [2], -4, 0]]})):
         L.load_weights(model, [(bad, torch.zeros(8, dtype=torch.uint8))])
         assert "readable ebbtide layout" in L.state(model).last_error, L.state(model).last_error
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -291,6 +291,10 @@ def steady_check(results: dict, tolerance: float = STEADY_TOLERANCE) -> list[dic
     out = []
     if not ours:
         return out
+    setup = ((v["ebbtide"].get("ranks") or [{}])[0] or {}).get("setup", {})
+    # the Megatron loop's ebbtide variant uploads its weights under the first forward: its train phase holds that
+    # upload's tail, so it is not the same code as an anchor's train (reported, not guarded)
+    unguarded = {"train"} if setup.get("onload_overlaps_train") else set()
     for name, info in v.items():
         anchor = info.get("summary")
         if name == "ebbtide" or not anchor:
@@ -300,7 +304,7 @@ def steady_check(results: dict, tolerance: float = STEADY_TOLERANCE) -> list[dic
             if not a or not b:
                 continue
             entry = {"phase": ph, "anchor": name, "ours_s": a, "anchor_s": b, "ratio": a / b,
-                     "ok": a / b <= 1 + tolerance}
+                     "ok": ph in unguarded or a / b <= 1 + tolerance, "guarded": ph not in unguarded}
             da, db = (s.get("detail", {}).get(ph, {}).get("decode_gpu_s") for s in (ours, anchor))
             if da and db:
                 entry.update(ours_device_s=da, anchor_device_s=db)
@@ -315,8 +319,10 @@ def steady_lines(checks: list[dict], tolerance: float) -> list[str]:
     for c in checks:
         dev = (f"; decode on the device {c['ours_device_s'] * 1e3:.1f} vs {c['anchor_device_s'] * 1e3:.1f} ms"
                if "ours_device_s" in c else "")
+        verdict = ("not guarded: includes the tail of the weights' upload (restore(overlap_forward=True))"
+                   if not c.get("guarded", True) else "ok" if c["ok"] else "SLOWER")
         lines.append(f"{c['phase']:<10} ebbtide {c['ours_s'] * 1e3:8.1f} ms  {c['anchor']:<14} "
-                     f"{c['anchor_s'] * 1e3:8.1f} ms  ratio {c['ratio']:.3f}  {'ok' if c['ok'] else 'SLOWER'}{dev}")
+                     f"{c['anchor_s'] * 1e3:8.1f} ms  ratio {c['ratio']:.3f}  {verdict}{dev}")
     return lines
 
 

@@ -73,7 +73,9 @@ VARIANTS = ("ebbtide", "slime", "slime-ebbtide", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")
 MOMENTS = ("fp32", "bf16")
 # One CPU Adam step's bytes through host memory per parameter: fp32 master read + write (8), both moments read +
-# write (16 in fp32, 8 in bf16), the bf16 gradient read (2) and the bf16 parameter written back (2).
+# write (16 in fp32, 8 in bf16), the bf16 gradient read (2) and the bf16 parameter written back (2); the DMA
+# traffic of the gradient download and the parameter upload (another ~4) is not counted, so the floor is a lower
+# bound.
 STEP_BYTES = {"fp32": 28, "bf16": 20}
 # Megatron's forward and the rollout's plain-PyTorch one on the same bf16 weights: same math, other kernels and
 # operation order (fused QKV split, softmax, LayerNorm) through every layer; a wrong name or layout differs by O(1).
@@ -181,6 +183,7 @@ class _MegatronTrainer:
             self.state = self.ebt.TrainingState([self.model], self.opt, weights="discard")
             self.setup["optimizer"] = f"EbbtideOptimizer(OffloadedAdam, isa={self.opt.optimizer.isa})"
             self.setup["moments"] = moments
+            self.setup["onload_overlaps_train"] = True  # restore(overlap_forward=True) in _onload
         else:
             slime = self.variant.startswith("slime")
             extra = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,

@@ -293,8 +293,9 @@ class Runtime:
                 try:
                     B.drain([e.group for e in detached if B.has_accelerator(e.group)], tmo.total_seconds() / 2)
                     payload["drain"] = ""
-                except StateError as e:
-                    payload["drain"] = str(e)
+                except Exception as e:  # noqa: BLE001 (reported to the peers: every rank then fails the same way)
+                    payload["drain"] = str(e) if isinstance(e, StateError) else \
+                        f"ebbtide.comm.release(): the device drain failed ({type(e).__name__}: {e})"
                 log.debug("ebbtide.comm: release: drained; agreeing on the control plane")
                 everyone = self._exchange(control, "release", payload, tmo)
                 stuck = [r for r, p in enumerate(everyone) if p.get("drain")]

@@ -324,6 +324,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if not callable(buffer_factory):
             raise InvalidArgumentError(f"buffer_factory must be callable (got {buffer_factory!r})")
         self._reset_overlap()
+        self._settle_mirror_upload()
         pflat = _allocate(buffer_factory, "params", self._total, self._device)
         gflat = _allocate(buffer_factory, "grads", self._total, self._device)
         pflat.copy_(self._pflat)
@@ -335,11 +336,21 @@ class OffloadedAdam(torch.optim.Optimizer):
     def sync_master_from_params(self):
         """Set every fp32 master (and the host mirror, if enabled) to the model's current (bf16) param value, e.g.
         after loading model weights."""
+        self._settle_mirror_upload()
         for b in self._buckets:  # bucket by bucket: no full-size fp32 temporary on the device
             host = self._pflat[b.start:b.end].cpu()
             self._master[b.start:b.end].copy_(host)
             if self._mirror is not None:
                 self._mirror[b.start:b.end].copy_(host)
+
+    def _settle_mirror_upload(self) -> None:
+        """Before anything reads the flat params or writes the mirror: an upload nobody waited for
+        (``upload_params_from_mirror(wait=False)``) has finished reading the mirror (host wait) and the caller's
+        stream is ordered after its writes into the params."""
+        if self._mirror_upload is not None:
+            self._transport.wait(self._mirror_upload)
+            self._transport.end()
+            self._mirror_upload = None
 
     @torch.no_grad()
     def enable_param_mirror(self) -> torch.Tensor:
@@ -439,9 +450,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._reset_overlap()
                 self.last_step_applied = False
                 return loss
-        if self._mirror_upload is not None:  # an unwaited mirror upload may still read the mirror
-            self._transport.wait(self._mirror_upload)
-            self._mirror_upload = None
+        self._settle_mirror_upload()
         # Native validation fails on the first bucket, before any change, so the count moves only on success.
         self._run_pipeline(hypers, float(self._step_count + 1))
         self._step_count += 1

@@ -23,8 +23,8 @@ What holds:
   table's sources rebased on the new bucket's address; the table uploaded once and launched again while buckets
   arrive at the same address on the same stream), on the CPU one copy per segment. The record is checked against
   the bucket's layout and the parameters' storage addresses first; a mismatch records again. The model's
-  parameters are walked on the first bucket of each version (and after a record), not per bucket: a loader that
-  replaced parameters in the middle of one version's buckets would go unseen until the next version.
+  parameters are walked on the first bucket of each version and again after any call into SGLang's loader (a record,
+  or the outputs it keeps), the only code here that could replace a parameter between two buckets.
 - Versions. Buckets of one version arrive in order; the loader holds the highest version it completed. A bucket of
   a version older than the one held or in progress, or one applied already, is refused and nothing changes.
 - Errors. SGLang 0.5.23 ignores the loader's return value and turns an exception into a scheduler crash, so a
@@ -74,16 +74,36 @@ def _layout(outputs_json: str) -> tuple:
 
 
 def _parse(name: str) -> tuple[dict, tuple]:
-    """(meta without "outputs", layout) of an ebbtide-form name; ValueError/KeyError/TypeError if unreadable."""
+    """(meta without "outputs", layout) of an ebbtide-form name; ValueError/KeyError/TypeError if unreadable or if
+    an output's dtype, shape and byte range do not agree."""
     body = name[len(PREFIX):]
     i = body.find(_OUTPUTS_KEY)
+    meta = layout = None
     if i > 0 and body.endswith("}"):  # "outputs" last, as encode and the sender write it
         try:
-            return json.loads(body[:i] + "}"), _layout(body[i + len(_OUTPUTS_KEY):-1])
+            meta, layout = json.loads(body[:i] + "}"), _layout(body[i + len(_OUTPUTS_KEY):-1])
         except ValueError:
             pass
-    meta = json.loads(body)
-    return meta, _layout(json.dumps(meta["outputs"], separators=(",", ":")))
+    if layout is None:
+        meta = json.loads(body)
+        layout = _layout(json.dumps(meta["outputs"], separators=(",", ":")))
+    _check_layout(layout)
+    return meta, layout
+
+
+@functools.lru_cache(maxsize=512)
+def _check_layout(layout: tuple) -> None:
+    for name, dtype, shape, lo, hi in layout:
+        dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"output {name!r}: {dtype!r} is not a torch dtype")
+        n = 1
+        for d in shape:
+            if not isinstance(d, int) or d < 0:
+                raise ValueError(f"output {name!r}: bad shape {shape!r}")
+            n *= d
+        if not 0 <= lo <= hi or n * torch.empty(0, dtype=dt).element_size() != hi - lo:
+            raise ValueError(f"output {name!r}: bytes [{lo}, {hi}) do not hold a {dtype} tensor of shape {shape}")
 
 
 @dataclass
@@ -296,6 +316,7 @@ def load_weights(model, named_tensors) -> None:
         if rec.fallback:
             by_name = {o[0]: o for o in layout}
             model.load_weights([(n, _view(bucket, *by_name[n][1:])) for n in rec.fallback])
+            st.walked = None  # SGLang's loader ran (it may replace parameters): walk again for the next bucket
         st.replayed += 1
     st.done.add(index)
     if len(st.done) == count:

@@ -253,9 +253,11 @@ def alloc_rows(mem: _Memory) -> dict:
                                       "warm_us": statistics.median(warm) * 1e6}
     torch.cuda.empty_cache()
     if mem.mode == "plain":  # the driver's VMM calls alone: the floor of any allocator that maps its own memory
-        from ._vmm_floor import vmm_floor_us  # noqa: PLC0415
+        from ._vmm_floor import torch_segment_bytes, vmm_floor_us  # noqa: PLC0415
 
-        out["vmm"] = {str(k): v for k, v in vmm_floor_us(ALLOC_SIZES).items()}
+        seg = {s: torch_segment_bytes(s) for s in ALLOC_SIZES}  # what the cold torch.empty really maps
+        floor = vmm_floor_us(sorted(set(seg.values())))
+        out["vmm"] = {str(s): {**floor[seg[s]], "segment_bytes": seg[s]} for s in ALLOC_SIZES}
     return out
 
 

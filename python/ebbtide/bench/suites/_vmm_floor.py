@@ -12,7 +12,20 @@ import ctypes
 import statistics
 import time
 
-__all__ = ["vmm_floor_us"]
+__all__ = ["vmm_floor_us", "torch_segment_bytes"]
+
+_MiB = 1 << 20
+
+
+def torch_segment_bytes(size: int) -> int:
+    """The segment PyTorch's CUDA caching allocator asks the allocator below it for, for a ``size``-byte request
+    with nothing cached: 2 MiB for requests up to 1 MiB (small pool), 20 MiB below 10 MiB, else rounded up to
+    2 MiB."""
+    if size <= _MiB:
+        return 2 * _MiB
+    if size < 10 * _MiB:
+        return 20 * _MiB
+    return -(-size // (2 * _MiB)) * 2 * _MiB
 
 _PINNED, _LOC_DEVICE, _RW, _GRAN_MIN = 1, 1, 3, 0
 

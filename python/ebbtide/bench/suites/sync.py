@@ -18,7 +18,8 @@ Paths, each timed in the same run:
 - Into SGLang's loaders (where SGLang is installed; ``_sglang_loader_worker``): the same buckets applied inside
   the engine, from the tensors SGLang's weight updater rebuilt to the parameters holding them, into SGLang's own
   layers (FP8 served form): ebbtide's loader (``--custom-weight-loader``) against SGLang's ``load_weights`` for
-  slime's flattened-bucket request; limit: the HBM copy of the bucket bytes.
+  slime's flattened-bucket request; limit: the HBM copy of the bucket bytes. These rows count GB/s of the bytes
+  applied (the buckets: FP8 weights, scales, raw tensors), not of bf16 published as the rows above do.
 
 Limits from the same run: the IPC paths against the HBM time of the bytes that must move (read bf16, write FP8 +
 scales, the receiver's read and write of them) at the measured device-copy bandwidth; the host path against the

@@ -239,7 +239,7 @@ class TrainingState:
         ``overlap_forward=True`` (``weights="discard"`` only): return once the weights' upload from the host mirror
         is queued; each module's first forward afterwards waits, on its own stream, for the buckets holding its
         parameters (a forward pre-hook, removed once it ran), so the first layers compute while the later ones
-        arrive. Anything else that reads the weights before that forward calls :meth:`wait_weights` first
+        arrive. Anything else that reads or writes the weights before that forward calls :meth:`wait_weights` first
         (``offload`` and the optimizer's step wait by themselves)."""
         if not self._offloaded:
             raise StateError("restore() without offload(): the training state is resident")
