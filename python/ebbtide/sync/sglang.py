@@ -102,11 +102,10 @@ def ebbtide_payload(bucket: BucketPlan, buf: torch.Tensor, *, version: int, sign
     """The ebbtide form's named tensors: ``[(name carrying the layout, the bucket's bytes)]``; the name is
     ``sglang_loader.encode`` of ``{"v", "sig", "bucket", "buckets", "outputs"}``, the outputs' JSON made once per
     bucket (an MoE bucket lists hundreds of outputs)."""
-    from .sglang_loader import PREFIX  # noqa: PLC0415
+    from .sglang_loader import encode  # noqa: PLC0415
 
-    head = json.dumps({"v": int(version), "sig": signature, "bucket": bucket.index, "buckets": int(buckets)},
-                      separators=(",", ":"))
-    return [(PREFIX + head[:-1] + ',"outputs":' + _outputs_json(bucket) + "}", buf[:bucket.nbytes])]
+    head = {"v": int(version), "sig": signature, "bucket": bucket.index, "buckets": int(buckets)}
+    return [(encode(head, _outputs_json(bucket)), buf[:bucket.nbytes])]
 
 
 def tensor_request(bucket: BucketPlan, buf: torch.Tensor, *, form: str = "flattened_bucket", tp_size: int = 1,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import logging
 from dataclasses import dataclass, field
 
@@ -49,11 +50,15 @@ __all__ = ["LOADER", "PREFIX", "encode", "decode", "load_weights", "state", "Loa
 LOADER = "ebbtide.sync.sglang_loader.load_weights"  # the import path SGLang's --custom-weight-loader names
 PREFIX = "__ebbtide__"
 _ATTR = "_ebbtide_sglang_loader"
+_OUTPUTS_KEY = ',"outputs":'  # "outputs" is the name's last key: a cached layout is the text after it
 
 
-def encode(meta: dict) -> str:
-    """The request's tensor name for ``meta`` (see the module doc)."""
-    return PREFIX + json.dumps(meta, separators=(",", ":"))
+def encode(meta: dict, outputs_json: str | None = None) -> str:
+    """The request's tensor name for ``meta`` (see the module doc). ``outputs_json``: the outputs already encoded
+    (a sender encodes each bucket's layout once), appended last as ``"outputs"``; ``meta`` then has no outputs."""
+    if outputs_json is None:
+        return PREFIX + json.dumps(meta, separators=(",", ":"))
+    return PREFIX + json.dumps(meta, separators=(",", ":"))[:-1] + _OUTPUTS_KEY + outputs_json + "}"
 
 
 def decode(name: str) -> dict | None:
@@ -63,14 +68,22 @@ def decode(name: str) -> dict | None:
     return json.loads(name[len(PREFIX):])
 
 
-_OUTPUTS_KEY = ',"outputs":'
-
 
 @functools.lru_cache(maxsize=512)
 def _layout(outputs_json: str) -> tuple:
-    """A bucket's outputs as (name, dtype, shape, start, end) tuples, parsed once per layout (the sender repeats the
-    same layout every update; an MoE bucket lists hundreds of outputs)."""
-    return tuple((o[0], o[1], tuple(o[2]), int(o[3]), int(o[4])) for o in json.loads(outputs_json))
+    """A bucket's outputs as (name, dtype, shape, start, end) tuples, parsed and checked once per layout (the sender
+    repeats the same layout every update; an MoE bucket lists hundreds of outputs). ValueError where an output's
+    dtype, shape and byte range disagree."""
+    layout = tuple((o[0], o[1], tuple(o[2]), int(o[3]), int(o[4])) for o in json.loads(outputs_json))
+    for name, dtype, shape, lo, hi in layout:
+        dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"output {name!r}: {dtype!r} is not a torch dtype")
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"output {name!r}: bad shape {shape!r}")
+        if not 0 <= lo <= hi or math.prod(shape) * dt.itemsize != hi - lo:
+            raise ValueError(f"output {name!r}: bytes [{lo}, {hi}) do not hold a {dtype} tensor of shape {shape}")
+    return layout
 
 
 def _parse(name: str) -> tuple[dict, tuple]:
@@ -78,32 +91,13 @@ def _parse(name: str) -> tuple[dict, tuple]:
     an output's dtype, shape and byte range do not agree."""
     body = name[len(PREFIX):]
     i = body.find(_OUTPUTS_KEY)
-    meta = layout = None
-    if i > 0 and body.endswith("}"):  # "outputs" last, as encode and the sender write it
+    if i > 0 and body.endswith("}"):  # "outputs" last, as encode writes it
         try:
-            meta, layout = json.loads(body[:i] + "}"), _layout(body[i + len(_OUTPUTS_KEY):-1])
+            return json.loads(body[:i] + "}"), _layout(body[i + len(_OUTPUTS_KEY):-1])
         except ValueError:
-            pass
-    if layout is None:
-        meta = json.loads(body)
-        layout = _layout(json.dumps(meta["outputs"], separators=(",", ":")))
-    _check_layout(layout)
-    return meta, layout
-
-
-@functools.lru_cache(maxsize=512)
-def _check_layout(layout: tuple) -> None:
-    for name, dtype, shape, lo, hi in layout:
-        dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-        if not isinstance(dt, torch.dtype):
-            raise ValueError(f"output {name!r}: {dtype!r} is not a torch dtype")
-        n = 1
-        for d in shape:
-            if not isinstance(d, int) or d < 0:
-                raise ValueError(f"output {name!r}: bad shape {shape!r}")
-            n *= d
-        if not 0 <= lo <= hi or n * torch.empty(0, dtype=dt).element_size() != hi - lo:
-            raise ValueError(f"output {name!r}: bytes [{lo}, {hi}) do not hold a {dtype} tensor of shape {shape}")
+            pass  # another key order, or a bad layout: the full parse below decides
+    meta = json.loads(body)
+    return meta, _layout(json.dumps(meta["outputs"], separators=(",", ":")))
 
 
 @dataclass

@@ -32,6 +32,7 @@ Policies:
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from itertools import chain
@@ -277,16 +278,15 @@ class TrainingState:
         flats = []
         for opt, buckets in uploads:
             f = opt.flat_params
-            flats.append((f.data_ptr(), f.element_size(), f.numel(), buckets))
+            flats.append((f.data_ptr(), f.element_size(), f.numel(), buckets, [end for _, end, _ in buckets]))
         for c in self.chunks:
             for module in c.modules():
                 need = {}
                 for p in module.parameters(recurse=False):
-                    for i, (base, es, n, buckets) in enumerate(flats):
+                    for i, (base, es, n, _buckets, ends) in enumerate(flats):
                         last = (p.data_ptr() - base) // es + p.numel() - 1
                         if 0 <= last < n:
-                            k = next(j for j, (_, end, _) in enumerate(buckets) if last < end)
-                            need[i] = max(need.get(i, -1), k)
+                            need[i] = max(need.get(i, -1), bisect.bisect_right(ends, last))  # its last bucket
                 events = [flats[i][3][k][2] for i, k in need.items() if flats[i][3][k][2] is not None]
                 if events:
                     box: list = []
