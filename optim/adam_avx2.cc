@@ -54,24 +54,36 @@ inline __m256 sqrt_exact(__m256 x, SqrtFlavor f) {
   return _mm256_load_ps(out);
 }
 
-template <bool kExact>
-void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
+// The loop over one span with its dtypes fixed at compile time. Every field of `a` is read once into a local:
+// the stores go through float/uint16_t pointers the compiler cannot prove disjoint from `a`, so reading the
+// fields in the loop reloaded them (and re-tested the dtype flags) for every 8 elements, which cost ~20% of the
+// step's speed on a memory-bound AMD EPYC (Zen 3) core against torch's fused AdamW.
+template <bool kExact, bool kGradBf16, bool kMomBf16>
+void step_avx2_span(const KernelArgs& a, int64_t begin, int64_t end) {
   const __m256 gs = _mm256_set1_ps(a.gs), decay = _mm256_set1_ps(a.decay), wd = _mm256_set1_ps(a.wd);
   const __m256 lc = _mm256_set1_ps(a.lerp_coeff), b2 = _mm256_set1_ps(a.b2), c2 = _mm256_set1_ps(a.c2);
   const __m256 bc2s = _mm256_set1_ps(a.bc2s), eps = _mm256_set1_ps(a.eps), ss = _mm256_set1_ps(a.ss);
   const __m256 b1 = _mm256_set1_ps(a.b1), c1 = _mm256_set1_ps(a.c1), rbc2s = _mm256_set1_ps(a.rbc2s);
   const __m256 nlrwd = _mm256_set1_ps(a.neg_lrwd);
   const bool decoupled = a.wd_kind == WeightDecay::kDecoupled, l2 = a.wd_kind == WeightDecay::kL2;
-  const bool stream = a.out && (reinterpret_cast<uintptr_t>(a.out + begin) & 15) == 0;
+  const bool lerp_small = a.lerp_small;
+  const SqrtFlavor flavor = a.sqrt_flavor;
+  float* const pp = a.p;
+  void* const mp = a.m;
+  void* const vp = a.v;
+  float* const vmax = a.vmax;
+  const void* const gp = a.g;
+  uint16_t* const out = a.out;
+  const bool stream = out && (reinterpret_cast<uintptr_t>(out + begin) & 15) == 0;
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_mul_ps(load_g(a.g, a.grad_bf16, i), gs);
-    __m256 p = _mm256_loadu_ps(a.p + i), m = load_g(a.m, a.moments_bf16, i), v = load_g(a.v, a.moments_bf16, i);
+    __m256 g = _mm256_mul_ps(load_g(gp, kGradBf16, i), gs);
+    __m256 p = _mm256_loadu_ps(pp + i), m = load_g(mp, kMomBf16, i), v = load_g(vp, kMomBf16, i);
     if (kExact) {
       if (decoupled) p = _mm256_mul_ps(p, decay);
       if (l2) g = _mm256_fmadd_ps(p, wd, g);
       const __m256 d = _mm256_sub_ps(g, m);
-      m = _mm256_fmadd_ps(lc, d, a.lerp_small ? m : g);
+      m = _mm256_fmadd_ps(lc, d, lerp_small ? m : g);
       v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, b2));
     } else {
       if (l2) g = _mm256_fmadd_ps(p, wd, g);
@@ -79,25 +91,35 @@ void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
       v = _mm256_fmadd_ps(b2, v, _mm256_mul_ps(_mm256_mul_ps(c2, g), g));
     }
     __m256 vv = v;
-    if (a.vmax) {
-      vv = max_nan(_mm256_loadu_ps(a.vmax + i), v);
-      _mm256_storeu_ps(a.vmax + i, vv);
+    if (vmax) {
+      vv = max_nan(_mm256_loadu_ps(vmax + i), v);
+      _mm256_storeu_ps(vmax + i, vv);
     }
     if (kExact) {
-      const __m256 den = _mm256_add_ps(_mm256_div_ps(sqrt_exact(vv, a.sqrt_flavor), bc2s), eps);
+      const __m256 den = _mm256_add_ps(_mm256_div_ps(sqrt_exact(vv, flavor), bc2s), eps);
       p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(ss, m), den));
     } else {
       const __m256 den = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), rbc2s, eps);
       if (decoupled) p = _mm256_fmadd_ps(nlrwd, p, p);
       p = _mm256_fmadd_ps(ss, _mm256_div_ps(m, den), p);
     }
-    _mm256_storeu_ps(a.p + i, p);
-    store_moment(a.m, a.moments_bf16, i, m);
-    store_moment(a.v, a.moments_bf16, i, v);
-    if (a.out) store_bf16(a.out + i, p, stream);
+    _mm256_storeu_ps(pp + i, p);
+    store_moment(mp, kMomBf16, i, m);
+    store_moment(vp, kMomBf16, i, v);
+    if (out) store_bf16(out + i, p, stream);
   }
   if (stream) _mm_sfence();  // order the streaming stores before the pool reports completion
   for (; i < end; ++i) adam_element<kExact>(a, i);
+}
+
+template <bool kExact>
+void step_avx2(const KernelArgs& a, int64_t begin, int64_t end) {
+  if (a.grad_bf16) {
+    if (a.moments_bf16) return step_avx2_span<kExact, true, true>(a, begin, end);
+    return step_avx2_span<kExact, true, false>(a, begin, end);
+  }
+  if (a.moments_bf16) return step_avx2_span<kExact, false, true>(a, begin, end);
+  step_avx2_span<kExact, false, false>(a, begin, end);
 }
 
 bool non_finite_avx2(const void* g, bool bf16, float gs_s, int64_t begin, int64_t end) {

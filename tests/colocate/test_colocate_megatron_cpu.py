@@ -105,7 +105,10 @@ def test_arguments_pick_the_megatron_loop_and_its_sizes():
 
 @pytest.mark.parametrize("argv, msg", [
     (["--trainer", "megatron", "--device", "cpu"], "needs CUDA"),
-    (["--trainer", "megatron", "--gpus", "2"], "one GPU"),
+    (["--trainer", "megatron", "--gpus", "3", "--tp", "2"], "must divide --gpus"),
+    (["--trainer", "megatron", "--gpus", "3", "--tp", "3", "--quick"], "must divide the model.s n_heads"),
+    (["--gpus", "2", "--tp", "2"], "option of --trainer megatron"),
+    (["--trainer", "megatron", "--tp", "0"], "tp must be an int >= 1"),
     (["--trainer", "megatron", "--variants", "ebbtide,anchor"], "variants must be distinct names from"),
     (["--variants", "ebbtide,slime"], "variants must be distinct names from"),
     (["--trainer", "megatron", "--quick", "--d-model", "1000"], "multiple of 128"),
@@ -133,14 +136,21 @@ def test_missing_megatron_core_is_a_clear_error(monkeypatch, tmp_path):
         launcher.run(RunConfig(trainer="megatron", out=str(tmp_path)))
 
 
-def test_the_megatron_rank_refuses_a_world_of_two(tmp_path):
+def test_the_megatron_rank_refuses_a_tp_that_does_not_divide_the_world(tmp_path):
     out = tmp_path / "r.json"
     spec = RunConfig(trainer="megatron", model=MEGATRON_QUICK).validate().worker_spec("ebbtide")
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2")
+    spec["tp"] = 2
+    env = dict(os.environ, RANK="0", WORLD_SIZE="3")
     p = subprocess.run([sys.executable, "-m", "ebbtide.colocate.mtrainer", json.dumps(spec), str(out)], env=env,
                        capture_output=True, text=True, timeout=120)
     res = json.loads(out.read_text())
-    assert p.returncode == 1 and not res["ok"] and "runs on one GPU" in res["error"]
+    assert p.returncode == 1 and not res["ok"] and "does not divide the world of 3" in res["error"]
+
+
+def test_two_gpu_shapes_parse():
+    cfg = parse_args(["--trainer", "megatron", "--gpus", "2", "--tp", "2", "--quick"])
+    assert cfg.worker_spec("ebbtide")["tp"] == 2 and cfg.gpus == 2
+    assert parse_args(["--trainer", "megatron", "--gpus", "2", "--quick"]).worker_spec("slime")["tp"] == 1
 
 
 def _rank(step_s: dict, steps: int, ctx=1e9, held=1.5e9) -> dict:

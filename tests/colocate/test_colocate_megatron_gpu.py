@@ -31,7 +31,7 @@ pytestmark = [
 def _run(tmp_path, variant: str, *extra: str):
     art = os.environ.get("EBBTIDE_TEST_ARTIFACTS")
     if art:
-        tmp_path = pathlib.Path(art) / f"colocate-megatron-{variant}"
+        tmp_path = pathlib.Path(art) / ("colocate-megatron-" + "-".join([variant, *(x.strip("-") for x in extra)]))
         tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ebbtide.colocate", "--trainer", "megatron", "--quick", "--steps", "3", "--warmup",
            "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200", "--steady-guard", "warn", *extra]
@@ -71,7 +71,7 @@ def test_megatron_loop_ebbtide(tmp_path, groups):
     v = _check(res, "ebbtide", diag)
     setup = v["ranks"][0]["setup"]
     assert setup["optimizer"].startswith("EbbtideOptimizer") and setup["sync"] == "ebbtide", setup
-    assert setup["groups"] == groups, setup
+    assert setup["groups"] == groups and setup["tp"] == setup["dp"] == 1, setup
     rel = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "comm_release"]
     assert rel and "release" in rel[0]["report"]
 
@@ -84,7 +84,31 @@ def test_megatron_loop_anchor(tmp_path, variant):
     assert p.returncode == 0, diag
     v = _check(res, variant, diag)
     setup = v["ranks"][0]["setup"]
-    assert setup["sync"] == "slime" and setup["groups"] == "lazy", setup
+    assert setup["sync"] == "slime" and setup["groups"] == "lazy" and setup["nccl_cumem"] == "off", setup
     assert (setup["rollout"]["hook_mode"] == "ebbtide-compat-torch") == (variant == "slime-ebbtide"), setup
     want = "HybridDeviceOptimizer" if variant.startswith("slime") else "Adam"
     assert want in setup["optimizer"], setup
+
+
+# ---- 2 GPUs: tensor parallel and data parallel (the distributed optimizer) -----------------------------------
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs of one host")
+@pytest.mark.parametrize("tp", [2, 1])
+@pytest.mark.parametrize("variant", ["ebbtide", "slime"])
+def test_megatron_loop_two_gpus(tmp_path, tp, variant):
+    """TP=2 (split tensors gathered for the rollout on each GPU) and DP=2 (ebbtide's distributed optimizer, each
+    rank's host state its shard): every rank's rollout bit-equal to the weights, both ranks' weights the same."""
+    if variant == "slime" and importlib.util.find_spec("torch_memory_saver") is None:
+        pytest.skip("torch_memory_saver is not installed (scripts/fetch-anchor-wheels)")
+    p, res, diag = _run(tmp_path, variant, "--gpus", "2", "--tp", str(tp))
+    assert p.returncode == 0, diag
+    v = _check(res, variant, diag)
+    assert v["checks"]["ranks_in_sync"] is True, v["checks"]["verify"]
+    assert len(v["ranks"]) == 2 and {r["setup"]["tp"] for r in v["ranks"]} == {tp}, [r["setup"] for r in v["ranks"]]
+    setup = v["ranks"][0]["setup"]
+    if variant == "ebbtide":
+        sharded = tp == 1  # DP=2
+        assert setup["optimizer"].startswith("EbbtideDistributedOptimizer" if sharded else "EbbtideOptimizer"), setup
+        # DP=2: half the model's parameters stepped per rank; TP=2: this rank's pieces, fewer than the whole model
+        half = setup["params_stepped"] * 2 == setup["params"]
+        assert half if sharded else setup["params_stepped"] < setup["params"], setup

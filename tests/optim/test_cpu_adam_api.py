@@ -270,3 +270,22 @@ def test_bad_input_is_rejected_and_changes_nothing():
         opt.attach_bf16_copy(good, t)
     with pytest.raises(E, match="not managed"):
         opt.attach_bf16_copy(torch.zeros(10), torch.empty(10, dtype=torch.bfloat16))
+
+
+def test_the_default_pool_is_this_ranks_share_of_the_host(monkeypatch):
+    from ebbtide.errors import InvalidArgumentError
+    from ebbtide.optim.cpu_adam import default_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_threads() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_threads() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_threads() == max(1, cpus // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cpus))
+    assert default_threads() == 1
+    for bad in ("two", "0", "-1", "1.5"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(InvalidArgumentError, match="LOCAL_WORLD_SIZE"):
+            default_threads()

@@ -84,14 +84,21 @@ def nccl_rank(rank: int, port: int, plan_kw: dict, versions: int, results) -> No
         dist.destroy_process_group()
 
 
-def tp_rank(rank: int, port: int, buf_path: str, nbytes: int, q) -> None:
-    """One of two TP ranks on the CPU (Gloo): shards two weights, pushes version 1 into the host buffer."""
+def tp_rank(rank: int, port: int, buf_path: str, nbytes: int, q, die: bool = False) -> None:
+    """One of two TP ranks on the CPU (Gloo): shards two weights, pushes version 1 into the host buffer. ``die``:
+    then rank 1 exits without a word and rank 0 pushes version 2, reporting the error and how long it took."""
+    import time
+
     import torch.distributed as dist
 
     from ebbtide.sync import HostSender, Sender, SharedHostBuffer
     from sync_models import checkpoint
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from datetime import timedelta
+
+    # the bound on a peer's death: Gloo usually sees the closed connection at once, and its op timeout otherwise
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20 if die else 300))
     try:
         full = checkpoint(0)
         dims = {"model.layers.0.self_attn.qkv_proj.weight": 0, "model.layers.0.self_attn.o_proj.weight": 1}
@@ -100,6 +107,23 @@ def tp_rank(rank: int, port: int, buf_path: str, nbytes: int, q) -> None:
         s = Sender(local, HostSender(buf), tp_group=dist.group.WORLD, tp_dims=dims, bucket_bytes=150_000)
         s.push(1)
         q.put((rank, s.is_source, s.plan.signature))
+        if die:
+            dist.barrier()
+            if rank == 1:  # gone mid-training, no destroy, no goodbye (once the barrier's last bytes reached rank 0)
+                q.close()
+                q.join_thread()  # the queue's feeder thread has written the report (os._exit skips it)
+                time.sleep(0.5)
+                os._exit(0)
+            time.sleep(2.0)
+            t0 = time.monotonic()
+            try:
+                s.push(2)
+                q.put(("push", None, "", time.monotonic() - t0))
+            except Exception as e:  # noqa: BLE001 (reported to the test)
+                q.put(("push", type(e).__name__, str(e), time.monotonic() - t0))
+            q.close()
+            q.join_thread()
+            os._exit(0)  # the group is broken: skip its teardown
     finally:
         dist.destroy_process_group()
 

@@ -24,22 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from ..integrations.names import served_names as megatron_names
 from .model import KVCache, ModelConfig
 
 __all__ = ["MegatronGPT", "megatron_names", "ROPE_BASE", "LN_EPS"]
 
 ROPE_BASE = 10000.0
 LN_EPS = 1e-5
-
-
-def megatron_names(named) -> dict:
-    """``{name: tensor}`` with the wrappers' ``module.`` prefixes removed (DDP -> Float16Module -> GPTModel)."""
-    out = {}
-    for n, t in named:
-        while n.startswith("module."):
-            n = n[len("module."):]
-        out[n] = t
-    return out
 
 
 class _LayerNorm(nn.Module):

@@ -60,6 +60,7 @@ TRAINERS = {"toy": ("ebbtide.colocate.trainer", VARIANTS),
 # = mtrainer.VARIANTS; the variants that run on the torch_memory_saver package (the others need only ebbtide)
 NEEDS_TMS = ("anchor", "slime", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")  # = mtrainer.GROUP_MODES
+CUMEM_MODES = ("off", "on")  # = mtrainer.CUMEM_MODES
 MOMENTS = ("fp32", "bf16")  # = mtrainer.MOMENTS: Adam's moments in the ebbtide variant's host state
 STEADY_GUARDS = ("error", "warn")
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
@@ -70,6 +71,7 @@ class RunConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     trainer: str = "toy"
     gpus: int = 1
+    tp: int = 1  # megatron: tensor parallel; the rest of --gpus is data parallel (distributed optimizer)
     steps: int = 10
     warmup: int = 2
     batch: int = 8
@@ -95,6 +97,8 @@ class RunConfig:
     # release frees only those that exist) or "eager" (WORLD bound to the device: every group connects at creation
     # and again at reload). The anchors always run slime's own settings (lazy, NCCL_CUMEM_ENABLE=0).
     groups: str = "lazy"
+    # the ebbtide Megatron trainer's NCCL_CUMEM_ENABLE: "off" (slime's actor environment, as the anchors run) or "on"
+    nccl_cumem: str = "off"
     moments: str = "fp32"
     # the steady phases (forward + backward, generate) of ebbtide against each anchor's: "error" (exit status 3 when
     # ebbtide is more than steady_tolerance slower), "warn" (say so, exit as usual)
@@ -108,7 +112,7 @@ class RunConfig:
         if self.variants is None:
             self.variants = known
         self.model.validate()
-        ints = {"gpus": 1, "steps": 1, "warmup": 0, "batch": 1, "seq": 2, "gen_batch": 1, "prompt_len": 1,
+        ints = {"gpus": 1, "tp": 1, "steps": 1, "warmup": 0, "batch": 1, "seq": 2, "gen_batch": 1, "prompt_len": 1,
                 "new_tokens": 1, "verify_batch": 1, "verify_len": 1, "timeout_s": 1}
         for name, lo in ints.items():
             v = getattr(self, name)
@@ -136,8 +140,15 @@ class RunConfig:
             if self.device != "cuda":
                 raise InvalidArgumentError("--trainer megatron needs CUDA (Megatron's DDP buffers and rotary "
                                            "embeddings allocate on the GPU): there is no --device cpu run of it")
-            if self.gpus != 1:
-                raise InvalidArgumentError(f"--trainer megatron runs on one GPU (TP=1); got --gpus {self.gpus}")
+            if self.gpus % self.tp:
+                raise InvalidArgumentError(f"--tp {self.tp} must divide --gpus {self.gpus} (the rest is data parallel)")
+            for name in ("n_heads", "d_ff", "vocab"):
+                if getattr(self.model, name) % self.tp:
+                    raise InvalidArgumentError(f"--tp {self.tp} must divide the model's {name} "
+                                               f"({getattr(self.model, name)}): Megatron splits it between the ranks")
+        elif self.tp != 1:
+            raise InvalidArgumentError(f"--tp is an option of --trainer megatron (the toy trainer is data parallel "
+                                       f"only); got --tp {self.tp}")
         if self.device not in ("cuda", "cpu"):
             raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "cpu" and self.variants != ("ebbtide",):
@@ -156,6 +167,8 @@ class RunConfig:
             raise InvalidArgumentError(f"steady_tolerance must be a fraction in [0, 1], got {self.steady_tolerance!r}")
         if self.groups not in GROUP_MODES:
             raise InvalidArgumentError(f"groups must be one of {GROUP_MODES}, got {self.groups!r}")
+        if self.nccl_cumem not in CUMEM_MODES:
+            raise InvalidArgumentError(f"nccl_cumem must be one of {CUMEM_MODES}, got {self.nccl_cumem!r}")
         if self.moments not in MOMENTS:
             raise InvalidArgumentError(f"moments must be one of {MOMENTS}, got {self.moments!r}")
         if self.moments != "fp32" and self.trainer != "megatron":
@@ -164,11 +177,12 @@ class RunConfig:
         return self
 
     def worker_spec(self, variant: str) -> dict:
-        return {"model": dataclasses.asdict(self.model), "trainer": self.trainer, "variant": variant,
+        return {"model": dataclasses.asdict(self.model), "trainer": self.trainer, "variant": variant, "tp": self.tp,
                 "steps": self.steps,
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
                 "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
+                "nccl_cumem": self.nccl_cumem,
                 "moments": self.moments, "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
@@ -182,7 +196,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="toy: the example's own small model (default, no dependencies); megatron: a Megatron-core "
                         "GPT (local layer spec, bf16, DDP, one GPU) on ebbtide's adapter, beside the slime "
                         "configuration and the GPU optimizer under torch_memory_saver")
-    p.add_argument("--gpus", type=int, default=d.gpus, help="trainer ranks (data parallel), one per GPU")
+    p.add_argument("--gpus", type=int, default=d.gpus, help="trainer ranks, one per GPU, each with its rollout")
+    p.add_argument("--tp", type=int, default=d.tp,
+                   help="megatron: tensor-parallel size (divides --gpus; the rest is data parallel, where the ebbtide "
+                        "variant runs its distributed optimizer and the anchors Megatron's)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--warmup", type=int, default=d.warmup, help="steps left out of the medians")
     p.add_argument("--quick", action="store_true", help="a small model and short decode (the bench suite's size)")
@@ -216,6 +233,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="megatron, ebbtide variant: communicators made at each group's first collective (lazy, "
                         "default; release frees those that exist) or at creation and reload (eager: WORLD bound to "
                         "the device). The anchors run slime's settings whatever this says")
+    p.add_argument("--nccl-cumem", default=d.nccl_cumem, choices=CUMEM_MODES,
+                   help="megatron, ebbtide variant: NCCL_CUMEM_ENABLE off (default: slime's actor environment, as the "
+                        "anchors run) or on (NCCL's own default; each lazily connected communicator costs ~0.1 s "
+                        "more between two GPUs with NCCL 2.28)")
     p.add_argument("--moments", default=d.moments, choices=MOMENTS,
                    help="megatron, ebbtide variant: Adam's moments in fp32 (default) or bf16 (Megatron's precision-"
                         "aware exp_avg_dtype/exp_avg_sq_dtype; 20 instead of 28 bytes per parameter through host "
@@ -243,8 +264,9 @@ def parse_args(argv=None) -> RunConfig:
     base = _model(a.trainer, a.quick)
     model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
-    kw = {k: getattr(a, k) for k in ("gpus", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
+    kw = {k: getattr(a, k) for k in ("gpus", "tp", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
                                      "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode", "groups",
+                                     "nccl_cumem",
                                      "moments", "steady_guard", "steady_tolerance",
                                      "timeout_s",
                                      "verify_batch", "verify_len",
@@ -344,7 +366,8 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     for r in range(cfg.gpus):
-        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(cfg.gpus), MASTER_ADDR=store.host,
+        env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(cfg.gpus),
+                   LOCAL_WORLD_SIZE=str(cfg.gpus), MASTER_ADDR=store.host,
                    MASTER_PORT=str(store.port))
         res = os.path.join(cfg.out, f"{variant}-rank{r}.json")
         logp = os.path.join(cfg.out, f"{variant}-rank{r}.log")

@@ -1,12 +1,22 @@
 """One trainer rank of the colocated loop with a Megatron-core GPT (``--trainer megatron``; ``python -m
-ebbtide.colocate.mtrainer SPEC_JSON OUT_JSON``, started by the launcher). One GPU, TP=1, a world of one; the rollout
-process runs on the same GPU (``rollout`` with ``arch="megatron"``).
+ebbtide.colocate.mtrainer SPEC_JSON OUT_JSON``, started by the launcher, one per GPU). Ranks: tensor parallel
+``spec["tp"]`` (default 1) times data parallel (the rest of the world); every rank's rollout process runs on the
+rank's GPU (``rollout`` with ``arch="megatron"``, the whole model, TP=1), as slime's colocated engines do.
 
 Policies:
 - The model: Megatron-core's ``GPTModel`` from ``get_gpt_layer_local_spec()`` (rotary positions, no dropout) under
   ``Float16Module`` (bf16) and Megatron's ``DistributedDataParallel``, trained on the example's synthetic counting
   task (``train_tokens``), fp32 loss; gradient clipping at 1.0. The rollout generates with ``gpt.MegatronGPT``, the
   same architecture under the same parameter names.
+- Parallelism: ``initialize_model_parallel(tp, 1)``; each data-parallel rank trains its own batch (TP ranks share
+  theirs). With data parallelism the ebbtide variant runs ebbtide's distributed optimizer (each rank's host state is
+  its shard; the weights are discarded at the offload and rebuilt from each rank's mirrored slices, all-gathered at
+  the first forward after the groups' reload), without it the non-sharded one (weights discarded and rebuilt from
+  the whole mirror under the first forward). The weight sync sends
+  the full tensors from every rank to its own rollout, split tensors all-gathered over the TP group
+  (``tensor_parallel_dims``). Host threads: with several ranks on one host each rank's CPU work gets its share of
+  the cores (``LOCAL_WORLD_SIZE``): ebbtide's pool by its own default, the anchors' torch CPU AdamW by
+  ``torch.set_num_threads`` (what a careful user does with ``OMP_NUM_THREADS``).
 - The step: train (zero the grad buffer, forward, backward, ``finish_grad_sync``) -> optimizer -> rollout_resume
   -> sync (the rollout holds the new weights) -> comm_release -> offload -> generate -> rollout_pause -> onload ->
   comm_reload (slime's sleep() destroys the groups, then pauses its memory; wake_up() resumes, then reloads). Each
@@ -38,8 +48,11 @@ Policies:
   destroy-and-rebuild. The anchors run it with slime's own settings: what its ReloadableProcessGroup does
   (destroy each NCCL communicator, replay the group creations in order), WORLD initialised without a device (so
   each communicator is made at its group's first collective, after every reload too) and ``NCCL_CUMEM_ENABLE=0``
-  (slime's actor environment). The ebbtide variant: ``spec["groups"]`` "lazy" (the same laziness, cuMem as NCCL
-  defaults) or "eager" (WORLD bound to the device: every group connects at creation and at reload).
+  (slime's actor environment). The ebbtide variant: ``spec["groups"]`` "lazy" (the same laziness) or "eager"
+  (WORLD bound to the device: every group connects at creation and at reload), and ``spec["nccl_cumem"]`` "off"
+  (default: slime's actor environment too) or "on" (NCCL's own default, which native suspend will need). With
+  cuMem on, each communicator connecting at its first collective between two GPUs cost ~0.1 s more (2 H200,
+  NCCL 2.28.9: forward+backward 246 vs 128 ms, optimizer step 215 vs 89 ms at DP=2, quick size).
 - torch_memory_saver is configured after ``import megatron.core.models.gpt`` (that import sets its hook mode, which
   it refuses once initialised). Anchors run the optimizer step inside their region, so state the step creates
   lazily (Adam's moments) is paused with the rest.
@@ -71,6 +84,7 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 
 VARIANTS = ("ebbtide", "slime", "slime-ebbtide", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")
+CUMEM_MODES = ("off", "on")
 MOMENTS = ("fp32", "bf16")
 # One CPU Adam step's bytes through host memory per parameter: fp32 master read + write (8), both moments read +
 # write (16 in fp32, 8 in bf16), the bf16 gradient read (2) and the bf16 parameter written back (2); the DMA
@@ -84,8 +98,10 @@ LOGITS_RTOL = 2.0 ** -4
 
 class _MegatronTrainer:
     def __init__(self, spec: dict, rank: int, world: int):
-        if world != 1:
-            raise RuntimeError(f"the Megatron loop runs on one GPU (TP=1); WORLD_SIZE={world}")
+        self.tp = int(spec.get("tp", 1))
+        if self.tp < 1 or world % self.tp:
+            raise RuntimeError(f"tensor parallel {self.tp} does not divide the world of {world} ranks")
+        self.dp = world // self.tp
         self.spec, self.rank, self.world, self.variant = spec, rank, world, spec["variant"]
         if self.variant not in VARIANTS:
             raise RuntimeError(f"unknown variant {self.variant!r} (known: {VARIANTS})")
@@ -114,6 +130,7 @@ class _MegatronTrainer:
             tms.retain_cpu_backup = True  # keep the pinned backup across cycles (its best setting)
             self.tms = tms
         self.setup: dict = {"variant": self.variant, "trainer": "megatron", "rank": rank, "world": world,
+                            "tp": self.tp, "dp": self.dp,
                             "device_name": torch.cuda.get_device_name(self.dev), "torch": torch.__version__,
                             "pid": os.getpid()}
         torch.zeros(1, device=self.dev)  # the CUDA context
@@ -145,16 +162,27 @@ class _MegatronTrainer:
             raise RuntimeError(f"groups must be one of {GROUP_MODES}, not {mode!r}")
         self.eager_groups = mode == "eager"
         self.setup["groups"] = mode
-        if not ours:  # slime's actor environment (SGLang needs it off; slime sets it for every actor)
+        cumem = self.spec.get("nccl_cumem", "off") if ours else "off"
+        if cumem not in CUMEM_MODES:
+            raise RuntimeError(f"nccl_cumem must be one of {CUMEM_MODES}, not {cumem!r}")
+        if cumem == "off":  # slime's actor environment (SGLang needs it off; slime sets it for every actor)
             os.environ["NCCL_CUMEM_ENABLE"] = "0"
+        self.setup["nccl_cumem"] = cumem
         ebt.install_groups(**({} if ours else {"strategy": "destroy"}))
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
         bound = {"device_id": self.dev} if self.eager_groups else {}
-        dist.init_process_group("nccl", store=self.store, rank=0, world_size=1, timeout=timedelta(minutes=10),
-                                **bound)
-        parallel_state.initialize_model_parallel(1, 1)
+        dist.init_process_group("nccl", store=self.store, rank=self.rank, world_size=self.world,
+                                timeout=timedelta(minutes=10), **bound)
+        parallel_state.initialize_model_parallel(self.tp, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(self.spec["seed"] + 1234)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.setup["local_world"] = local
+        if not ours and local > 1:  # the anchors' torch CPU AdamW: this rank's share of the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+            self.setup["torch_threads"] = torch.get_num_threads()
 
     def _region(self, tag: str, backup: bool):
         return self.tms.region(tag=tag, enable_cpu_backup=backup)
@@ -171,8 +199,9 @@ class _MegatronTrainer:
             moments = s.get("moments", "fp32")
             if moments not in MOMENTS:
                 raise RuntimeError(f"moments must be one of {MOMENTS}, not {moments!r}")
-            self.model = build_gpt(*dims, dist_opt=False, seed=seed)
-            cfg = opt_config(lr=s["lr"], clip_grad=1.0)
+            sharded = self.dp > 1  # the distributed optimizer: each DP rank's host state is its shard
+            self.model = build_gpt(*dims, dist_opt=sharded, seed=seed)
+            cfg = opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=sharded)
             if moments == "bf16":
                 # Megatron's precision-aware fields, set after construction as a config made on a Transformer Engine
                 # machine carries them: megatron-core 0.16.1 validates use_precision_aware_optimizer through TE's
@@ -180,8 +209,12 @@ class _MegatronTrainer:
                 cfg.use_precision_aware_optimizer = cfg.use_distributed_optimizer = True
                 cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.bfloat16
             self.opt = self.ebt.get_optimizer(cfg, [self.model])
+            # weights dropped at the offload and rebuilt from the optimizer's host mirror (sharded: each rank's
+            # slices, all-gathered at the first forward, after the groups' reload)
             self.state = self.ebt.TrainingState([self.model], self.opt, weights="discard")
-            self.setup["optimizer"] = f"EbbtideOptimizer(OffloadedAdam, isa={self.opt.optimizer.isa})"
+            inner = getattr(self.opt, "optimizer", None)
+            self.setup["optimizer"] = (f"{type(self.opt).__name__}({type(inner).__name__}, "
+                                       f"isa={getattr(inner, 'isa', '?')})")
             self.setup["moments"] = moments
             self.setup["onload_overlaps_train"] = True  # restore(overlap_forward=True) in _onload
         else:
@@ -204,7 +237,11 @@ class _MegatronTrainer:
             self.setup["optimizer"] = ", ".join(f"{type(o).__name__}({type(getattr(o, 'optimizer', o)).__name__})"
                                                 for o in subs)
         self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
-        self.setup["params"] = sum(p.numel() for p in self.model.parameters())
+        self.tp_dims = self.ebt.tensor_parallel_dims([self.model])
+        named = megatron_names(self.model.named_parameters())
+        local = sum(p.numel() for p in named.values())
+        self.setup["params"] = sum(p.numel() * (self.tp if n in self.tp_dims else 1) for n, p in named.items())
+        self.setup["params_stepped"] = local // self.dp  # this rank's share of the optimizer step
         self._host_floor()
 
     def _host_floor(self):
@@ -215,7 +252,10 @@ class _MegatronTrainer:
         C = _native.load()
         gbps = C.host_triad_bandwidth(512 << 20, C.cpu_affinity_count(), 8) / 1e9
         self.setup["host_triad_gbps"] = round(gbps, 2)
-        self.setup["optimizer_floor_s"] = STEP_BYTES[self.setup["moments"]] * self.setup["params"] / (gbps * 1e9)
+        # every rank of the host steps its share at the same time, over the same memory bandwidth
+        local = self.setup["local_world"]
+        self.setup["optimizer_floor_s"] = (STEP_BYTES[self.setup["moments"]] * self.setup["params_stepped"] * local
+                                           / (gbps * 1e9))
 
     def _start_rollout(self):
         import socket  # noqa: PLC0415
@@ -224,7 +264,8 @@ class _MegatronTrainer:
         s = self.spec
         mine, theirs = socket.socketpair()
         self.sync = IpcTrainerSync(self.named, Connection(mine.detach()),
-                                   "ebbtide" if self.variant == "ebbtide" else "slime")
+                                   "ebbtide" if self.variant == "ebbtide" else "slime",
+                                   tp_group=self.tp_group, tp_dims=self.tp_dims)
         self.setup.update(sync=self.sync.mode, sync_bytes=self.sync.plan.nbytes,
                           sync_bf16_bytes=self.sync.plan.source_bytes)
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
@@ -255,7 +296,7 @@ class _MegatronTrainer:
     # ---- the step --------------------------------------------------------------------------------------------
     def _batch(self, step: int):
         s = self.spec
-        t = train_tokens(self.cfg, s["batch"], s["seq"], step, self.rank).to(self.dev)
+        t = train_tokens(self.cfg, s["batch"], s["seq"], step, self.dp_rank).to(self.dev)
         T = s["seq"]
         pos = torch.arange(T, device=self.dev).unsqueeze(0).expand(t.shape[0], -1)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=self.dev), 1).view(1, 1, T, T)
@@ -295,7 +336,7 @@ class _MegatronTrainer:
         return {}
 
     def _onload(self) -> dict:
-        if self.em is not None:  # the upload overlaps the next train phase's first forward, layer by layer
+        if self.em is not None:  # the upload (and the sharded form's all-gather) overlaps the next first forward
             rep = self.state.restore(overlap_forward=True)
             return {"bytes": rep.bytes_copied}
         self.tms.resume()
@@ -311,8 +352,22 @@ class _MegatronTrainer:
         B, T = self.verify_tokens.shape
         pos = torch.arange(T, device=self.dev).unsqueeze(0).expand(B, -1)
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=self.dev), 1).view(1, 1, T, T)
-        return reference_entry(megatron_names(self.model.named_parameters()), self.sync.reference(),
-                               lambda: self.model(self.verify_tokens, pos, mask))
+        def forward():  # the logits are split over the vocabulary at TP > 1: gathered whole
+            from ..integrations.megatron._weights import gather_along  # noqa: PLC0415
+
+            out = self.model(self.verify_tokens, pos, mask)
+            return gather_along(out, -1, self.tp_group) if self.tp > 1 else out
+
+        return reference_entry(megatron_names(self.model.named_parameters()), self.sync.reference(), forward,
+                               local=self._shard)
+
+    def _shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's piece of a full tensor (what its parameter holds)."""
+        d = self.tp_dims.get(name)
+        if d is None:
+            return full
+        r = torch.distributed.get_rank(self.tp_group)
+        return full.chunk(self.tp, d)[r]
 
     def step(self, step: int, verify: bool):
         R, rec, tmo, version = self.rollout, self.rec, self.spec["timeout_s"], step + 1

@@ -166,19 +166,56 @@ def _check_mode(mode: str) -> None:
         raise InvalidArgumentError(f"IPC sync mode must be one of {IPC_MODES}, got {mode!r}")
 
 
+class _Gathered:
+    """``{name: full tensor}`` read one tensor at a time: a split tensor is all-gathered over the TP group when it is
+    read (one gather per tensor, as slime's update does; every TP rank reads the same names in the same order)."""
+
+    def __init__(self, local: dict, dims: dict, group):
+        self.local, self.dims, self.group = local, dims, group
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.dims:
+            return self.local[name]
+        from ..integrations.megatron._weights import gather_along  # noqa: PLC0415
+
+        return gather_along(self.local[name], self.dims[name], self.group)
+
+
 class IpcTrainerSync:
     """The trainer's end: ``weights`` is a callable returning ``{name: tensor}`` (read at every push); ``conn`` a
-    ``multiprocessing`` connection to the rollout's ``IpcRolloutSync``."""
+    ``multiprocessing`` connection to the rollout's ``IpcRolloutSync``. With tensor parallelism, ``tp_dims``
+    (``{name: split dim}``) and ``tp_group``: ``weights`` gives this rank's shards, the plan has the full shapes,
+    and every TP rank sends the full tensors to the rollout on its own GPU (ebbtide: the sender's one gather per
+    split tensor per bucket; slime: one gather per tensor as it is packed)."""
 
-    def __init__(self, weights, conn, mode: str):
+    def __init__(self, weights, conn, mode: str, *, tp_group=None, tp_dims=None):
         _check_mode(mode)
         self.weights, self.conn, self.mode = weights, conn, mode
-        self.plan = megatron_plan(weights())
+        self.tp_dims = dict(tp_dims or {})
+        self.tp_group = tp_group
+        local = weights()
+        tp = 1
+        if self.tp_dims:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            tp = dist.get_world_size(tp_group)
+        full = {}
+        for n, t in local.items():
+            shape = list(t.shape)
+            if n in self.tp_dims:
+                shape[self.tp_dims[n]] *= tp
+            full[n] = torch.empty(shape, dtype=t.dtype, device="meta")
+        self.plan = megatron_plan(full)
         if mode == "ebbtide":
             from ..sync import IpcSender  # noqa: PLC0415
 
             self.ipc = IpcSender(conn)
-            self.sender = Sender(weights, self.ipc, plan=self.plan)
+            tp_args = dict(tp_group=tp_group, tp_dims=self.tp_dims, each_rank_sends=True) if self.tp_dims else {}
+            self.sender = Sender(weights, self.ipc, plan=self.plan, **tp_args)
+
+    def _full(self):
+        local = self.weights()
+        return _Gathered(local, self.tp_dims, self.tp_group) if self.tp_dims else local
 
     @torch.no_grad()
     def push(self, version: int) -> int:
@@ -189,13 +226,15 @@ class IpcTrainerSync:
         else:
             from ..anchors.sync import slime_update  # noqa: PLC0415
 
-            slime_update(self.plan, self.weights(), self.conn)
+            slime_update(self.plan, self._full(), self.conn)
         torch.cuda.ipc_collect()
         return self.plan.nbytes
 
+    @torch.no_grad()
     def reference(self) -> dict:
-        """{name: what the rollout must hold after a push} on the weights' device."""
-        named = {n: t.detach() for n, t in self.weights().items()}
+        """{name: what the rollout must hold after a push} (full tensors) on the weights' device."""
+        src = self._full()
+        named = {it.source: src[it.source].detach() for it in self.plan.items}
         if self.mode == "ebbtide":
             return expected(self.plan, named)
         from ..quant import fp8_block_dequant, fp8_block_quant  # noqa: PLC0415

@@ -16,7 +16,9 @@ Contract:
   ``.to(torch.bfloat16)`` (optim/adam_kernel.h Note [bf16 moments]). Not with amsgrad. Loaded fp32 moments are
   rounded the same way; ``state_dict`` carries the bf16 tensors.
 - One native call per param group per step; the kernel runs on the optimizer's own thread pool (``threads``,
-  default the process's CPU affinity count; OMP_NUM_THREADS and torch.set_num_threads do not apply).
+  default the process's CPU affinity count divided by ``LOCAL_WORLD_SIZE`` where a launcher such as torchrun sets
+  it: the ranks of one host step at the same time and share its cores and memory bandwidth;
+  OMP_NUM_THREADS and torch.set_num_threads do not apply).
 - ``attach_bf16_copy(param, target)`` makes every step also write ``param.to(bfloat16)`` into ``target`` in the
   same pass (bit-equal to ``.to(torch.bfloat16)``; NaN becomes 0xFFFF as torch's x86 conversion writes).
 - ``step(grad_scale=s)`` multiplies gradients by ``s`` first (1/loss_scale, or a clip coefficient);
@@ -29,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 
@@ -107,10 +110,31 @@ _ENGINES: dict[tuple[int, str], object] = {}
 _ENGINES_LOCK = threading.Lock()  # guards _ENGINES
 
 
+def default_threads() -> int | None:
+    """The pool's size when none is given: None (the native default, every CPU of the affinity mask) in a process
+    alone on its host, else that count divided by ``LOCAL_WORLD_SIZE`` (at least 1). A value that is not a positive
+    integer raises InvalidArgumentError."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not raw:
+        return None
+    try:
+        local = int(raw)
+    except ValueError:
+        local = 0
+    if local < 1:
+        raise InvalidArgumentError(f"LOCAL_WORLD_SIZE must be a positive integer (the ranks on this host), got {raw!r}")
+    if local == 1:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // local)
+
+
 def shared_engine(threads: int | None, isa: str | None):
     """One native engine (and thread pool) per (threads, isa) per process: optimizers share it, so wrappers that
     build one optimizer per parameter (Megatron's HybridDeviceOptimizer) do not create a pool each. Calls on an
-    engine are serialized natively."""
+    engine are serialized natively. ``threads=None``: :func:`default_threads`."""
+    if threads is None:
+        threads = default_threads()
     key = (threads or 0, isa or "")
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)

@@ -7,8 +7,10 @@ Policies:
   trainer's named parameters (plain torch, or names converted to the serving model's).
 - Tensor parallel: with ``tp_group`` and ``tp_dims`` (name -> the dimension a parameter is split along), the
   plan is built on full shapes; every TP rank joins one all-gather per sharded tensor of a bucket, right before
-  that bucket is quantized, and only TP rank 0 (``is_source``) quantizes and sends. Gather buffers live for one
-  bucket.
+  that bucket is quantized, and only TP rank 0 (``is_source``) quantizes and sends, unless ``each_rank_sends``:
+  then every TP rank quantizes the gathered tensors and sends them through its own transport (one serving engine
+  per GPU, each fed by the trainer rank on its GPU, as slime's colocated engines are). Gather buffers live for
+  one bucket.
 - Host work: each bucket's FP8 launch table is built at the first push and kept while the tensors and the
   transport's buffer stay where they are (``ebbtide.quant.prepared``), and its FP8 source names are listed once, so
   a push reads each tensor's address, strides, size and dtype and does no other per-tensor work in Python (an MoE
@@ -18,7 +20,8 @@ Policies:
   broadcast on its own stream) while bucket k+1 is quantized. A producer buffer is written again only after the
   transport says its previous content was consumed on the device (an event), never when a reply arrives.
 - ``push(version)`` returns when the receiver holds the new version (the transport's commit), or raises; the
-  receiver then still holds its previous version.
+  receiver then still holds its previous version. A TP gather that fails (a peer rank died: Gloo says so at once,
+  NCCL when its watchdog gives up, after the group's timeout) raises PartialUpdateError before the commit.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._fill import BucketFill
+from .errors import PartialUpdateError
 from .plan import Plan
 
 __all__ = ["Sender", "PushReport"]
@@ -40,7 +44,8 @@ class PushReport(dict):
 
 class Sender:
     def __init__(self, tensors: Mapping | Callable[[], Mapping], transport, *, plan: Plan | None = None,
-                 tp_group=None, tp_dims: Mapping[str, int] | None = None, device=None, **plan_options):
+                 tp_group=None, tp_dims: Mapping[str, int] | None = None, each_rank_sends: bool = False, device=None,
+                 **plan_options):
         self._tensors = tensors if callable(tensors) else (lambda: tensors)
         self.transport = transport
         self.tp_group, self.tp_dims = tp_group, dict(tp_dims or {})
@@ -72,7 +77,7 @@ class Sender:
         self.device = torch.device(device) if device is not None else next(iter(local.values())).device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.is_source = self.tp_rank == 0
+        self.is_source = bool(each_rank_sends) or self.tp_rank == 0
         # one prepared fill per bucket: its FP8 launch table is rebuilt only when an address changes
         self._fills = [BucketFill(plan, b) for b in plan.buckets]
 
@@ -98,7 +103,13 @@ class Sender:
 
             t = t.contiguous()
             g = torch.empty((self.tp_size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(g, t, group=self.tp_group)  # shards stacked along dim 0
+            try:
+                dist.all_gather_into_tensor(g, t, group=self.tp_group)  # shards stacked along dim 0
+            except RuntimeError as e:  # torch's DistBackendError and Gloo's errors are RuntimeErrors
+                raise PartialUpdateError(
+                    f"the tensor-parallel gather of {it.source!r} failed on TP rank {self.tp_rank} (a rank of the "
+                    f"group gone, or the group released?): {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
+                    f"Nothing was committed: the receiver keeps its previous version") from e
             out[it.source] = torch.cat(g.chunk(self.tp_size, 0), dim=d) if d else g
             new.append(out[it.source])
         return out, new

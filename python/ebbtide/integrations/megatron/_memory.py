@@ -17,8 +17,11 @@ Policies:
   offload drops the weights without a D2H copy, restore maps fresh pages and uploads the mirror. Params outside
   OffloadedAdam stay in ``<prefix>_weights`` (copied). Writes to the params after the optimizer's last step that
   do not go through it are lost at the next offload unless ``optimizer.sync_master_from_params()`` runs after them
-  (loading weights in place needs that call for the masters anyway). Needs ebbtide's non-sharded optimizer
-  (the sharded form's DDP buffer holds every rank's shard): InvalidArgumentError otherwise.
+  (loading weights in place needs that call for the masters anyway). With ebbtide's distributed optimizer
+  (``ShardAdam``) the DDP ``param_data`` buffers go to ``<prefix>_weights_mirrored`` and the mirror holds each
+  rank's owned slices only: restore uploads them and the params are all-gathered over the data-parallel group
+  (DDP's ``start_param_sync``), at restore or, with ``overlap_forward=True``, at each chunk's first forward (after
+  a group reload that comes after restore, as in slime's wake-up). Other optimizers: InvalidArgumentError.
 - ``offload()``: empty the caching allocator (activations and other scratch of the default pool), then pause
   grads (discard), optimizer and weights (copy to pinned host memory); the report has seconds and bytes per tag, and the memory left:
   torch's reserved bytes outside the tags and the device's used bytes (driver view: CUDA context, NCCL, other
@@ -40,6 +43,7 @@ from itertools import chain
 import torch
 
 from ...errors import InvalidArgumentError, StateError, UnsupportedError
+from ._sharded import ShardAdam
 
 __all__ = ["TrainingState", "OffloadReport"]
 
@@ -115,11 +119,16 @@ class TrainingState:
         self._offloaded = False
         self._armed, self._uploads = [], []  # an overlapped restore's forward pre-hooks and last upload events
         self._offadams = [o for o in _inner_optimizers(optimizer) if isinstance(o, OffloadedAdam)]
-        if weights == "discard" and not self._offadams:
-            raise InvalidArgumentError("weights='discard' rebuilds the weights from OffloadedAdam's host mirror: the "
-                                       "optimizer must be ebbtide's non-sharded one (get_optimizer with plain DDP)")
-        for opt in self._offadams if weights == "discard" else []:
+        self._shards = [o for o in _inner_optimizers(optimizer) if isinstance(o, ShardAdam)]
+        if weights == "discard" and not (self._offadams or self._shards):
+            raise InvalidArgumentError("weights='discard' rebuilds the weights from the optimizer's host mirror: the "
+                                       "optimizer must be ebbtide's (get_optimizer)")
+        self._mirrored_buffers = set()  # ids of DDP buffers whose param_data a ShardAdam mirror rebuilds
+        for opt in (self._offadams + self._shards) if weights == "discard" else []:
             opt.enable_param_mirror()
+        for opt in self._shards if weights == "discard" else []:
+            self._mirrored_buffers.update(id(b) for b in opt.buffers)
+        self._gathers = []  # an overlapped restore's pending all-gathers (forward pre-hooks on the chunks)
         torch.cuda.synchronize()
         self._adopt_model()
         self._adopt_optimizer_state()
@@ -133,7 +142,7 @@ class TrainingState:
         ptr, n = st.data_ptr(), st.nbytes()
         if n == 0 or ptr in self._moved:
             return
-        backup = "none" if kind == "grads" else "cpu"
+        backup = "none" if kind in ("grads", "weights_mirrored") else "cpu"
         saved = None
         if keep:
             saved = torch.empty(n, dtype=torch.uint8, device=t.device)
@@ -173,7 +182,8 @@ class TrainingState:
             for buf in list(c.buffers) + list(getattr(c, "expert_parallel_buffers", [])):
                 self._move_storage(buf.grad_data, "grads", keep=False)
                 if buf.param_data is not None:
-                    self._move_storage(buf.param_data, "weights")
+                    mirrored = id(buf) in self._mirrored_buffers
+                    self._move_storage(buf.param_data, "weights_mirrored" if mirrored else "weights")
             for p in c.parameters():
                 self._move_storage(p, "weights")  # standalone params (no-op for the buffers moved above)
 
@@ -221,7 +231,12 @@ class TrainingState:
         if self._offloaded:
             raise StateError("offload() called twice: the training state is already offloaded (call restore())")
         t0 = time.perf_counter()
-        self.wait_weights()  # an overlapped restore whose forward never ran: its upload ends before the pause
+        # an overlapped restore whose forward never ran: its upload ends before the pause; a pending all-gather is
+        # dropped (the weights are discarded again and the next restore rebuilds them from the mirror)
+        self._drop_pending()
+        for h in self._gathers:
+            h.remove()
+        self._gathers = []
         torch.cuda.synchronize()
         self._adopt_optimizer_state()  # state tensors a GPU optimizer created since the last call
         torch.cuda.empty_cache()
@@ -257,11 +272,17 @@ class TrainingState:
             t1 = time.perf_counter()
             # fresh pages mapped above: the weights come from the host mirror
             uploads = [(o, o.upload_params_from_mirror(wait=not overlap_forward)) for o in self._offadams]
+            for o in self._shards:
+                o.upload_params_from_mirror()
             if overlap_forward:
                 self._arm_forward_waits(uploads)
+                self._arm_gathers()
+            elif self._shards:
+                self._gather_now(self.chunks)
             tag = self.tags["weights_mirrored"]
-            tags[tag] = {**tags[tag], "bytes_copied": sum(o.flat_params.nbytes for o in self._offadams),
-                         "s": tags[tag]["s"] + time.perf_counter() - t1}
+            copied = sum(o.flat_params.nbytes for o in self._offadams) + sum(o.param_mirror.nbytes
+                                                                             for o in self._shards)
+            tags[tag] = {**tags[tag], "bytes_copied": copied, "s": tags[tag]["s"] + time.perf_counter() - t1}
         for c in self.chunks:
             c.zero_grad_buffer()
         for opt in self._offadams:
@@ -301,9 +322,39 @@ class TrainingState:
                     self._armed.append(box[0])
         self._uploads = [b[-1][2] for _, b in uploads if b and b[-1][2] is not None]
 
+    def _arm_gathers(self) -> None:
+        """Distributed optimizer: each chunk's first forward all-gathers its params (one-shot pre-hook)."""
+        if not self._shards:
+            return
+        for c in self.chunks:
+            box: list = []
+
+            def hook(module, args, _box=box):
+                _box[0].remove()
+                self._gathers.remove(_box[0])
+                self._gather_now([module])
+
+            box.append(c.register_forward_pre_hook(hook))
+            self._gathers.append(box[0])
+
+    @staticmethod
+    def _gather_now(chunks) -> None:
+        for c in chunks:  # collective over the data-parallel group, as Megatron's DistributedOptimizer step ends
+            c.start_param_sync(force_sync=True)
+
     def wait_weights(self) -> None:
         """Make the current stream wait for an overlapped restore's whole upload and drop its remaining hooks (a
-        no-op when nothing is pending)."""
+        no-op when nothing is pending); with the distributed optimizer, all-gather the params of every chunk whose
+        forward has not run yet (collective: every data-parallel rank calls it, with the groups loaded)."""
+        self._drop_pending()
+        pending = [h for h in self._gathers]
+        if pending:
+            for h in pending:
+                h.remove()
+            self._gathers = []
+            self._gather_now(self.chunks)
+
+    def _drop_pending(self) -> None:
         stream = torch.cuda.current_stream()
         for ev in self._uploads:
             stream.wait_event(ev)

@@ -25,6 +25,11 @@ What holds:
   (``{"buckets_coalesced": True, gbuf_idx: {(param_dtype, grad_dtype): {"param", "exp_avg", "exp_avg_sq",
   "numel_unpadded"}}}``, fp32, on DP rank 0), so the state moves both ways between this optimizer and Megatron's
   DistributedOptimizer. ``state_dict`` holds the param groups and the step only, as Megatron's does.
+- Host mirror (``enable_param_mirror``, for ``TrainingState(weights="discard")``): a pinned bf16 copy of the owned
+  elements that every step writes in place of the upload slots (the uploads read it), so the weights can be dropped
+  on the GPU and rebuilt: ``upload_params_from_mirror`` zeroes each ``param_data`` and writes the owned slices;
+  the caller then all-gathers them over the data-parallel group (DDP's ``start_param_sync``), which needs the
+  groups, so a trainer that releases its groups does it after reloading them.
 """
 from __future__ import annotations
 
@@ -87,6 +92,7 @@ class ShardAdam(torch.optim.Optimizer):
         self._slots = slots
         self._step_count = 0
         self._tp_group = tp_group
+        self._mirror = None  # pinned bf16 copy of the owned elements (enable_param_mirror)
         self._build(run_numel)
         self._transport = _Transport(self._device)
 
@@ -169,9 +175,44 @@ class ShardAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:
-        """Masters from the owned slices of the bf16 params (after loading model weights in place)."""
+        """Masters (and the mirror, if enabled) from the owned slices of the bf16 params (after loading model
+        weights in place)."""
         for r in self._runs:
-            self._master[r.host:r.host + r.hi - r.lo].copy_(self.buffers[r.buffer].param_data[r.lo:r.hi])
+            src = self.buffers[r.buffer].param_data[r.lo:r.hi]
+            self._master[r.host:r.host + r.hi - r.lo].copy_(src)
+            if self._mirror is not None:
+                self._mirror[r.host:r.host + r.hi - r.lo].copy_(src)
+
+    @torch.no_grad()
+    def enable_param_mirror(self) -> torch.Tensor:
+        """Keep a pinned bf16 host copy of the owned params that every step writes (see the module doc); filled
+        from the params now. Idempotent; returns it."""
+        if self._mirror is None:
+            m = torch.empty(self._numel, dtype=torch.bfloat16, pin_memory=self._device.type == "cuda")
+            for r in self._runs:
+                m[r.host:r.host + r.hi - r.lo].copy_(self.buffers[r.buffer].param_data[r.lo:r.hi])
+            self._mirror = m
+        return self._mirror
+
+    @property
+    def param_mirror(self):
+        return self._mirror
+
+    @torch.no_grad()
+    def upload_params_from_mirror(self) -> None:
+        """Zero every ``param_data`` and write the owned slices from the mirror (the caller's stream waits for the
+        uploads); the other ranks' slices come with the all-gather that follows. StateError without a mirror."""
+        if self._mirror is None:
+            raise StateError("upload_params_from_mirror(): the host mirror is not enabled (enable_param_mirror())")
+        for b in self.buffers:
+            b.param_data.zero_()
+        t = self._transport
+        t.begin()
+        try:
+            for r in self._runs:
+                t.upload(self.buffers[r.buffer].param_data[r.lo:r.hi], self._mirror[r.host:r.host + r.hi - r.lo])
+        finally:
+            t.end()
 
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -200,13 +241,16 @@ class ShardAdam(torch.optim.Optimizer):
                 n, slot = r.hi - r.lo, i % K
                 buf = self.buffers[r.buffer]
                 t.wait(down[i])
-                if i >= K:
+                # the new bf16 params go to the mirror (its own range per run: the previous step's upload of it is
+                # complete, since this step's downloads were ordered after it) or to a reused upload slot
+                out = self._mirror[r.host:r.host + n] if self._mirror is not None else self._oslots[slot][:n]
+                if i >= K and self._mirror is None:
                     t.wait(up[i - K])
                 self._engine.step(hypers[r.group], [self._master.data_ptr() + r.host * 4],
                                   [self._m.data_ptr() + r.host * msize], [self._v.data_ptr() + r.host * msize], [],
                                   [self._gslots[buf.grad_dtype][slot].data_ptr()], [buf.grad_dtype == torch.bfloat16],
-                                  [self._oslots[slot].data_ptr()], [n], [], [step_no], mom_bf16)
-                up[i] = t.upload(buf.param_data[r.lo:r.hi], self._oslots[slot][:n])
+                                  [out.data_ptr()], [n], [], [step_no], mom_bf16)
+                up[i] = t.upload(buf.param_data[r.lo:r.hi], out)
                 if i + K < len(runs):
                     down[i + K] = download(i + K)
         finally:
@@ -246,9 +290,13 @@ class ShardAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def upload_params_from_master(self) -> None:
-        """The owned slices of the bf16 params from the masters (after loading a checkpoint)."""
+        """The owned slices of the bf16 params (and the mirror, if enabled) from the masters (after loading a
+        checkpoint)."""
         for r in self._runs:
-            self.buffers[r.buffer].param_data[r.lo:r.hi].copy_(self._master[r.host:r.host + r.hi - r.lo])
+            dst = self.buffers[r.buffer].param_data[r.lo:r.hi]
+            dst.copy_(self._master[r.host:r.host + r.hi - r.lo])
+            if self._mirror is not None:
+                self._mirror[r.host:r.host + r.hi - r.lo].copy_(dst)
 
     def state_dict(self):
         raise StateError("ShardAdam's state is sharded: use the Megatron optimizer's state_dict() for the common part "

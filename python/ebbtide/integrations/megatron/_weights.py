@@ -1,0 +1,84 @@
+"""A Megatron-core model's weights as a serving engine takes them: full tensors under their module names, gathered
+over the tensor-parallel group where Megatron splits them.
+
+Policies:
+- ``tensor_parallel_dims(model_chunks)``: ``{name: dim}`` of every parameter Megatron splits over the tensor-parallel
+  group (its ``tensor_model_parallel`` attribute; ``partition_dim`` is the dimension), names with the wrappers'
+  ``module.`` prefixes removed (DDP -> Float16Module -> GPTModel). This is what ``ebbtide.sync.Sender`` takes as
+  ``tp_dims`` with ``tp_group=parallel_state.get_tensor_model_parallel_group()``: one all-gather per split tensor
+  per bucket, right before the bucket is quantized.
+- Layouts that concatenate correctly: Megatron orders the fused QKV weight by query group and splits it between
+  whole groups, so the ranks' pieces stacked along dim 0 are the TP=1 layout; vocabulary-parallel embeddings and
+  output layers and column-parallel weights stack along dim 0, row-parallel ones along dim 1. A gated MLP
+  (``gated_linear_unit``, SwiGLU) holds ``[gate_r; up_r]`` on rank r, so the stacked pieces interleave gate and up
+  rows: refused by name at TP > 1 (UnsupportedError) rather than served wrong.
+- ``full_weights(model_chunks, group=None)``: the gather done eagerly, one ``all_gather`` per split tensor as slime's
+  update does (every TP rank must call it), for checks and for paths that want every tensor at once.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...errors import InvalidArgumentError, UnsupportedError
+from ..names import served_names
+
+__all__ = ["served_names", "tensor_parallel_dims", "full_weights", "gather_along"]
+
+
+def _chunks(model_chunks) -> list:
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        raise InvalidArgumentError("no model chunks")
+    return chunks
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() \
+        else 1
+
+
+def tensor_parallel_dims(model_chunks) -> dict:
+    """``{name: partition dim}`` of every parameter split over the tensor-parallel group (see the module doc)."""
+    chunks = _chunks(model_chunks)
+    tp = _tp_size()
+    if tp > 1:
+        gated = [c for c in chunks if getattr(getattr(c, "config", None), "gated_linear_unit", False)]
+        if gated:
+            raise UnsupportedError("gated_linear_unit (SwiGLU) at tensor parallel > 1: each rank holds [gate; up] "
+                                   "rows of its own shard, so the gathered fc1 weight interleaves them; not served")
+    dims = {}
+    for c in chunks:
+        for n, p in served_names(c.named_parameters()).items():
+            if getattr(p, "tensor_model_parallel", False) and tp > 1:
+                d = int(getattr(p, "partition_dim", 0))
+                if not 0 <= d < p.dim():
+                    raise InvalidArgumentError(f"{n}: partition_dim {d} outside its {p.dim()} dimensions")
+                dims[n] = d
+    return dims
+
+
+def gather_along(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The full tensor of ``t``'s shards over ``group``, concatenated along ``dim`` in rank order."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def full_weights(model_chunks, group=None) -> dict:
+    """``{name: full tensor}``: split parameters all-gathered over the tensor-parallel group (``group``, default
+    Megatron's), the others as they are (detached)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    dims = tensor_parallel_dims(model_chunks)
+    if dims and group is None:
+        group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for c in _chunks(model_chunks):
+        for n, p in served_names(c.named_parameters()).items():
+            out[n] = gather_along(p, dims[n], group) if n in dims else p.detach()
+    return out
