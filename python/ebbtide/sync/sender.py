@@ -20,8 +20,10 @@ Policies:
   broadcast on its own stream) while bucket k+1 is quantized. A producer buffer is written again only after the
   transport says its previous content was consumed on the device (an event), never when a reply arrives.
 - ``push(version)`` returns when the receiver holds the new version (the transport's commit), or raises; the
-  receiver then still holds its previous version. A TP gather that fails (a peer rank died: Gloo says so at once,
-  NCCL when its watchdog gives up, after the group's timeout) raises PartialUpdateError before the commit.
+  receiver then still holds its previous version. A TP gather that raises (a peer rank died, seen by Gloo within
+  its timeout) becomes PartialUpdateError before the commit; with NCCL a dead peer usually ends in torch's
+  watchdog aborting the process after the group's timeout instead. Either way nothing is committed, and a
+  receiver waiting for the rest of the update gives up at its own timeout or when the connection closes.
 """
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ class TrainingState:
             opt.enable_param_mirror()
         for opt in self._shards if weights == "discard" else []:
             self._mirrored_buffers.update(id(b) for b in opt.buffers)
-        self._gathers = []  # an overlapped restore's pending all-gathers (forward pre-hooks on the chunks)
+        self._gathers = {}  # an overlapped restore's pending all-gathers: id(chunk) -> its forward pre-hook
         torch.cuda.synchronize()
         self._adopt_model()
         self._adopt_optimizer_state()
@@ -234,9 +234,9 @@ class TrainingState:
         # an overlapped restore whose forward never ran: its upload ends before the pause; a pending all-gather is
         # dropped (the weights are discarded again and the next restore rebuilds them from the mirror)
         self._drop_pending()
-        for h in self._gathers:
+        for h in self._gathers.values():
             h.remove()
-        self._gathers = []
+        self._gathers = {}
         torch.cuda.synchronize()
         self._adopt_optimizer_state()  # state tensors a GPU optimizer created since the last call
         torch.cuda.empty_cache()
@@ -323,19 +323,17 @@ class TrainingState:
         self._uploads = [b[-1][2] for _, b in uploads if b and b[-1][2] is not None]
 
     def _arm_gathers(self) -> None:
-        """Distributed optimizer: each chunk's first forward all-gathers its params (one-shot pre-hook)."""
+        """Distributed optimizer: each chunk's first forward all-gathers its params (one-shot pre-hook, removed once
+        the gather succeeded: a gather that raises, e.g. with the groups still released, is tried again by the next
+        forward rather than leaving the other ranks' slices zero)."""
         if not self._shards:
             return
         for c in self.chunks:
-            box: list = []
-
-            def hook(module, args, _box=box):
-                _box[0].remove()
-                self._gathers.remove(_box[0])
+            def hook(module, args):
                 self._gather_now([module])
+                self._gathers.pop(id(module)).remove()
 
-            box.append(c.register_forward_pre_hook(hook))
-            self._gathers.append(box[0])
+            self._gathers[id(c)] = c.register_forward_pre_hook(hook)
 
     @staticmethod
     def _gather_now(chunks) -> None:
@@ -347,12 +345,10 @@ class TrainingState:
         no-op when nothing is pending); with the distributed optimizer, all-gather the params of every chunk whose
         forward has not run yet (collective: every data-parallel rank calls it, with the groups loaded)."""
         self._drop_pending()
-        pending = [h for h in self._gathers]
-        if pending:
-            for h in pending:
-                h.remove()
-            self._gathers = []
-            self._gather_now(self.chunks)
+        for c in self.chunks:
+            if id(c) in self._gathers:
+                self._gather_now([c])
+                self._gathers.pop(id(c)).remove()
 
     def _drop_pending(self) -> None:
         stream = torch.cuda.current_stream()

@@ -93,6 +93,7 @@ class ShardAdam(torch.optim.Optimizer):
         self._step_count = 0
         self._tp_group = tp_group
         self._mirror = None  # pinned bf16 copy of the owned elements (enable_param_mirror)
+        self._mirror_up: list = []  # per run: the last upload that reads its mirror range (an event, or None)
         self._build(run_numel)
         self._transport = _Transport(self._device)
 
@@ -209,8 +210,8 @@ class ShardAdam(torch.optim.Optimizer):
         t = self._transport
         t.begin()
         try:
-            for r in self._runs:
-                t.upload(self.buffers[r.buffer].param_data[r.lo:r.hi], self._mirror[r.host:r.host + r.hi - r.lo])
+            self._mirror_up = [t.upload(self.buffers[r.buffer].param_data[r.lo:r.hi],
+                                        self._mirror[r.host:r.host + r.hi - r.lo]) for r in self._runs]
         finally:
             t.end()
 
@@ -241,11 +242,16 @@ class ShardAdam(torch.optim.Optimizer):
                 n, slot = r.hi - r.lo, i % K
                 buf = self.buffers[r.buffer]
                 t.wait(down[i])
-                # the new bf16 params go to the mirror (its own range per run: the previous step's upload of it is
-                # complete, since this step's downloads were ordered after it) or to a reused upload slot
-                out = self._mirror[r.host:r.host + n] if self._mirror is not None else self._oslots[slot][:n]
-                if i >= K and self._mirror is None:
-                    t.wait(up[i - K])
+                # the new bf16 params go to the mirror (its own range per run, once the last upload reading that
+                # range is done: usually long since, on any stream) or to a reused upload slot
+                if self._mirror is not None:
+                    out = self._mirror[r.host:r.host + n]
+                    if i < len(self._mirror_up):
+                        t.wait(self._mirror_up[i])
+                else:
+                    out = self._oslots[slot][:n]
+                    if i >= K:
+                        t.wait(up[i - K])
                 self._engine.step(hypers[r.group], [self._master.data_ptr() + r.host * 4],
                                   [self._m.data_ptr() + r.host * msize], [self._v.data_ptr() + r.host * msize], [],
                                   [self._gslots[buf.grad_dtype][slot].data_ptr()], [buf.grad_dtype == torch.bfloat16],
@@ -255,6 +261,8 @@ class ShardAdam(torch.optim.Optimizer):
                     down[i + K] = download(i + K)
         finally:
             t.end()
+        if self._mirror is not None:
+            self._mirror_up = up
         self._step_count += 1
 
     # ---- state -------------------------------------------------------------------------------------------------

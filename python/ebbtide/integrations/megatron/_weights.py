@@ -49,14 +49,29 @@ def tensor_parallel_dims(model_chunks) -> dict:
             raise UnsupportedError("gated_linear_unit (SwiGLU) at tensor parallel > 1: each rank holds [gate; up] "
                                    "rows of its own shard, so the gathered fc1 weight interleaves them; not served")
     dims = {}
+    for n, p in _named(chunks).items():
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            d = int(getattr(p, "partition_dim", 0))
+            if not 0 <= d < p.dim():
+                raise InvalidArgumentError(f"{n}: partition_dim {d} outside its {p.dim()} dimensions")
+            if int(getattr(p, "partition_stride", 1)) != 1:
+                raise UnsupportedError(f"{n}: split with partition_stride {p.partition_stride}; the ranks' pieces "
+                                       "do not concatenate to the whole tensor")
+            dims[n] = d
+    return dims
+
+
+def _named(chunks) -> dict:
+    """Every chunk's parameters under served names; a name twice (virtual pipeline chunks number their layers
+    from 0 each) is refused rather than overwritten."""
+    out = {}
     for c in chunks:
         for n, p in served_names(c.named_parameters()).items():
-            if getattr(p, "tensor_model_parallel", False) and tp > 1:
-                d = int(getattr(p, "partition_dim", 0))
-                if not 0 <= d < p.dim():
-                    raise InvalidArgumentError(f"{n}: partition_dim {d} outside its {p.dim()} dimensions")
-                dims[n] = d
-    return dims
+            if n in out:
+                raise UnsupportedError(f"two model chunks both have {n!r} (virtual pipeline stages number their "
+                                       "layers locally): serve one chunk at a time or rename the layers")
+            out[n] = p
+    return out
 
 
 def gather_along(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -77,8 +92,5 @@ def full_weights(model_chunks, group=None) -> dict:
     dims = tensor_parallel_dims(model_chunks)
     if dims and group is None:
         group = parallel_state.get_tensor_model_parallel_group()
-    out = {}
-    for c in _chunks(model_chunks):
-        for n, p in served_names(c.named_parameters()).items():
-            out[n] = gather_along(p, dims[n], group) if n in dims else p.detach()
-    return out
+    return {n: gather_along(p, dims[n], group) if n in dims else p.detach()
+            for n, p in _named(_chunks(model_chunks)).items()}
