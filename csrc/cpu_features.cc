@@ -1,10 +1,9 @@
 /*
  * cpu_features.cc — what the CPU and OS support, read with cpuid + xgetbv (x86) or getauxval (Arm).
  * Built without ISA flags, so it runs on any CPU; it reports the machine, never the compile flags.
- * The dispatch level is computed once: the widest level the CPU and OS support, capped by the first matching
- * entry of the dispatch rule table (kRules: CPUs where a wider level measured slower); EBBTIDE_CPU_ISA then picks
- * any level the CPU supports (lower, or back above a rule's cap), never one it does not. The choice and the
- * reason for it are reported (ebt_cpu_isa, ebt_cpu_isa_reason; `ebbtide info`).
+ * The dispatch level is computed once: the widest level the CPU and OS support (Note [Widest is fastest]);
+ * EBBTIDE_CPU_ISA then picks any level the CPU supports, never one it does not. The choice and the reason for it
+ * are reported (ebt_cpu_isa, ebt_cpu_isa_reason; `ebbtide info`).
  */
 #include <sched.h>
 #include <strings.h>
@@ -122,61 +121,33 @@ static_assert(sizeof(kIsaChoices) / sizeof(kIsaChoices[0]) == kIsaCount, "one ch
 EBT_PARAM_CHOICE(isa_param, "EBBTIDE_CPU_ISA", kIsaChoices, -1, ebbtide::param::kNoCase)
 ebt_status_t g_isa_status = EBT_SUCCESS;
 char g_isa_error[512] = "";  // constant-initialized (init() may run from another file's load-time constructor)
-// Dispatch rules: on these CPUs the automatic choice stops at `cap` (the widest supported level at or below it),
-// because a wider kernel measured slower there. First match wins; family 0 matches any family of the vendor.
-// Measured with the fast Adam mode (32M fp32 params, fused torch AdamW as the yardstick):
-//   Zen 4 (family 0x19), 2 threads: AVX-512 20-38 ms, AVX2 13-17 ms, torch fused 13-24 ms. This was the AVX-512
-//   kernel that masked every load and store; it now masks only the tail vector, which made it 2x faster on
-//   Zen 5 (below). Not re-measured on Zen 4: the rule stays until a Zen 4 run shows AVX-512 >= AVX2.
-//   Zen 5 (family 0x1A, EPYC model 0x02, a loaded 2-core VM, medians of 24-40 interleaved steps): no rule. With the
-//   tail-only masking, AVX-512 / AVX2 / torch fused: 2 threads 14.7 / 14.5 / 14.7 ms, 1 thread 17.7 / 16.9 /
-//   16.6 ms (exact mode: 2 threads 14.9 / 14.8, 1 thread 18.0 / 18.8): memory-bound, within 5% either way.
-//   With every load/store masked it was 23.2 (2 threads) and 37.9 ms (1 thread): a loop of masked 512-bit
-//   loads/stores runs at half the speed of the same loop unmasked.
-// Intel CPUs keep the widest level (no rule).
-struct Rule {
-  const char* vendor;
-  unsigned family;  // display family; 0: any
-  const char* cap;  // a kIsas name
-  const char* why;
-};
-constexpr Rule kRules[] = {
-    {"AuthenticAMD", 0x19, "avx2", "AMD Zen 4 (family 0x19): the AVX-512 Adam kernel measured slower than AVX2"},
-};
+// Note [Widest is fastest]: the automatic level is the widest one supported, on every CPU measured (fast-mode
+// Adam, the one CPU kernel family; `ebbtide bench optim`, medians, 2-core EPYC VMs shared with other jobs):
+//   AMD Zen 4 (family 0x19 model 0x11), 2026-11-27, AVX-512-BF16 vs AVX2, 16M / 128M params: fp32 moments
+//   1 thread 41.5 / 50.7 vs 40.2 / 49.9 GB/s, 2 threads 55.5 / 58.7 vs 54.0 / 58.8 GB/s; bf16 moments with bf16
+//   grads and copy-out (compute-bound on one thread in AVX2's integer rounding) 1 thread 36.7 / 37.2 vs
+//   25.4 / 26.4 GB/s, 2 threads 51.0 / 51.9 vs 47.9 / 48.6 GB/s.
+//   AMD Zen 5 (family 0x1A model 0x02), 32M params, AVX-512 / AVX2 / torch fused: 2 threads 14.7 / 14.5 /
+//   14.7 ms, 1 thread 17.7 / 16.9 / 16.6 ms: memory-bound, within 5%.
+// Both AMD cores run 512-bit operations as two 256-bit halves; what made AVX-512 slower there was a kernel that
+// masked every load and store (a loop of masked 512-bit loads/stores runs at half speed on Zen 4/5), which the
+// AVX-512 kernel no longer does (only the tail vector is masked). A CPU found slower at its widest level is to be
+// capped here, in init(), with its measurement.
 
 void init() {
   g_features = detect();
   const CpuId id = identify();
   auto supported = [](const Isa& isa) { return (g_features & isa.needs) == isa.needs; };
-  const Rule* rule = nullptr;
-  for (const auto& r : kRules) {
-    if (std::strcmp(r.vendor, id.vendor) == 0 && (r.family == 0 || r.family == id.family)) {
-      rule = &r;
-      break;
-    }
-  }
-  const char* widest = nullptr;
-  bool capped = rule == nullptr;  // true once the rule's cap has been reached in kIsas order
   for (const auto& isa : kIsas) {
-    if (!capped && std::strcmp(isa.name, rule->cap) == 0) capped = true;
-    if (!supported(isa)) continue;
-    if (!widest) widest = isa.name;
-    if (capped) {
+    if (supported(isa)) {
       g_isa = isa.name;
       break;
     }
   }
   char why[160];
-  const bool ruled = rule && widest && std::strcmp(widest, g_isa) != 0;
-  if (ruled)
-    snprintf(why, sizeof(why), "%s", rule->why);
-  else
-    snprintf(why, sizeof(why), "the widest level this CPU and OS support (%s family 0x%x model 0x%x)",
-             id.vendor[0] ? id.vendor : "unknown vendor", id.family, id.model);
-  if (ruled)
-    snprintf(g_reason, sizeof(g_reason), "%s (EBBTIDE_CPU_ISA=%s selects the wider kernel)", why, widest);
-  else
-    snprintf(g_reason, sizeof(g_reason), "%s", why);
+  snprintf(why, sizeof(why), "the widest level this CPU and OS support (%s family 0x%x model 0x%x)",
+           id.vendor[0] ? id.vendor : "unknown vendor", id.family, id.model);
+  snprintf(g_reason, sizeof(g_reason), "%s", why);
   const char* automatic = g_isa;
   int forced = -1;
   g_isa_status = isa_param(&forced);

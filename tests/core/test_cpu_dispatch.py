@@ -1,7 +1,6 @@
-"""CPU dispatch: the automatic level is the widest the CPU supports unless a rule of the table in
-csrc/cpu_features.cc caps it (AMD Zen 4: AVX2, where the AVX-512 Adam kernel measured slower); the reason is
-reported; EBBTIDE_CPU_ISA selects any supported level, above a rule's cap too. The expectation is derived here
-from /proc/cpuinfo, independently of the native code."""
+"""CPU dispatch: the automatic level is the widest the CPU supports (csrc/cpu_features.cc, Note [Widest is
+fastest]: no CPU is capped today); the reason is reported; EBBTIDE_CPU_ISA selects any supported level. The
+expectation is derived here from /proc/cpuinfo, independently of the native code."""
 from __future__ import annotations
 
 import pytest
@@ -13,12 +12,10 @@ C = _native.load()
 
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-RULES = {("AuthenticAMD", 0x19): "avx2"}
-ORDER = ["avx512_bf16", "avx512", "avx2", "scalar"]
 
 
-def _cpuinfo() -> tuple[str, int, set[str]]:
-    vendor, family, flags = "", -1, set()
+def _cpuinfo() -> tuple[str, int, int, set[str]]:
+    vendor, family, model, flags = "", -1, -1, set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -28,11 +25,13 @@ def _cpuinfo() -> tuple[str, int, set[str]]:
                     vendor = value.strip()
                 elif key == "cpu family" and family < 0:
                     family = int(value)
+                elif key == "model" and model < 0:
+                    model = int(value)
                 elif key == "flags" and not flags:
                     flags = set(value.split())
     except OSError:
         pass
-    return vendor, family, flags
+    return vendor, family, model, flags
 
 
 def _supported(flags: set[str]) -> list[str]:
@@ -46,40 +45,31 @@ def _supported(flags: set[str]) -> list[str]:
     return levels + ["scalar"]
 
 
-def _expected() -> tuple[str, str | None]:
-    vendor, family, flags = _cpuinfo()
+def _expected() -> str:
+    flags = _cpuinfo()[3]
     if not flags:
         pytest.skip("no x86 flags line in /proc/cpuinfo")
-    levels = _supported(flags)
-    cap = RULES.get((vendor, family))
-    if cap is None:
-        return levels[0], None
-    return next(lv for lv in ORDER[ORDER.index(cap):] if lv in levels), cap
+    return _supported(flags)[0]
 
 
-def test_automatic_level_follows_the_rule_table_and_says_why():
-    want, cap = _expected()
-    assert C.cpu_isa() == want
-    reason = C.cpu_isa_reason()
-    widest = _supported(_cpuinfo()[2])[0]
-    if cap is not None and want != widest:
-        assert "measured slower" in reason and f"EBBTIDE_CPU_ISA={widest}" in reason, reason
-    else:
-        assert reason.startswith("the widest level"), reason
+def test_automatic_level_is_the_widest_and_says_why():
+    vendor, family, model, _ = _cpuinfo()
+    assert C.cpu_isa() == _expected()
+    assert C.cpu_isa_reason() == (f"the widest level this CPU and OS support ({vendor} family {family:#x} "
+                                  f"model {model:#x})")
 
 
 def test_the_optimizer_kernel_follows_the_dispatch_level():
     torch = pytest.importorskip("torch")
     from ebbtide.optim import CPUAdam
 
-    want, _ = _expected()
-    assert CPUAdam([torch.zeros(4)], threads=1).isa == want
+    assert CPUAdam([torch.zeros(4)], threads=1).isa == _expected()
 
 
 def test_override_selects_any_supported_level_and_is_reported():
-    want, _ = _expected()
+    want = _expected()
     code = "import ebbtide._native as n; C = n.load(); print(C.cpu_isa()); print(C.cpu_isa_reason())"
-    for level in _supported(_cpuinfo()[2]):
+    for level in _supported(_cpuinfo()[3]):
         p = run_python(code, env={"EBBTIDE_CPU_ISA": level})
         isa, reason = p.stdout.strip().split("\n", 1)
         assert isa == level
