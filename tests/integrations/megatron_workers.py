@@ -39,7 +39,9 @@ def _getters():
          "dp": ps.get_data_parallel_group, "mp": ps.get_model_parallel_group, "cp": ps.get_context_parallel_group,
          "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
          "dp_gloo": ps.get_data_parallel_group_gloo, "tp_dp": ps.get_tensor_and_data_parallel_group,
-         "ep": ps.get_expert_model_parallel_group, "expt_dp": ps.get_expert_data_parallel_group}
+         "ep": ps.get_expert_model_parallel_group, "expt_dp": ps.get_expert_data_parallel_group,
+         "expt_tp": ps.get_expert_tensor_parallel_group, "expt_tp_ep": ps.get_expert_tensor_and_model_parallel_group,
+         "expt_tp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group}
     if ps.is_rank_in_embedding_group():
         g["emb"] = ps.get_embedding_group
     if ps.is_rank_in_position_embedding_group():
@@ -53,13 +55,14 @@ def _check_all(held, rank):
         _expect_sum(g, rank)
 
 
-def groups_cycle(rank, world, init, tp=1, pp=1, cycles=2):
-    """install_groups before init and initialize_model_parallel; every group Megatron holds is reloadable; release
-    (Gloo included) makes ops raise; reload brings right sums back, eagerly and lazily; a release that keeps the
-    Gloo groups leaves them working."""
+def groups_cycle(rank, world, init, tp=1, pp=1, ep=1, cycles=2):
+    """install_groups before init and initialize_model_parallel; every group Megatron holds (the expert-parallel
+    ones too) is reloadable; release (Gloo included) makes ops raise; reload brings right sums back, eagerly and
+    lazily; a release that keeps the Gloo groups leaves them working."""
     ebt.install_groups()
     _init_dist(rank, world, init)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     report = ebt.check_groups()
     assert report and all(r["reloadable"] for r in report.values()), report
     held = {k: f() for k, f in _getters().items()}
@@ -87,6 +90,8 @@ def groups_cycle(rank, world, init, tp=1, pp=1, cycles=2):
     out["kept_release_groups"] = len(rep.groups)
     out["tp_rank"] = ps.get_tensor_model_parallel_rank()
     out["pp_rank"] = ps.get_pipeline_model_parallel_rank()
+    out["ep_rank"] = ps.get_expert_model_parallel_rank()
+    out["ep_size"] = dist.get_world_size(held["ep"])
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return out
