@@ -57,8 +57,9 @@ def _block_median_times(fa, fb, blocks: int, per_block: int, settle: float = 0.0
     """Median times of fa and fb measured in alternating blocks of back-to-back calls, each block after a pause of
     `settle` seconds and one untimed call. Two thread pools in one process (ours and torch's OpenMP workers) each
     spin for a while after a call, so timing a's call right after b's measures a with b's workers still holding
-    cores (on a 2-vCPU host our step ran 10-20% slower that way); a block measures each in its own steady state, as
-    a training loop's consecutive steps see it, and alternating the blocks spreads a drifting machine over both."""
+    cores (on a 2-vCPU host our step measured 10-15% slow that way); a block measures each in its own steady
+    state, as a training loop's consecutive steps see it, and alternating the blocks spreads a drifting machine
+    over both."""
     ta, tb = [], []
     for _ in range(blocks):
         for fn, acc in ((fa, ta), (fb, tb)):
