@@ -62,3 +62,14 @@ def test_worker_parts_follow_the_setup():
     assert set(steady.PARTS) == set(__import__("ebbtide.bench.suites._steady_worker",
                                                fromlist=["MODES"]).MODES)
     assert steady.sizes(True)["rounds"] >= 2 and steady.sizes(False)["rounds"] >= 2  # interleaved rounds
+
+
+def test_update_row_puts_the_receive_beside_the_anchors_load():
+    def part(gen_ms, dev_ms, load_ms):
+        return {"generate_s": [gen_ms / 1e3] * 3, "decode_gpu_s": [dev_ms / 1e3] * 3, "load_s": [load_ms / 1e3] * 3}
+
+    plain = [{"update": {"ebbtide": part(163, 151.6, 13.4), "torch": part(164, 151.5, 13.1)}}] * 2
+    (row,) = steady.update_rows(plain, {"batch": 16})
+    assert row.ours == pytest.approx(163) and row.anchor == pytest.approx(164) and not row.higher_is_better
+    assert "151.6 vs 151.5" in row.note and "13.4 ms" in row.note and "anchor's load" in row.anchor_name
+    assert list(steady.update_rows([{"decode": {}}], {})) == []  # a worker without the part: no row

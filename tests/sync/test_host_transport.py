@@ -6,6 +6,7 @@ import textwrap
 import pytest
 import torch
 
+from ebbtide.errors import InvalidArgumentError
 from ebbtide.sync import (HostReceiver, HostSender, PartialUpdateError, Plan, PlanMismatchError, Receiver, Sender,
                           SharedHostBuffer, WeightVersionError, expected)
 
@@ -354,3 +355,13 @@ def test_prepare_serves_one_apply_of_its_version(monkeypatch):
     r.apply(5)
     _assert_served(r, served, plan, 5)
     assert r.version == 5
+
+
+def test_a_cpu_receiver_has_no_stream_and_refuses_one():
+    src, plan, buf, _, receiver, dst = _pair()
+    try:
+        assert receiver.stream is None
+        with pytest.raises(InvalidArgumentError, match="torch.cuda.Stream"):
+            Receiver(dst, plan, stream=object())
+    finally:
+        buf.close()

@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch
 
-from ebbtide.errors import StateError
+from ebbtide.errors import InvalidArgumentError, StateError
 from ebbtide.sync import (HostReceiver, HostSender, IpcSender, Plan, Receiver, Sender, SharedHostBuffer,
                           WeightVersionError, expected)
 
@@ -42,6 +42,37 @@ def test_host_path_on_gpu_equals_the_cpu_reference_over_20_updates(scale):
             assert sync_workers.digests(params) == _cpu_digests(plan, src), v
         with pytest.raises(WeightVersionError):
             HostReceiver(buf).receive(receiver, 20)
+    finally:
+        buf.close()
+
+
+def test_receiver_runs_on_the_callers_stream_unless_given_one():
+    """No private stream by default (Note [One compute stream in a rollout]): the receive runs on whatever stream
+    is current at the call, and ``stream=`` pins one; the bits are the reference's either way."""
+    src = checkpoint(0, "cuda")
+    plan = Plan.of(src, **PLAN_KW)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=True)
+    try:
+        sender = Sender(src, HostSender(buf), plan=plan)
+        params = {n: torch.zeros_like(t) for n, t in src.items()}
+        receiver = Receiver(params, plan)
+        assert receiver.stream == torch.cuda.current_stream()
+        side, pinned = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert receiver.stream == side
+        given = Receiver({n: torch.zeros_like(t) for n, t in src.items()}, plan, stream=pinned)
+        for v, caller in ((1, torch.cuda.current_stream()), (2, side)):
+            _step(src, v)
+            sender.push(v)
+            with torch.cuda.stream(caller):
+                HostReceiver(buf).receive(receiver, v)
+                assert given.stream == pinned
+                HostReceiver(buf).receive(given, v)
+            want = _cpu_digests(plan, src)
+            assert sync_workers.digests(params) == want, v
+            assert sync_workers.digests(given.params) == want, v
+        with pytest.raises(InvalidArgumentError, match="torch.cuda.Stream"):
+            Receiver(params, plan, stream="side")
     finally:
         buf.close()
 

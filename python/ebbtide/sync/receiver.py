@@ -14,7 +14,9 @@ Policies:
   ``expected`` gives, bit for bit), raw tensors copied. ``form="served"`` (a rollout that serves the quantized
   weights): parameters are named as the plan's outputs (``weight``, ``weight_scale_inv``, ...) with their dtypes
   and shapes, and every output is copied.
-- On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. The
+- On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. That
+  stream is the caller's current stream at each call unless ``stream=`` names one (Note [One compute stream in a
+  rollout]). The
   served form's copies are byte views built once (rebuilt if a parameter's storage moves; checking costs one
   address read per output): outputs of 32 MiB and more get one copy each, the smaller ones (scales, norms,
   experts of an MoE layer: thousands) go in one ``ebbtide.quant.SegmentCopy`` launch, so an update's host time
@@ -38,12 +40,21 @@ from .plan import Plan, _dtype
 
 __all__ = ["Receiver"]
 
+# Note [One compute stream in a rollout]
+# A process that has launched kernels on a second stream (200 small ones do, one does not; copies do not) decodes
+# slower afterwards, ~0.35 us more per kernel boundary, until the GPU switches to another context and back: a CUDA-
+# graph decode of 382 small kernels per step read 168 instead of 151 ms on an H100 (driver 580). A colocated
+# rollout's GPU is switched to the trainer's context before every update and the rollout generates right after
+# loading it, so a private stream here taxed every generation while the anchors' loads (plain copies on the
+# caller's stream) did not; apply() is synchronous and gains nothing from one. So the receiver runs on the caller's
+# stream; ``stream=`` pins one for a caller that overlaps a receive with its own work. Measurements: docs/sync.md.
+
 _BIG_COPY = 32 << 20  # outputs this large get their own copy (a memcpy at full bandwidth); smaller ones are batched
 
 
 class Receiver:
     def __init__(self, params, plan: Plan, *, staging: torch.Tensor | None = None, device=None,
-                 form: str = "dequant"):
+                 form: str = "dequant", stream: torch.cuda.Stream | None = None):
         if isinstance(params, torch.nn.Module):
             params = dict(params.named_parameters())
         if not isinstance(params, Mapping):
@@ -75,12 +86,23 @@ class Receiver:
         self.staging = staging
         self.offsets = plan.bucket_offsets()
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        if stream is not None and (not self.cuda or not isinstance(stream, torch.cuda.Stream)
+                                   or stream.device != self.device):
+            raise InvalidArgumentError(f"stream must be a torch.cuda.Stream on {self.device}, got {stream!r}")
+        self._stream = stream
         self.version: int | None = None  # the last complete version the parameters hold
         self._copies = None  # (parameter addresses, cached copies) of the served form
         self._prepared = None  # (version, served copies) checked by prepare(version) for that apply, else None
         # the served form's destination of every output, in bucket order (the addresses checked per apply)
         self._outs = [self.params[o.name] for b in plan.buckets for o in b.outputs] if self.served else []
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream the receive runs on: the one given at construction, else the caller's current stream on the
+        receiver's device (None on the CPU)."""
+        if not self.cuda:
+            return None
+        return self._stream if self._stream is not None else torch.cuda.current_stream(self.device)
 
     def region(self, bucket) -> torch.Tensor:
         """Where bucket ``bucket`` (a BucketPlan or its index) is staged."""
@@ -155,9 +177,10 @@ class Receiver:
             prepared = None
         self.check_next(version)
         if self.cuda:
-            with torch.cuda.stream(self.stream):
+            stream = self.stream
+            with torch.cuda.stream(stream):
                 self._load_all(prepared)
-            self.stream.synchronize()
+            stream.synchronize()
         else:
             self._load_all(prepared)
         self.version = version

@@ -15,7 +15,8 @@ The same code runs in every mode; only where the memory comes from differs (``MO
 Weights live in a CPU-backed tag, the KV cache (and, where the mode makes it pausable, the decode graph) in a
 discarded one. A "cycle" is what a colocated rollout does between two generations: ``empty_cache`` and a pause of
 every tag, then a resume. Timings: wall clock around synchronous calls (``torch.cuda.synchronize`` before and
-after); the graph's step alone with CUDA events around ``STEP_REPLAYS`` replays.
+after); the graph's step alone with CUDA events around ``STEP_REPLAYS`` replays. Part ``update`` (run in the plain
+process): the decode right after a weight update through ``ebbtide.sync`` against the anchor's load.
 """
 from __future__ import annotations
 
@@ -261,6 +262,71 @@ def alloc_rows(mem: _Memory) -> dict:
     return out
 
 
+def _other_context_work() -> None:
+    """A little GPU work in a second CUDA context of this process (a 1 MiB memset): the GPU switches contexts, as it
+    does when a colocated trainer works between two generations (Note [One compute stream in a rollout] in
+    ebbtide/sync/receiver.py)."""
+    import ctypes  # noqa: PLC0415
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    dev = torch.cuda.current_device()
+    ctx, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+    if cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) != 0:
+        raise RuntimeError("cuCtxCreate_v2 failed")
+    try:
+        for call, args in (("cuMemAlloc_v2", (ctypes.byref(ptr), 1 << 20)), ("cuMemsetD8_v2", (ptr, 0, 1 << 20)),
+                           ("cuCtxSynchronize", ())):
+            if getattr(cu, call)(*args) != 0:
+                raise RuntimeError(f"{call} failed in the second context")
+    finally:
+        if ptr.value:
+            cu.cuMemFree_v2(ptr)
+        cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        cu.cuCtxDestroy_v2(ctx)
+        torch.cuda.set_device(dev)
+
+
+def update_rows(spec: dict) -> dict:
+    """CUDA-graph decode right after a weight update, the colocated rollout's two load paths over one shared pinned
+    buffer: ebbtide.sync (``HostReceiver`` into a ``Receiver``) and the anchor's (one copy to the device, then the
+    torch formula per tensor on the caller's stream). Before each load the sender packs the update and another
+    context does a little GPU work, as the trainer does between two generations. The model loads its own
+    quantized weights (the figures are timings; the bits are tests/sync's)."""
+    from ebbtide.colocate.model import GraphDecoder, KVCache, ModelConfig  # noqa: PLC0415
+    from ebbtide.colocate.sync import RolloutSync, TrainerSync  # noqa: PLC0415
+
+    cfg = ModelConfig(**spec["model"])
+    B, P, N = spec["batch"], spec["prompt_len"], spec["new_tokens"]
+    model = build_model(spec)
+    model.requires_grad_(False)
+    dec = GraphDecoder(model, KVCache(cfg, B, P + N, device="cuda", dtype=torch.bfloat16), B)
+    prompt = torch.randint(cfg.vocab, (B, P), generator=torch.Generator().manual_seed(7)).cuda()
+    senders = {c: TrainerSync(model, c, pin=True) for c in ("ebbtide", "torch")}
+    loaders = {c: RolloutSync(model, c, senders[c].fd, senders[c].nbytes, pin=True) for c in senders}
+    out = {c: {"generate_s": [], "decode_gpu_s": [], "load_s": []} for c in senders}
+    dec.generate(prompt, N)  # the capture
+    version = 0
+    for _ in range(spec["cycles"] * spec["reps"] + 1):
+        version += 1
+        for codec in senders:
+            senders[codec].pack(version)
+            _other_context_work()
+            t0 = _now_synced()
+            loaders[codec].load(version)
+            t1 = _now_synced()
+            ev = {}
+            dec.generate(prompt, N, events=ev)
+            t2 = _now_synced()
+            if version > 1:  # the first round warms both paths up
+                for k, v in (("load_s", t1 - t0), ("generate_s", t2 - t1),
+                             ("decode_gpu_s", ev["prefilled"].elapsed_time(ev["end"]) / 1e3)):
+                    out[codec][k].append(v)
+    for c in senders:
+        loaders[c].close()
+        senders[c].close()
+    return out
+
+
 def main(argv=None) -> int:
     spec = json.loads((argv or sys.argv[1:])[0])
     torch.cuda.init()
@@ -268,13 +334,15 @@ def main(argv=None) -> int:
     mem = _Memory(spec["mode"])
     res: dict = {"mode": spec["mode"], "pid": os.getpid(), "device": torch.cuda.get_device_name()}
     t0 = time.perf_counter()
-    for part in spec.get("parts", ("decode", "train", "alloc")):
+    for part in spec.get("parts", ("decode", "train", "alloc", "update")):
         if part == "decode":
             res["decode"] = decode_rows(mem, spec)
         elif part == "train":
             res["train"] = train_rows(mem, spec)
         elif part == "alloc":
             res["alloc"] = alloc_rows(mem)
+        elif part == "update":
+            res["update"] = update_rows(spec)
         else:
             raise ValueError(f"unknown part {part!r}")
     res["wall_s"] = time.perf_counter() - t0
