@@ -65,9 +65,15 @@ def test_receiver_runs_on_the_callers_stream_unless_given_one():
             _step(src, v)
             sender.push(v)
             with torch.cuda.stream(caller):
+                # a write queued on the caller's stream behind a long kernel: a receive ordered after it (on the
+                # caller's stream) wins; one on any other stream would be overwritten by the late zeros
+                torch.cuda._sleep(100_000_000)
+                for t in params.values():
+                    t.zero_()
                 HostReceiver(buf).receive(receiver, v)
                 assert given.stream == pinned
                 HostReceiver(buf).receive(given, v)
+            torch.cuda.synchronize()
             want = _cpu_digests(plan, src)
             assert sync_workers.digests(params) == want, v
             assert sync_workers.digests(given.params) == want, v
