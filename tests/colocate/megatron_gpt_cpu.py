@@ -1,7 +1,9 @@
 """Run by test_colocate_megatron_cpu.py in a fresh process: Megatron-core's GPTModel (local layer spec, fp32, CPU)
 against the rollout's MegatronGPT holding the same weights. Megatron's forward asks for CUDA in three places that do
 not matter on a CPU (the rotary table's device, the global memory buffer's device, the model-parallel RNG fork for
-attention dropout, which is 0 here); this script points them at the CPU. Prints one JSON line."""
+attention dropout, which is 0 here); this script points them at the CPU. An 8th argument EXPERTS (and a 9th, TOPK)
+makes every MLP Megatron's MoE layer (local spec, SequentialMLP experts, the allgather dispatcher: the alltoall one
+allocates on the GPU) against the rollout's ``MoEConfig``. Prints one JSON line."""
 import contextlib
 import json
 import os
@@ -17,6 +19,8 @@ import torch.distributed as dist  # noqa: E402
 
 def main():
     layers, hidden, heads, ffn, vocab, seq = (int(x) for x in sys.argv[1:7])
+    experts = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    topk = int(sys.argv[8]) if len(sys.argv) > 8 else 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -26,16 +30,23 @@ def main():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ebbtide.colocate.gpt import MegatronGPT, megatron_names
+    from ebbtide.colocate.gpt import MegatronGPT, MoEConfig, megatron_names
     from ebbtide.colocate.model import KVCache, ModelConfig, greedy_decode
 
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
+    moe = {}
+    if experts:
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without Transformer Engine
+            moe_utils.te_general_gemm = None
+        moe = dict(num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="allgather")
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                            init_method_std=0.02)
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
-                   position_embedding_type="rope").eval()
+                            init_method_std=0.02, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
+    gpt = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope").eval()
     with torch.no_grad():  # non-trivial norms and biases, so a swapped one shows
         for n, p in gpt.named_parameters():
             if p.dim() == 1:
@@ -44,7 +55,7 @@ def main():
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
     mine = MegatronGPT(ModelConfig(vocab=vocab, d_model=hidden, n_layers=layers, n_heads=heads, d_ff=ffn,
-                                   max_seq=seq), ).float()
+                                   max_seq=seq), moe=MoEConfig(experts, topk) if experts else None).float()
     theirs = megatron_names(gpt.named_parameters())
     ours = dict(mine.named_parameters())
     out = {"names_equal": sorted(theirs) == sorted(ours),
@@ -70,6 +81,10 @@ def main():
         seq_c, last_c = greedy_decode(mine, tok[:, :T // 2], T - T // 2, cache)
         full = gpt(seq_c[:, :-1], pos[:, :T - 1], mask[..., :T - 1, :T - 1]).float()[:, -1]
         out["decode_vs_megatron_max_abs"] = float((full - last_c).abs().max())
+        if experts:  # the routing matters: one expert more per token must not match
+            for layer in mine.decoder.layers:
+                layer.mlp.topk = min(topk + 1, experts) if topk < experts else topk - 1
+            out["other_topk_max_abs_diff"] = float((ref - mine(tok).float()).abs().max())
     print(json.dumps(out), flush=True)
 
 

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ebbtide.colocate import launcher  # noqa: E402
-from ebbtide.colocate.gpt import MegatronGPT, megatron_names  # noqa: E402
+from ebbtide.colocate.gpt import MegatronGPT, MoEConfig, megatron_names  # noqa: E402
 from ebbtide.colocate.launcher import MEGATRON_MODEL, MEGATRON_QUICK, RunConfig, parse_args  # noqa: E402
 from ebbtide.colocate.measure import MEGATRON_PHASES, format_report, summarize  # noqa: E402
 from ebbtide.colocate.model import GraphDecoder, KVCache, ModelConfig, greedy_decode  # noqa: E402
@@ -28,15 +28,31 @@ TINY = ModelConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=512, max_
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
-def test_rollout_model_equals_megatrons_own_forward():
+@pytest.mark.parametrize("moe", [(), ("4", "2")], ids=["dense", "moe-4x-top2"])
+def test_rollout_model_equals_megatrons_own_forward(moe):
     # a fresh process: Megatron's parallel state and the CPU redirections stay out of the test session
-    p = subprocess.run([sys.executable, str(HERE / "megatron_gpt_cpu.py"), "2", "128", "4", "512", "256", "128"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, str(HERE / "megatron_gpt_cpu.py"), "2", "128", "4", "512", "256", "128",
+                        *moe], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["names_equal"] and res["plan_equal"], res  # whatever order each model lists its parameters in
     assert res["max_abs_diff"] <= 1e-5 * max(1.0, res["max_abs_logit"]), res  # fp32, same weights
     assert res["decode_vs_megatron_max_abs"] <= 1e-5 * max(1.0, res["max_abs_logit"]), res
+    if moe:  # the comparison sees the routing: another top-k is far off
+        assert res["other_topk_max_abs_diff"] > 1e3 * max(res["max_abs_diff"], 1e-7), res
+
+
+def test_moe_rollout_decodes_like_its_full_forward_and_refuses_bad_configs():
+    m = MegatronGPT.random(TINY, seed=3, dtype=torch.float32, moe=MoEConfig(4, 2))
+    assert sum(".mlp.experts.local_experts." in n for n, _ in m.named_parameters()) == 2 * 4 * 4  # layers x experts
+    prompt = torch.randint(TINY.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref_seq, ref_last = greedy_decode(m, prompt, 8)
+    dec = GraphDecoder(m, KVCache(TINY, 2, 24, device="cpu", dtype=torch.float32), 2, capture=False)
+    seq, last = dec.generate(prompt, 8)
+    assert torch.equal(seq, ref_seq) and torch.allclose(last, ref_last, atol=1e-5)
+    for bad in (MoEConfig(1, 1), MoEConfig(4, 5), MoEConfig(4, 0), MoEConfig(True, 1)):
+        with pytest.raises(InvalidArgumentError, match="moe"):
+            MegatronGPT(TINY, moe=bad)
 
 
 def test_cached_and_static_decode_equal_the_full_forward():

@@ -16,8 +16,16 @@ Policies:
   ``model.TinyLM``, so ``greedy_decode``, ``KVCache`` and ``GraphDecoder`` serve both models.
 - The equality with Megatron's own forward on the same weights is tested on the CPU (fp32) and checked on every
   verified step of the loop on the GPU (bf16, the trainer's Megatron forward against the rollout's logits).
+- MoE (``MegatronGPT(cfg, moe=MoEConfig(experts, topk))``): every layer's MLP is Megatron's MoE layer from the local
+  spec without grouped GEMM: a router (``mlp.router``: weight [experts, d_model] and bias) whose top-k logits are
+  softmaxed in fp32 (Megatron's defaults: no pre-softmax, no scaling, no capacity, no shared experts) and
+  ``mlp.experts.local_experts.{e}`` MLPs of ``d_ff`` under the names of an expert-parallel size of 1 (the whole
+  model, as a serving engine holds it). Every expert runs on every token and the top-k weights select: static
+  shapes for the CUDA-graph decode, and at a decode batch most experts are read anyway.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +35,7 @@ from ..errors import InvalidArgumentError
 from ..integrations.names import served_names as megatron_names
 from .model import KVCache, ModelConfig
 
-__all__ = ["MegatronGPT", "megatron_names", "ROPE_BASE", "LN_EPS"]
+__all__ = ["MegatronGPT", "MoEConfig", "megatron_names", "ROPE_BASE", "LN_EPS"]
 
 ROPE_BASE = 10000.0
 LN_EPS = 1e-5
@@ -94,13 +102,63 @@ class _MLP(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Megatron's MoE MLP in every layer: ``experts`` experts (Megatron's ``num_moe_experts``), ``topk`` of them per
+    token (``moe_router_topk``)."""
+    experts: int
+    topk: int = 2
+
+    def validate(self) -> "MoEConfig":
+        for name in ("experts", "topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidArgumentError(f"moe {name} must be a positive int, got {v!r}")
+        if self.experts < 2 or self.topk > self.experts:
+            raise InvalidArgumentError(f"moe needs 2+ experts and topk <= experts, got experts={self.experts}, "
+                                       f"topk={self.topk}")
+        return self
+
+
+class _Router(nn.Module):
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, d))
+        self.bias = nn.Parameter(torch.zeros(experts))
+
+
+class _Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: int):
+        super().__init__()
+        self.local_experts = nn.ModuleList(_MLP(cfg) for _ in range(experts))
+
+
+class _MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig):
+        super().__init__()
+        self.topk = moe.topk
+        self.router = _Router(cfg.d_model, moe.experts)
+        self.experts = _Experts(cfg, moe.experts)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        logits = F.linear(h, self.router.weight, self.router.bias)  # [tokens, experts], in the activations' dtype
+        top, idx = torch.topk(logits, self.topk, dim=-1)
+        weight = torch.zeros_like(logits).scatter(1, idx, torch.softmax(top, dim=-1, dtype=torch.float32)
+                                                  .to(logits.dtype))
+        out = torch.zeros_like(h)
+        for e, mlp in enumerate(self.experts.local_experts):
+            out = out + weight[:, e:e + 1] * mlp(h)
+        return out.view(x.shape)
+
+
 class _Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None):
         super().__init__()
         self.input_layernorm = _LayerNorm(cfg.d_model)
         self.self_attention = _Attention(cfg)
         self.pre_mlp_layernorm = _LayerNorm(cfg.d_model)
-        self.mlp = _MLP(cfg)
+        self.mlp = _MoE(cfg, moe) if moe is not None else _MLP(cfg)
 
     def _finish(self, x, a):
         x = x + self.self_attention.out(a)
@@ -124,30 +182,32 @@ class _Embedding(nn.Module):
 
 
 class _Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None):
         super().__init__()
-        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(_Layer(cfg, moe) for _ in range(cfg.n_layers))
         self.final_layernorm = _LayerNorm(cfg.d_model)
 
 
 class MegatronGPT(nn.Module):
     """Megatron-core's local-spec GPT for inference (see the module policies)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None):
         super().__init__()
         self.cfg = cfg.validate()
+        self.moe = moe.validate() if moe is not None else None
         self.embedding = _Embedding(cfg)
-        self.decoder = _Decoder(cfg)
+        self.decoder = _Decoder(cfg, self.moe)
         self.output_layer = _Linear(cfg.d_model, cfg.vocab, bias=False)
 
     @classmethod
-    def random(cls, cfg: ModelConfig, *, seed: int, device="cpu", dtype=torch.bfloat16) -> "MegatronGPT":
+    def random(cls, cfg: ModelConfig, *, seed: int, device="cpu", dtype=torch.bfloat16,
+               moe: MoEConfig | None = None) -> "MegatronGPT":
         """Allocated on ``device`` in the final dtype (one allocation per tensor, no temporaries) and filled there from
         ``seed`` (the rollout's initial weights only need to differ from the trainer's: every sync rewrites them)."""
         device = torch.device(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.device("meta"):
-            m = cls(cfg).to(dtype)
+            m = cls(cfg, moe).to(dtype)
         m = m.to_empty(device=device)
         with torch.no_grad():
             for name, p in m.named_parameters():
