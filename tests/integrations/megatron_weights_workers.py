@@ -83,3 +83,55 @@ def shard_mirror(rank, world, init, steps=4):
     more_plain = [_step(plain_model, plain, s, rank) for s in range(steps, steps + 2)]
     assert more == more_plain, (more, more_plain)
     return {"losses": losses, "owned_written": bool(owned_written)}
+
+
+def ep_weights(rank, world, init, experts=4, topk=2):
+    """A MoE GPT at expert parallel ``world`` (fp32, SequentialMLP experts, the allgather dispatcher): every rank's
+    ``full_weights`` holds all experts under their global names, and the rollout's ``MegatronGPT`` loaded with them
+    gives Megatron's expert-parallel forward's logits."""
+    import contextlib  # noqa: PLC0415
+
+    from megatron.core import tensor_parallel  # noqa: PLC0415
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+    from ebbtide.colocate.gpt import MegatronGPT, MoEConfig  # noqa: PLC0415
+    from ebbtide.colocate.model import ModelConfig  # noqa: PLC0415
+    from megatron_dist_workers import moe_kwargs  # noqa: PLC0415
+
+    _setup(rank, world, init, ep=world)
+    torch.manual_seed(5)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    layers, hidden, heads, ffn, vocab, seq = 2, 128, 4, 256, 256, 128
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            init_method_std=0.02, **dict(moe_kwargs(experts, "allgather", ffn), moe_router_topk=topk))
+    gpt = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False), vocab_size=vocab,
+                   max_sequence_length=seq, position_embedding_type="rope").eval()
+    with torch.no_grad():  # non-trivial norms and biases; replicated tensors equal on every rank, experts not
+        shared, own = torch.Generator().manual_seed(100), torch.Generator().manual_seed(200 + rank)
+        for n, p in gpt.named_parameters():
+            g = own if ".local_experts." in n else shared
+            p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() == 1 else 0.01))
+    tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    names = ebt.expert_parallel_names([gpt])
+    local = {names[n]: p.detach() for n, p in gpt.named_parameters() if n in names}
+    full = ebt.full_weights([gpt])
+    mine = MegatronGPT(ModelConfig(vocab=vocab, d_model=hidden, n_layers=layers, n_heads=heads, d_ff=ffn,
+                                   max_seq=seq), moe=MoEConfig(experts, topk)).float()
+    ours = dict(mine.named_parameters())
+    out = {"local_experts": len(names), "full": len(full), "names_equal": sorted(ours) == sorted(full),
+           "local_digests": _digests(local), "digests": _digests(full)}
+    with torch.no_grad():
+        for n, p in ours.items():
+            p.copy_(full[n])
+        B, T = 2, 24
+        tok = torch.randint(vocab, (B, T), generator=torch.Generator().manual_seed(1))  # the same on every rank
+        pos = torch.arange(T).unsqueeze(0).expand(B, -1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1).view(1, 1, T, T)
+        ref = gpt(tok, pos, mask).float()
+        out["max_abs_diff"] = float((ref - mine(tok).float()).abs().max())
+        out["max_abs_logit"] = float(ref.abs().max())
+    return out

@@ -25,3 +25,16 @@ def test_tp2_full_weights_and_each_rank_sends_equal_tp1():
 def test_distributed_optimizer_host_mirror_rebuilds_the_weights_bitwise():
     res = _spawn.run("shard_mirror", 2, module="megatron_weights_workers", timeout=240)
     assert all(len(r["losses"]) == 4 and r["owned_written"] for r in res), res
+
+
+def test_ep2_full_weights_hold_every_expert_and_serve_megatrons_forward():
+    res = _spawn.run("ep_weights", 2, module="megatron_weights_workers", timeout=240)
+    experts, layers, per_expert = 4, 2, 4  # fc1 and fc2, weight and bias
+    for r in res:
+        assert r["local_experts"] == layers * (experts // 2) * per_expert, r["local_experts"]
+        assert r["names_equal"], r  # the EP=1 names of the rollout's MoE model
+        assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["max_abs_logit"]), r  # rollout == Megatron's EP=2 forward
+    assert res[0]["digests"] == res[1]["digests"]  # both ranks hold the whole model
+    owned = {**res[0]["local_digests"], **res[1]["local_digests"]}
+    assert len(owned) == layers * experts * per_expert  # each global expert from exactly one rank
+    assert all(res[0]["digests"][n] == d for n, d in owned.items())  # ... and gathered bit for bit

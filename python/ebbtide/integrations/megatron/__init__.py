@@ -11,7 +11,8 @@
     ebt.reload_groups(); state.restore()
 
 Weights as a serving engine takes them: ``tensor_parallel_dims`` (the ``tp_dims`` of ``ebbtide.sync.Sender``) and
-``full_weights`` (gathered over the tensor-parallel group).
+``full_weights`` (gathered over the tensor-parallel group, experts over the expert-parallel one under their global
+names: ``expert_parallel_names``).
 
 Groups (``install_groups``, ``release_groups``, ``reload_groups``, ``check_groups``), memory (``TrainingState``) and
 the optimizer (``get_optimizer``, ``EbbtideOptimizer``) are independent: each works with Megatron's own versions of
@@ -24,10 +25,10 @@ from ._memory import OffloadReport, TrainingState
 from ._build import get_optimizer
 from ._distributed import EbbtideDistributedOptimizer
 from ._optimizer import EbbtideOptimizer, check_config
-from ._weights import full_weights, tensor_parallel_dims
+from ._weights import expert_parallel_names, full_weights, tensor_parallel_dims
 
 __all__ = [
     "install_groups", "release_groups", "reload_groups", "check_groups", "megatron_groups",
     "TrainingState", "OffloadReport", "get_optimizer", "EbbtideOptimizer", "EbbtideDistributedOptimizer",
-    "check_config", "tensor_parallel_dims", "full_weights",
+    "check_config", "tensor_parallel_dims", "expert_parallel_names", "full_weights",
 ]

@@ -14,15 +14,27 @@ Policies:
   rows: refused by name at TP > 1 (UnsupportedError) rather than served wrong.
 - ``full_weights(model_chunks, group=None)``: the gather done eagerly, one ``all_gather`` per split tensor as slime's
   update does (every TP rank must call it), for checks and for paths that want every tensor at once.
+- Expert parallelism (MoE, ``expert_model_parallel_size`` > 1): each rank holds ``num_moe_experts / ep`` experts
+  as ``mlp.experts.local_experts.{j}`` (SequentialMLP), global expert ``ep_rank * local + j`` (Megatron's
+  ``local_expert_indices``). ``expert_parallel_names`` maps each local expert parameter to its global name, and
+  ``full_weights`` gathers every expert over the expert-parallel group (one ``all_gather`` per local expert
+  parameter, every EP rank calling it), so each rank holds the whole model under the names of EP=1, as an engine
+  that serves all experts takes them. Grouped-GEMM experts (``experts.linear_fc1.weight{j}``) and expert tensor
+  parallelism > 1 are refused by name.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
 from ...errors import InvalidArgumentError, UnsupportedError
 from ..names import served_names
 
-__all__ = ["served_names", "tensor_parallel_dims", "full_weights", "gather_along"]
+__all__ = ["served_names", "tensor_parallel_dims", "expert_parallel_names", "full_weights", "gather_along"]
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
 
 
 def _chunks(model_chunks) -> list:
@@ -61,6 +73,48 @@ def tensor_parallel_dims(model_chunks) -> dict:
     return dims
 
 
+def _ep() -> tuple[int, int]:
+    """(expert-parallel size, this rank's index in it); (1, 0) without Megatron's parallel state."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1 and ps.get_expert_tensor_parallel_world_size() > 1:
+        raise UnsupportedError("expert tensor parallelism > 1 (each expert split over ranks): not served")
+    return ep, ps.get_expert_model_parallel_rank() if ep > 1 else 0
+
+
+def expert_parallel_names(model_chunks) -> dict:
+    """``{local name: global name}`` of every expert parameter at expert parallel size > 1 (``{}`` otherwise): see
+    the module doc."""
+    named = _named(_chunks(model_chunks))
+    ep, rank = _ep()
+    if ep == 1:
+        return {}
+    grouped = [n for n in named if _GROUPED_EXPERT.search(n)]
+    if grouped:
+        raise UnsupportedError(f"grouped-GEMM experts ({grouped[0]}): gathered only from SequentialMLP experts "
+                               "(moe_grouped_gemm=False)")
+    counts = _local_expert_counts(named)
+    out = {}
+    for n in named:
+        m = _LOCAL_EXPERT.match(n)
+        if m:
+            out[n] = f"{m.group(1)}{rank * counts[m.group(1)] + int(m.group(2))}{m.group(3)}"
+    return out
+
+
+def _local_expert_counts(named) -> dict:
+    """``{experts module prefix: number of local experts}``."""
+    local: dict = {}
+    for n in named:
+        m = _LOCAL_EXPERT.match(n)
+        if m:
+            local.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return {k: len(v) for k, v in local.items()}
+
+
 def _named(chunks) -> dict:
     """Every chunk's parameters under served names; a name twice (virtual pipeline chunks number their layers
     from 0 each) is refused rather than overwritten."""
@@ -84,13 +138,31 @@ def gather_along(t: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def full_weights(model_chunks, group=None) -> dict:
+def full_weights(model_chunks, group=None, expert_group=None) -> dict:
     """``{name: full tensor}``: split parameters all-gathered over the tensor-parallel group (``group``, default
-    Megatron's), the others as they are (detached)."""
+    Megatron's), experts over the expert-parallel group (``expert_group``, default Megatron's) under their global
+    names, the others as they are (detached)."""
+    import torch.distributed as dist  # noqa: PLC0415
     from megatron.core import parallel_state  # noqa: PLC0415
 
     dims = tensor_parallel_dims(model_chunks)
+    experts = expert_parallel_names(model_chunks)
     if dims and group is None:
         group = parallel_state.get_tensor_model_parallel_group()
-    return {n: gather_along(p, dims[n], group) if n in dims else p.detach()
-            for n, p in _named(_chunks(model_chunks)).items()}
+    if experts and expert_group is None:
+        expert_group = parallel_state.get_expert_model_parallel_group()
+    named = _named(_chunks(model_chunks))
+    counts = _local_expert_counts(named) if experts else {}
+    out = {}
+    for n, p in sorted(named.items()):  # the same order on every rank: the collectives pair up
+        if n in experts:
+            if n in dims:
+                raise UnsupportedError(f"{n}: an expert at tensor parallel > 1 (TP x EP) is not served yet")
+            pieces = [torch.empty_like(p) for _ in range(dist.get_world_size(expert_group))]
+            dist.all_gather(pieces, p.detach().contiguous(), group=expert_group)
+            m = _LOCAL_EXPERT.match(n)
+            for r, piece in enumerate(pieces):
+                out[f"{m.group(1)}{r * counts[m.group(1)] + int(m.group(2))}{m.group(3)}"] = piece
+        else:
+            out[n] = gather_along(p, dims[n], group) if n in dims else p.detach()
+    return out
