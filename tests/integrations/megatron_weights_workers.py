@@ -134,4 +134,18 @@ def ep_weights(rank, world, init, experts=4, topk=2):
         ref = gpt(tok, pos, mask).float()
         out["max_abs_diff"] = float((ref - mine(tok).float()).abs().max())
         out["max_abs_logit"] = float(ref.abs().max())
+    # each rank's own engine gets the whole model through ebbtide.sync, the gather done by the weights callable
+    from ebbtide.sync import HostReceiver, HostSender, Plan, Receiver, Sender, SharedHostBuffer, expected  # noqa: PLC0415
+
+    plan = Plan.of({n: torch.empty(t.shape, dtype=torch.bfloat16, device="meta") for n, t in full.items()})
+    src = lambda: {n: t.to(torch.bfloat16) for n, t in ebt.full_weights([gpt]).items()}  # noqa: E731
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    try:
+        dst = {it.source: torch.zeros(it.shape, dtype=torch.bfloat16) for it in plan.items}
+        Sender(src, HostSender(buf, keep_slots=False), plan=plan).push(1)
+        HostReceiver(buf).receive(Receiver(dst, plan), 1)
+        want = expected(plan, src())
+        out["sent_equal"] = sorted(dst) == sorted(want) and all(torch.equal(dst[n], want[n]) for n in want)
+    finally:
+        buf.close()
     return out
