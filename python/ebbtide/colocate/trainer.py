@@ -43,7 +43,7 @@ from .rollout import SCRATCH_TAG, die_with_parent, prompts, weight_digests
 from .sync import TrainerSync
 
 __all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments", "verify_entry", "reference_entry",
-           "rollout_env"]
+           "rollout_env", "align_ranks"]
 
 # The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
 # pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
@@ -369,6 +369,8 @@ class _Trainer:
             info.update(self._step_optimizer())
         self._sample(step, "optimizer")
         ref = self._reference() if verify else None  # untimed
+        if verify and self.comm:
+            align_ranks(self.comm.store, self.world, f"{self.variant}/{step}/reference")
         with rec.phase(step, "sync_pack") as info:
             info["bytes"] = self.sync.pack(step + 1)  # version = step + 1
         self._sample(step, "sync_pack")
@@ -413,6 +415,8 @@ class _Trainer:
                     gen.update(R.call("check_decode", timeout=tmo))
         if verify:
             self._verify(step, ref, loaded, gen)
+            if self.comm:
+                align_ranks(self.comm.store, self.world, f"{self.variant}/{step}/verify")
         with rec.phase(step, "trainer_resume") as info:
             if not self.cuda:
                 pass
@@ -486,6 +490,18 @@ def verify_entry(step: int, rank: int, ref: dict, got: dict, gen: dict, rtol: fl
             **{k: gen.get(k) for k in ("decode_vs_full_max_abs", "decode_vs_full_rel", "decode_vs_full_argmax_equal",
                                        "decode_vs_eager_tokens_equal", "decode_vs_eager_first_diff",
                                        "decode_vs_eager_max_abs") if k in gen}}
+
+
+def align_ranks(store, world: int, key: str) -> None:
+    """Return once all ``world`` ranks have called this with ``key``: a barrier on the launcher's store, which needs no
+    process group (the loop's groups may be released when it runs). The loops call it after their untimed
+    verification, whose length differs between ranks: without it the next timed phase holding a barrier of its own
+    (group release or reload) measures that difference."""
+    if world <= 1:
+        return
+    if store.add(f"align/{key}", 1) == world:
+        store.set(f"align/{key}/go", b"1")
+    store.wait([f"align/{key}/go"])
 
 
 def _only(d: dict, *keys: str) -> dict:
