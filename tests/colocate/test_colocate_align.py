@@ -44,3 +44,26 @@ def test_no_rank_leaves_before_the_last_one_arrives_and_keys_are_independent():
 
 def test_one_rank_does_not_touch_the_store():
     align_ranks(None, 1, "anything")  # world 1: returns at once, no store needed
+
+
+def test_aligning_on_its_own_connection_while_the_trainers_client_blocks_in_a_wait():
+    """The background group release waits on the trainer's store client; the alignment must not queue behind it."""
+    shared, other, own_a, own_b = _stores(4)
+    done = []
+    blocker = threading.Thread(target=lambda: shared.wait(["release/peer"]))  # as a release barrier would
+    blocker.start()
+    time.sleep(0.2)
+    peer = threading.Thread(target=lambda: (align_ranks(own_b, 2, "v/3/generate"), done.append("b")))
+    peer.start()
+    align_ranks(own_a, 2, "v/3/generate")
+    peer.join(10)
+    assert done == ["b"] and blocker.is_alive()  # aligned while the shared client still waits
+    other.set("release/peer", b"1")
+    blocker.join(10)
+    assert not blocker.is_alive()
+
+
+def test_align_store_is_none_for_one_rank():
+    from ebbtide.colocate.trainer import align_store  # noqa: PLC0415
+
+    assert align_store(1) is None

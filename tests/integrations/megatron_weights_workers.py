@@ -149,3 +149,44 @@ def ep_weights(rank, world, init, experts=4, topk=2):
     finally:
         buf.close()
     return out
+
+
+def tp_moe_weights(rank, world, init, experts=4):
+    """A MoE GPT at TP=``world`` with whole experts (expert tensor parallel 1, what MoE with biases requires): the
+    experts are not gathered over the TP group (Megatron marks them tensor-parallel all the same), the rest is."""
+    import datetime  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+    from ebbtide.bench._spawn import join_store  # noqa: PLC0415
+    from megatron_dist_workers import cpu_megatron, no_te_moe_fix  # noqa: PLC0415
+
+    cpu_megatron()
+    dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    ps.initialize_model_parallel(tensor_model_parallel_size=world, expert_tensor_parallel_size=1)
+    no_te_moe_fix()
+    torch.manual_seed(5)
+    model_parallel_cuda_manual_seed(5)
+    hidden, ffn = 128, 256
+    cfg = TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=ffn,
+                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                            init_method_std=0.02, num_moe_experts=experts, moe_router_topk=2,
+                            moe_token_dispatcher_type="allgather", expert_tensor_parallel_size=1,
+                            tensor_model_parallel_size=world,
+                            sequence_parallel=False)
+    gpt = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False), vocab_size=256,
+                   max_sequence_length=128, position_embedding_type="rope")
+    dims = ebt.tensor_parallel_dims([gpt])
+    full = ebt.full_weights([gpt])
+    fc1 = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    return {"experts_in_dims": sorted(n for n in dims if ".mlp.experts." in n),
+            "split": len(dims), "fc1_shape": list(full[fc1].shape), "want_fc1": [ffn, hidden],
+            "qkv_rows": full["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0], "want_qkv_rows": 3 * hidden,
+            "experts": _digests({n: t for n, t in full.items() if ".mlp.experts." in n})}

@@ -39,3 +39,11 @@ def test_ep2_full_weights_hold_every_expert_and_serve_megatrons_forward():
     owned = {**res[0]["local_digests"], **res[1]["local_digests"]}
     assert len(owned) == layers * experts * per_expert  # each global expert from exactly one rank
     assert all(res[0]["digests"][n] == d for n, d in owned.items())  # ... and gathered bit for bit
+
+
+def test_tp2_with_whole_experts_gathers_the_rest_and_leaves_the_experts():
+    res = _spawn.run("tp_moe_weights", 2, module="megatron_weights_workers", timeout=240)
+    for r in res:
+        assert r["experts_in_dims"] == [] and r["split"] > 0, r
+        assert r["fc1_shape"] == r["want_fc1"] and r["qkv_rows"] == r["want_qkv_rows"], r
+    assert res[0]["experts"] == res[1]["experts"]  # whole experts, the same on both TP ranks

@@ -74,8 +74,8 @@ from .measure import NvmlProbe, Recorder
 from .model import ModelConfig
 from .rollout import prompts
 from .sync import IpcTrainerSync
-from .trainer import (_only, _RolloutClient, align_ranks, main as _rank_main, reference_entry, rollout_env,
-                      train_tokens, verify_entry)
+from .trainer import (_only, _RolloutClient, align_ranks, align_store, main as _rank_main, reference_entry,
+                      rollout_env, train_tokens, verify_entry)
 
 __all__ = ["main", "VARIANTS", "LOGITS_RTOL"]
 
@@ -171,6 +171,7 @@ class _MegatronTrainer:
         ebt.install_groups(**({} if ours else {"strategy": "destroy"}))
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
+        self.align = align_store(self.world)  # its own connection: the background release uses self.store
         bound = {"device_id": self.dev} if self.eager_groups else {}
         dist.init_process_group("nccl", store=self.store, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(minutes=10), **bound)
@@ -379,7 +380,7 @@ class _MegatronTrainer:
         self._sample(step, "optimizer")
         ref = self._reference() if verify else None  # untimed
         if verify:  # the ranks' untimed work differs: the next timed phases start together
-            align_ranks(self.store, self.world, f"{self.variant}/{step}/reference")
+            align_ranks(self.align, self.world, f"{self.variant}/{step}/reference")
         with rec.phase(step, "rollout_resume") as info:
             info.update(_only(R.call("resume", timeout=tmo), "inside_s", "bytes_mapped"))
         self._sample(step, "rollout_resume")
@@ -390,7 +391,7 @@ class _MegatronTrainer:
         self._sample(step, "sync")
         loaded = R.call("verify_load", timeout=tmo) if verify else None
         if verify:
-            align_ranks(self.store, self.world, f"{self.variant}/{step}/load")
+            align_ranks(self.align, self.world, f"{self.variant}/{step}/load")
         with rec.phase(step, "comm_release") as info:
             if self.em is not None:  # agreed and detached now; the teardown overlaps the offload and generate
                 self.releasing = self.ebt.release_groups(include_world=True, wait=False)
@@ -413,7 +414,7 @@ class _MegatronTrainer:
             if gen.get("decode") != "eager":
                 gen.update(R.call("check_decode", timeout=tmo))
             self.checks["verify"].append(verify_entry(step, self.rank, ref, loaded, gen, LOGITS_RTOL))
-            align_ranks(self.store, self.world, f"{self.variant}/{step}/generate")
+            align_ranks(self.align, self.world, f"{self.variant}/{step}/generate")
         with rec.phase(step, "rollout_pause") as info:
             info.update(_only(R.call("pause", timeout=tmo), "inside_s", "bytes_released"))
         self._sample(step, "rollout_pause")

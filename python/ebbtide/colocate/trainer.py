@@ -43,7 +43,7 @@ from .rollout import SCRATCH_TAG, die_with_parent, prompts, weight_digests
 from .sync import TrainerSync
 
 __all__ = ["main", "train_tokens", "region_buffers", "without_expandable_segments", "verify_entry", "reference_entry",
-           "rollout_env", "align_ranks"]
+           "rollout_env", "align_ranks", "align_store"]
 
 # The weights must match bit for bit. The logits come from the same code on the same weights, but two processes may
 # pick different GEMM kernels (alignment, workspace): allowed difference, relative to the largest |logit|, is about
@@ -240,6 +240,7 @@ class _Trainer:
         self.nvml.claim("trainer", pid=os.getpid())
         self.setup["context_bytes"] = self._sample(-1, "context")["nvml"].get("trainer")
         self.comm = _Comm(self.variant, rank, world, self.dev) if world > 1 else None
+        self.align = align_store(world)  # after the comm's store: the launcher's server is up
         self.nvml.claim("peer_trainers")  # other ranks' NCCL mappings on this GPU, if NVML lists them
         self._build_model()
         self.sync = TrainerSync(self.model, self.codec, pin=self.cuda)
@@ -370,7 +371,7 @@ class _Trainer:
         self._sample(step, "optimizer")
         ref = self._reference() if verify else None  # untimed
         if verify and self.comm:
-            align_ranks(self.comm.store, self.world, f"{self.variant}/{step}/reference")
+            align_ranks(self.align, self.world, f"{self.variant}/{step}/reference")
         with rec.phase(step, "sync_pack") as info:
             info["bytes"] = self.sync.pack(step + 1)  # version = step + 1
         self._sample(step, "sync_pack")
@@ -416,7 +417,7 @@ class _Trainer:
         if verify:
             self._verify(step, ref, loaded, gen)
             if self.comm:
-                align_ranks(self.comm.store, self.world, f"{self.variant}/{step}/verify")
+                align_ranks(self.align, self.world, f"{self.variant}/{step}/verify")
         with rec.phase(step, "trainer_resume") as info:
             if not self.cuda:
                 pass
@@ -492,11 +493,23 @@ def verify_entry(step: int, rank: int, ref: dict, got: dict, gen: dict, rtol: fl
                                        "decode_vs_eager_max_abs") if k in gen}}
 
 
+def align_store(world: int):
+    """A connection of this rank's own to the launcher's store for ``align_ranks`` (None with one rank). Its own: a
+    blocking wait on a store client blocks every other call on that client, and the ebbtide variant's background
+    group release runs its own store barrier on the trainer's client while the main thread aligns."""
+    if world <= 1:
+        return None
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                         timeout=timedelta(minutes=10))
+
+
 def align_ranks(store, world: int, key: str) -> None:
-    """Return once all ``world`` ranks have called this with ``key``: a barrier on the launcher's store, which needs no
-    process group (the loop's groups may be released when it runs). The loops call it after their untimed
-    verification, whose length differs between ranks: without it the next timed phase holding a barrier of its own
-    (group release or reload) measures that difference."""
+    """Return once all ``world`` ranks have called this with ``key``: a barrier on the launcher's store (a connection
+    from ``align_store``), which needs no process group (the loop's groups may be released when it runs). The loops
+    call it after their untimed verification, whose length differs between ranks: without it the next timed phase
+    holding a barrier of its own (group release or reload) measures that difference."""
     if world <= 1:
         return
     if store.add(f"align/{key}", 1) == world:

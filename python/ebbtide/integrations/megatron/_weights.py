@@ -19,8 +19,10 @@ Policies:
   ``local_expert_indices``). ``expert_parallel_names`` maps each local expert parameter to its global name, and
   ``full_weights`` gathers every expert over the expert-parallel group (one ``all_gather`` per local expert
   parameter, every EP rank calling it), so each rank holds the whole model under the names of EP=1, as an engine
-  that serves all experts takes them. Grouped-GEMM experts (``experts.linear_fc1.weight{j}``) and expert tensor
-  parallelism > 1 are refused by name.
+  that serves all experts takes them. Megatron marks expert linears ``tensor_model_parallel`` whatever the expert
+  tensor-parallel size: at 1 (whole experts, what MoE with biases requires) ``tensor_parallel_dims`` leaves them out;
+  expert tensor parallelism > 1 and grouped-GEMM experts (``experts.linear_fc1.weight{j}``, ``experts.weight1``) are
+  refused by name.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from ..names import served_names
 __all__ = ["served_names", "tensor_parallel_dims", "expert_parallel_names", "full_weights", "gather_along"]
 
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
-_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12]\.weight\d+|weight[12])$")  # TE's and the legacy
 
 
 def _chunks(model_chunks) -> list:
@@ -61,7 +63,13 @@ def tensor_parallel_dims(model_chunks) -> dict:
             raise UnsupportedError("gated_linear_unit (SwiGLU) at tensor parallel > 1: each rank holds [gate; up] "
                                    "rows of its own shard, so the gathered fc1 weight interleaves them; not served")
     dims = {}
+    etp = _expert_tp() if tp > 1 else 1
     for n, p in _named(chunks).items():
+        if ".mlp.experts." in n and tp > 1:
+            # Megatron marks expert linears tensor_model_parallel whatever the expert TP size: at 1 they are whole
+            if etp > 1:
+                raise UnsupportedError(f"{n}: split over the expert tensor-parallel group ({etp} ranks); not served")
+            continue
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             d = int(getattr(p, "partition_dim", 0))
             if not 0 <= d < p.dim():
@@ -71,6 +79,12 @@ def tensor_parallel_dims(model_chunks) -> dict:
                                        "do not concatenate to the whole tensor")
             dims[n] = d
     return dims
+
+
+def _expert_tp() -> int:
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    return ps.get_expert_tensor_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def _ep() -> tuple[int, int]:
@@ -156,8 +170,6 @@ def full_weights(model_chunks, group=None, expert_group=None) -> dict:
     out = {}
     for n, p in sorted(named.items()):  # the same order on every rank: the collectives pair up
         if n in experts:
-            if n in dims:
-                raise UnsupportedError(f"{n}: an expert at tensor parallel > 1 (TP x EP) is not served yet")
             pieces = [torch.empty_like(p) for _ in range(dist.get_world_size(expert_group))]
             dist.all_gather(pieces, p.detach().contiguous(), group=expert_group)
             m = _LOCAL_EXPERT.match(n)
