@@ -370,7 +370,7 @@ class _Trainer:
             info.update(self._step_optimizer())
         self._sample(step, "optimizer")
         ref = self._reference() if verify else None  # untimed
-        if verify and self.comm:
+        if verify:  # the ranks' untimed work differs: the next timed phases start together
             align_ranks(self.align, self.world, f"{self.variant}/{step}/reference")
         with rec.phase(step, "sync_pack") as info:
             info["bytes"] = self.sync.pack(step + 1)  # version = step + 1
@@ -416,8 +416,7 @@ class _Trainer:
                     gen.update(R.call("check_decode", timeout=tmo))
         if verify:
             self._verify(step, ref, loaded, gen)
-            if self.comm:
-                align_ranks(self.align, self.world, f"{self.variant}/{step}/verify")
+            align_ranks(self.align, self.world, f"{self.variant}/{step}/verify")
         with rec.phase(step, "trainer_resume") as info:
             if not self.cuda:
                 pass

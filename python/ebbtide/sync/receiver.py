@@ -16,10 +16,10 @@ Policies:
   and shapes, and every output is copied.
 - On CUDA every copy and dequant runs on the receiver's stream; :meth:`apply` returns after it completed. That
   stream is the caller's current stream at each call, so a receive is ordered after the caller's queued work,
-  unless ``stream=`` names one (Note [One compute stream in a rollout]). The served form's copies are byte views built once (rebuilt if a parameter's storage moves; checking costs one
-  address read per output): outputs of 32 MiB and more get one copy each, the smaller ones (scales, norms,
-  experts of an MoE layer: thousands) go in one ``ebbtide.quant.SegmentCopy`` launch, so an update's host time
-  hardly grows with its tensor count.
+  unless ``stream=`` names one (Note [One compute stream in a rollout]). The served form's copies are byte views
+  built once (rebuilt if a parameter's storage moves; checking costs one address read per output): outputs of
+  32 MiB and more get one copy each, the smaller ones (scales, norms, experts of an MoE layer: thousands) go in one
+  ``ebbtide.quant.SegmentCopy`` launch, so an update's host time hardly grows with its tensor count.
 - ``prepare(version)`` runs that address check ahead: the transports call it while the sender is still filling
   (IPC: when the update begins; host and NCCL: while the bytes travel), and ``apply(version)`` right after only
   launches. The check is then as old as the update: a parameter that another thread re-points between the two is

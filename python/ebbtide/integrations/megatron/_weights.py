@@ -94,7 +94,7 @@ def _ep() -> tuple[int, int]:
     if not ps.model_parallel_is_initialized():
         return 1, 0
     ep = ps.get_expert_model_parallel_world_size()
-    if ep > 1 and ps.get_expert_tensor_parallel_world_size() > 1:
+    if ep > 1 and _expert_tp() > 1:
         raise UnsupportedError("expert tensor parallelism > 1 (each expert split over ranks): not served")
     return ep, ps.get_expert_model_parallel_rank() if ep > 1 else 0
 
@@ -111,12 +111,7 @@ def expert_parallel_names(model_chunks) -> dict:
         raise UnsupportedError(f"grouped-GEMM experts ({grouped[0]}): gathered only from SequentialMLP experts "
                                "(moe_grouped_gemm=False)")
     counts = _local_expert_counts(named)
-    out = {}
-    for n in named:
-        m = _LOCAL_EXPERT.match(n)
-        if m:
-            out[n] = f"{m.group(1)}{rank * counts[m.group(1)] + int(m.group(2))}{m.group(3)}"
-    return out
+    return {n: _global_expert(n, rank, counts) for n in named if _LOCAL_EXPERT.match(n)}
 
 
 def _local_expert_counts(named) -> dict:
@@ -127,6 +122,12 @@ def _local_expert_counts(named) -> dict:
         if m:
             local.setdefault(m.group(1), set()).add(int(m.group(2)))
     return {k: len(v) for k, v in local.items()}
+
+
+def _global_expert(name: str, ep_rank: int, counts: dict) -> str:
+    """The name local expert parameter ``name`` of expert-parallel rank ``ep_rank`` has in the whole model."""
+    m = _LOCAL_EXPERT.match(name)
+    return f"{m.group(1)}{ep_rank * counts[m.group(1)] + int(m.group(2))}{m.group(3)}"
 
 
 def _named(chunks) -> dict:
@@ -172,9 +173,8 @@ def full_weights(model_chunks, group=None, expert_group=None) -> dict:
         if n in experts:
             pieces = [torch.empty_like(p) for _ in range(dist.get_world_size(expert_group))]
             dist.all_gather(pieces, p.detach().contiguous(), group=expert_group)
-            m = _LOCAL_EXPERT.match(n)
             for r, piece in enumerate(pieces):
-                out[f"{m.group(1)}{r * counts[m.group(1)] + int(m.group(2))}{m.group(3)}"] = piece
+                out[_global_expert(n, r, counts)] = piece
         else:
             out[n] = gather_along(p, dims[n], group) if n in dims else p.detach()
     return out
