@@ -674,8 +674,9 @@ def destroyed_while_released(rank, world, init):
 
 def background_release(rank, world, init, cycles=3):
     """release(wait=False): the groups are released when it returns (ops raise StateError), the teardown finishes
-    in the background (its Future holds the Report), reload() and a second release() join it; a teardown that
-    fails in the background is raised by the next entry point, naming the cause."""
+    in the background (its Future holds the Report), a second release() joins it, reload() goes ahead beside it
+    (Note [Detached teardown]); a teardown that fails in the background is raised by the next release() on every
+    rank, naming the cause, and nothing is released then (detached_workers.py: the timing and order)."""
     from concurrent.futures import Future
 
     from ebbtide.comm import _teardown
@@ -695,9 +696,9 @@ def background_release(rank, world, init, cycles=3):
         if cycle == 0:  # a second release joins the first and is a no-op
             again = comm.release(True, include_cpu=True, wait=False)
             assert fut.done() and again.done() and again.result().noop
-        if cycle == 1:  # reload joins the background teardown itself
+        if cycle == 1:  # reload needs nothing extra (whether the teardown is done yet or not)
             rl = comm.reload()
-            assert fut.done() and not rl.noop
+            assert not rl.noop and not fut.result(timeout=60).noop
         else:
             rep = fut.result(timeout=60)
             assert not rep.noop and len(rep.groups) >= 2, rep.summary()
@@ -705,7 +706,8 @@ def background_release(rank, world, init, cycles=3):
             comm.reload(eager=cycle % 2 == 0)
         for g, r in mine:
             _expect_sum(g, r, rank)
-    # A teardown that fails in the background: the Future holds the error, reload() raises it as StateError.
+    # A teardown that fails in the background: the Future holds the error, reload() goes ahead, the next release()
+    # raises it as StateError on every rank and releases nothing; a retry releases.
     real = _teardown.B.teardown_concurrently
 
     def broken(*a, **k):
@@ -714,21 +716,27 @@ def background_release(rank, world, init, cycles=3):
     _teardown.B.teardown_concurrently = broken
     try:
         fut = comm.release(include_cpu=True, wait=False)
-        try:
-            fut.result(timeout=60)
-        except RuntimeError as e:
-            assert "injected" in str(e), e
-        else:
-            raise AssertionError("the background failure did not reach the Future")
-        try:
-            comm.reload()
-        except StateError as e:
-            assert "background teardown" in str(e) and "injected" in str(e), e
-            out["failure"] = str(e)
-        else:
-            raise AssertionError("reload() after a failed background teardown did not raise")
+        err = fut.exception(timeout=60)
+        assert isinstance(err, RuntimeError) and "injected" in str(err), err
     finally:
         _teardown.B.teardown_concurrently = real
+    comm.reload()
+    for g, r in mine:
+        _expect_sum(g, r, rank)
+    try:
+        comm.release(include_cpu=True)
+    except StateError as e:
+        assert "background teardown" in str(e) and "injected" in str(e) and "ranks [0, 1]" in str(e), e
+        out["failure"] = str(e)
+    else:
+        raise AssertionError("release() after a failed background teardown did not raise")
+    assert not comm.is_released()
+    for g, r in mine:
+        _expect_sum(g, r, rank)
+    assert not comm.release(include_cpu=True).noop
+    comm.reload()
+    for g, r in mine:
+        _expect_sum(g, r, rank)
     return out
 
 

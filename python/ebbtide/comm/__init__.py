@@ -20,8 +20,10 @@ Contract:
   WORLD (references to the WORLD object taken earlier are not managed) and leaves earlier subgroups alone.
 - release(), reload() and released() are collective over WORLD: all ranks, same order, same arguments. They are
   idempotent (a repeated call returns a report with ``noop=True``), thread-safe (one lock) and fork-safe (a
-  child starts empty). ``release(wait=False)`` leaves the teardown to a background thread and returns a Future;
-  every later entry point joins it first.
+  child starts empty). ``release(wait=False)`` leaves the teardown to a background thread and returns a Future of
+  the report. Where no group is suspended (always with the default strategy) reload() and group creation go ahead
+  beside it, and the next release() and uninstall() join it first, raising its failure as StateError; with a
+  suspended group every later entry point joins it first.
 - Strategy per group, chosen at run time and reported: "auto" (the default) destroys and rebuilds every device
   group, the strategy this project's GPU tests run. Native NCCL suspend/resume is opt-in
   (``install(strategy="suspend")``): UnsupportedError where torch < 2.12 or NCCL < 2.29.7; where the versions have
@@ -85,10 +87,13 @@ def release(include_world: bool = False, *, include_cpu: bool = False, timeout: 
     ``include_cpu``). Collective. Returns a :class:`Report`; a second call without reload() is a no-op.
 
     ``wait=False``: return once the ranks have agreed and the groups are detached (their ops raise StateError
-    from then on); the teardowns and the trailing barrier go on in a background thread, and the call returns a
-    ``concurrent.futures.Future`` of the Report. The memory comes back when that Future is done. The next
-    release() or reload() joins it first (a failure there raises StateError naming the cause), so
-    a rollout can start while the communicators shut down and reload() needs nothing extra."""
+    from then on); the teardowns go on in a background thread, and the call returns a
+    ``concurrent.futures.Future`` of the Report, done when this rank's teardowns are (its memory is back then; a
+    peer's mappings of it go with the peer's own teardowns). Where no group is suspended (always with the default
+    strategy) reload() does not wait for it: new communicators are made while the old ones finish. The next
+    release() (on every rank, before it changes anything) and uninstall() wait for it and raise its failure as
+    StateError naming the cause; it is also logged when it happens. With a suspended group the trailing barrier
+    runs in the background too and every later entry point, reload() included, waits for it first."""
     return _RT.release(include_world=include_world, include_cpu=include_cpu, timeout=timeout, wait=wait)
 
 

@@ -16,8 +16,14 @@ What holds (the caller's contract is in ``__init__.py``):
   before the WORLD they were split from, as c10d does; a global order, so overlapping groups never wait on each
   other in a cycle; teardowns of one split level run concurrently, Note [Concurrent teardown] in ``_backend.py``)
   -> trailing barrier (peers' mappings of our buffers are gone too). With ``wait=False`` the state is RELEASED
-  once the inners are detached and agreed on, and the teardown and trailing barrier run on one background thread
-  (``_teardown.in_background``); every entry point joins it (``settle``) before touching the journal.
+  once the inners are detached and agreed on, and the rest runs on a background thread in one of two forms, chosen
+  by the agreed plans (so the same on every rank; Note [Detached teardown] in ``_teardown.py``):
+  - a SUSPEND plan: steps 4 and 5 whole (``pending``); every entry point joins it (``settle``) first.
+  - none: the journal and wrappers are booked released on the caller's thread; only the teardowns of inners nothing
+    references any more run in the background, no trailing barrier (``teardowns``). Joined, its failure raised as
+    StateError, by release() before anything else (through the agreement: every rank raises, nothing released)
+    and by uninstall(); dist.destroy_process_group of WORLD joins and logs it. reload(), group creation and
+    split_group go ahead beside it.
 - Order of reload: agree (journal hash, which communicators existed, which groups are gone) -> rebuild WORLD first
   (subgroups split from it) -> every journal entry in order, with a fresh store prefix per generation
   (``<name>.ebt<gen>``) -> eager connect of communicators that existed before release, except where replaying the
@@ -58,7 +64,7 @@ from ._journal import (Entry, OptionsSnapshot, check_agreement, combine_plans, c
 from ._registry import (_forget_registration, _global_ranks, _move_registration, _register_native,
                         _world_creation_call)
 from ._report import GroupReport, Report, device_free_bytes
-from ._teardown import done, in_background, release_all
+from ._teardown import done, failure_text, finish_release, in_background, joined, release_detached
 
 log = logging.getLogger("ebbtide.comm")
 
@@ -91,10 +97,12 @@ class Runtime:
         self.hooks = Hooks(lambda pg: self.inner_to_wrapper.get(pg, pg))
         self.helper_sig: inspect.Signature | None = None
         self.last_release: Report | None = None
-        self.pending: Future | None = None  # a release(wait=False) whose teardown is still running
+        self.pending: Future | None = None  # a release(wait=False) with a SUSPEND plan, still running
+        self.teardowns: Future | None = None  # a release(wait=False)'s detached teardowns (Note [Detached teardown])
         self.deepep_reports: list[GroupReport] = []  # DeepEP buffers freed by the release in progress
         self._rebuilt_now: set = set()  # wrappers rebuilt by the reload in progress
         self._connected_now: set = set()  # ... of which the communicator exists now
+        self._measure_now = True  # reload's memory probes are meaningful (no detached teardown beside them)
 
     @property
     def installed(self) -> bool:
@@ -137,6 +145,7 @@ class Runtime:
         with self.lock:
             if self.state != READY:
                 raise StateError("ebbtide.comm.uninstall(): groups are released; reload() first")
+            self.settle("uninstall", teardowns=True)
             self.hooks.uninstall()
 
     def original(self, attr: str):
@@ -149,7 +158,7 @@ class Runtime:
     def _reset_after_fork(self) -> None:
         self.lock = threading.RLock()
         self.pid = os.getpid()
-        self.pending = None  # the teardown thread is not in the child
+        self.pending = self.teardowns = None  # the teardown thread is not in the child
         self._reset_journal()
         self.replaying = False
 
@@ -225,8 +234,16 @@ class Runtime:
             return wrapper
 
     def user_destroyed(self, g: ReloadableGroup, how: str) -> None:
-        """dist.destroy_process_group reached a wrapper: tear its inner down and forget the group."""
+        """dist.destroy_process_group reached a wrapper: tear its inner down and forget the group. Joins a background
+        release first (WORLD: also its detached teardowns, Note [Detached teardown]); a failure there is logged, as
+        c10d's destroy is best effort and goes on."""
         with self.lock:
+            for attr in ("pending",) + (("teardowns",) if g is self.world else ()):
+                err = joined(getattr(self, attr))
+                setattr(self, attr, None)
+                if err is not None:
+                    log.error("ebbtide.comm: dist.destroy_process_group: the background teardown of "
+                              "release(wait=False) had failed: %s: %s", type(err).__name__, err)
             if g is self.world:
                 # c10d is destroying every group and will clear its registries. Children first (reverse journal
                 # order, as c10d shuts groups down), then WORLD they were split from; start over at the next init.
@@ -270,7 +287,11 @@ class Runtime:
             self._check_pid()
             self._require_installed("release")
             self.settle("release")
+            failed = joined(self.teardowns)  # Note [Detached teardown]: before anything is torn down again
+            self.teardowns = None
             if self.state == RELEASED:
+                if failed is not None:
+                    raise StateError(f"ebbtide.comm.release(): {failure_text(failed)}") from failed
                 rep = Report("release", True, self.generation, time.perf_counter() - t0, 0.0, None, None)
                 return rep if wait else done(rep)
             tmo = self._timeout(timeout)
@@ -285,7 +306,7 @@ class Runtime:
             payload = {"journal": journal_hash(self.journal), "opts": [include_world, include_cpu],
                        "choices": {str(e.gidx): c for e, c, _ in local if e.gidx >= 0},
                        "gone": [e.gidx for e in self.journal if e.group is not None and e.group._ebt_destroyed],
-                       "deepep": _deepep.describe()}
+                       "deepep": _deepep.describe(), "teardown": failure_text(failed) if failed else ""}
             tb = time.perf_counter()
             try:
                 # Bounded by half the timeout, so a rank whose device never drains still reaches the agreement
@@ -302,6 +323,11 @@ class Runtime:
                 if stuck:
                     raise StateError(f"ebbtide.comm.release(): on ranks {stuck} " +
                                      everyone[stuck[0]]["drain"].split("release(): ", 1)[-1])
+                bad = [r for r, p in enumerate(everyone) if p.get("teardown")]
+                if bad:  # every rank raises: no rank releases alone while its peers give up
+                    raise StateError(f"ebbtide.comm.release(): on ranks {bad} {everyone[bad[0]]['teardown']}; "
+                                     "nothing was released now and the groups are usable (the communicators that "
+                                     "teardown held may not be freed)") from failed
                 check_agreement(everyone, "release")
                 if len({json.dumps(p["opts"]) for p in everyone}) != 1:
                     raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu "
@@ -347,50 +373,28 @@ class Runtime:
             # Before the teardown: from here every entry point (reload, release, group creation) sees RELEASED,
             # and a timeout in the trailing barrier leaves a consistent RELEASED state.
             self.state = RELEASED
+            if not wait and S.SUSPEND not in plans.values():  # agreed plans: every rank takes the same form
+                self.teardowns = release_detached(self, todo, detached, tmo, t0, barrier_s)
+                return self.teardowns
             # In the background the device-free probes would count what the caller frees meanwhile: none taken.
-            finish = lambda: self._finish_release(todo, detached, tmo, control, t0, barrier_s,  # noqa: E731
-                                                  free_before, measure=wait)
+            finish = lambda: finish_release(self, todo, detached, tmo, control, t0, barrier_s,  # noqa: E731
+                                            free_before, measure=wait)
             if wait:
                 return finish()
             self.pending = in_background(finish, B.current_cuda_device())
             log.debug("ebbtide.comm: release: %d group(s) agreed; teardown continues in the background", len(todo))
             return self.pending
 
-    def _finish_release(self, todo: list[Entry], detached: dict, tmo, control: ControlPlane, t0: float,
-                        barrier_s: float, free_before: int | None, measure: bool = True) -> Report:
-        """Steps 4 and 5 of release(): on the caller's thread, or on a background thread for release(wait=False)
-        (then nothing else touches the journal until :meth:`settle` has joined it: every entry point settles
-        first, and the released groups' own ops raise StateError)."""
-        reports = release_all(self, todo, detached, tmo, measure)
-        reports.reverse()  # report in journal order
-        reports += self.deepep_reports
-        self.deepep_reports = []
-        # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
-        #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
-        #    a rank that measures (or allocates) before its peers finish sees part of its memory still held.
-        tb2 = time.perf_counter()
-        control.barrier("released", tmo)
-        barrier_s += time.perf_counter() - tb2
-        rep = Report("release", False, self.generation, time.perf_counter() - t0, barrier_s,
-                     free_before if measure else None, device_free_bytes() if measure else None, reports)
-        self.last_release = rep
-        log.info("%s", rep.summary())
-        log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: "
-                  "NCCL memory never goes through it)", B.reserved_mib())
-        return rep
-
-    def settle(self, what: str) -> None:
-        """Join a background release before ``what`` goes on. Its failure is raised here once, as StateError
-        naming the cause (the groups stay released; their teardown may be partial: restart the process group
-        stack, as after a failed release())."""
-        fut, self.pending = self.pending, None
-        if fut is None:
-            return
-        try:
-            fut.result()
-        except BaseException as err:
-            raise StateError(f"ebbtide.comm.{what}(): the background teardown of release(wait=False) failed: "
-                             f"{type(err).__name__}: {err}") from err
+    def settle(self, what: str, *, teardowns: bool = False) -> None:
+        """Join a background release before ``what`` goes on: one with a SUSPEND plan (``pending``) always, detached
+        teardowns with ``teardowns`` (Note [Detached teardown]). A failure is raised here once, as StateError naming
+        the cause (after ``pending``'s the groups stay released and their teardown may be partial: restart the
+        process group stack, as after a failed release())."""
+        for attr in ("pending", "teardowns") if teardowns else ("pending",):
+            err = joined(getattr(self, attr))
+            setattr(self, attr, None)
+            if err is not None:
+                raise StateError(f"ebbtide.comm.{what}(): {failure_text(err)}") from err
 
     # ---- reload -------------------------------------------------------------------------------------------
     def reload(self, *, eager: bool, timeout: float | None, warm: bool = True) -> Report:
@@ -403,7 +407,9 @@ class Runtime:
                 return Report("reload", True, self.generation, time.perf_counter() - t0, 0.0, None, None)
             tmo = self._timeout(timeout)
             control = self._control()
-            free_before = device_free_bytes()
+            # Not beside a detached teardown: the probes would count its frees (Note [Detached teardown]).
+            self._measure_now = self.teardowns is None or self.teardowns.done()
+            free_before = self._probe()
             payload = {"journal": journal_hash(self.journal), "eager": bool(eager),
                        "connect": [e.gidx for e in self.journal if e.gidx >= 0 and e.plan and e.initialized],
                        "plans": {str(e.gidx): e.plan for e in self.journal
@@ -442,7 +448,7 @@ class Runtime:
             self.state = RELEASED if any(e.plan and e.group is not None and e.group._ebt_inner is None
                                          for e in self.journal) else READY
             rep = Report("reload", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
-                         device_free_bytes(), reports, warmup_seconds=warm_s)
+                         self._probe(), reports, warmup_seconds=warm_s)
             log.info("%s", rep.summary())
             return rep
 
@@ -487,7 +493,7 @@ class Runtime:
         t = time.perf_counter()
         log.debug("ebbtide.comm: reload: %s entry %d %s '%s' (%s)", e.plan_word, e.gidx, e.kind, e.name,
                   "member" if g is not None else "non-member")
-        before = device_free_bytes()
+        before = self._probe()
         plan, e.plan = e.plan, None
         if plan == S.SUSPEND:
             if g is None:
@@ -518,7 +524,7 @@ class Runtime:
         g._ebt_attach(inner, fresh=True)
         self.inner_to_wrapper[inner] = g
         _register_native(g._ebt_name, inner)
-        after = device_free_bytes()
+        after = self._probe()
         used = None if before is None or after is None else before - after
         return [GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), plan, e.reason, time.perf_counter() - t,
                             used, connected=connect)]
@@ -575,6 +581,9 @@ class Runtime:
         if not timeout > 0:
             raise InvalidArgumentError(f"timeout must be > 0 seconds, not {timeout!r}")
         return datetime.timedelta(seconds=float(timeout))
+
+    def _probe(self) -> int | None:
+        return device_free_bytes() if self._measure_now else None
 
     def _control(self) -> ControlPlane:
         if self.control is None:
