@@ -3,7 +3,8 @@ against the rollout's MegatronGPT holding the same weights. Megatron's forward a
 not matter on a CPU (the rotary table's device, the global memory buffer's device, the model-parallel RNG fork for
 attention dropout, which is 0 here); this script points them at the CPU. An 8th argument EXPERTS (and a 9th, TOPK)
 makes every MLP Megatron's MoE layer (local spec, SequentialMLP experts, the allgather dispatcher: the alltoall one
-allocates on the GPU) against the rollout's ``MoEConfig``. Prints one JSON line."""
+allocates on the GPU) against the rollout's ``MoEConfig``; a 10th, "fp32", sets Megatron's ``moe_router_dtype="fp32"``
+against ``router_fp32``. Prints one JSON line."""
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ def main():
     layers, hidden, heads, ffn, vocab, seq = (int(x) for x in sys.argv[1:7])
     experts = int(sys.argv[7]) if len(sys.argv) > 7 else 0
     topk = int(sys.argv[8]) if len(sys.argv) > 8 else 2
+    fp32_router = len(sys.argv) > 9 and sys.argv[9] == "fp32"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -42,6 +44,8 @@ def main():
         if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without Transformer Engine
             moe_utils.te_general_gemm = None
         moe = dict(num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="allgather")
+        if fp32_router:
+            moe["moe_router_dtype"] = "fp32"
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                             init_method_std=0.02, **moe)
@@ -55,7 +59,7 @@ def main():
     tensor_parallel.random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
     mine = MegatronGPT(ModelConfig(vocab=vocab, d_model=hidden, n_layers=layers, n_heads=heads, d_ff=ffn,
-                                   max_seq=seq), moe=MoEConfig(experts, topk) if experts else None).float()
+                                   max_seq=seq), moe=MoEConfig(experts, topk, fp32_router) if experts else None).float()
     theirs = megatron_names(gpt.named_parameters())
     ours = dict(mine.named_parameters())
     out = {"names_equal": sorted(theirs) == sorted(ours),

@@ -28,7 +28,7 @@ TINY = ModelConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=512, max_
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
-@pytest.mark.parametrize("moe", [(), ("4", "2")], ids=["dense", "moe-4x-top2"])
+@pytest.mark.parametrize("moe", [(), ("4", "2"), ("4", "2", "fp32")], ids=["dense", "moe-4x-top2", "moe-fp32-router"])
 def test_rollout_model_equals_megatrons_own_forward(moe):
     # a fresh process: Megatron's parallel state and the CPU redirections stay out of the test session
     p = subprocess.run([sys.executable, str(HERE / "megatron_gpt_cpu.py"), "2", "128", "4", "512", "256", "128",
@@ -124,6 +124,14 @@ def test_arguments_pick_the_megatron_loop_and_its_sizes():
     (["--trainer", "megatron", "--gpus", "3", "--tp", "2"], "must divide --gpus"),
     (["--trainer", "megatron", "--gpus", "3", "--tp", "3", "--quick"], "must divide the model.s n_heads"),
     (["--gpus", "2", "--tp", "2"], "option of --trainer megatron"),
+    (["--gpus", "2", "--ep", "2", "--moe-experts", "4"], "option of --trainer megatron"),
+    (["--trainer", "megatron", "--gpus", "2", "--ep", "2"], "needs a MoE model"),
+    (["--trainer", "megatron", "--gpus", "2", "--ep", "2", "--moe-experts", "6", "--moe-topk", "2", "--quick",
+      "--gpus", "4", "--ep", "4"], "must divide --gpus 4 and --moe-experts 6"),
+    (["--trainer", "megatron", "--gpus", "2", "--tp", "2", "--moe-experts", "4"], "sequence parallelism"),
+    (["--trainer", "megatron", "--moe-experts", "4", "--moe-topk", "5"], "moe-experts must be >= 2 and >= --moe-topk"),
+    (["--trainer", "megatron", "--moe-experts", "4"], "needs --ep 2 or more"),
+    (["--trainer", "megatron", "--moe-experts", "-1"], "moe_experts must be an int >= 0"),
     (["--trainer", "megatron", "--tp", "0"], "tp must be an int >= 1"),
     (["--trainer", "megatron", "--variants", "ebbtide,anchor"], "variants must be distinct names from"),
     (["--variants", "ebbtide,slime"], "variants must be distinct names from"),
@@ -165,8 +173,22 @@ def test_the_megatron_rank_refuses_a_tp_that_does_not_divide_the_world(tmp_path)
 
 def test_two_gpu_shapes_parse():
     cfg = parse_args(["--trainer", "megatron", "--gpus", "2", "--tp", "2", "--quick"])
-    assert cfg.worker_spec("ebbtide")["tp"] == 2 and cfg.gpus == 2
+    assert cfg.worker_spec("ebbtide")["tp"] == 2 and cfg.gpus == 2 and cfg.worker_spec("ebbtide")["moe"] is None
     assert parse_args(["--trainer", "megatron", "--gpus", "2", "--quick"]).worker_spec("slime")["tp"] == 1
+    moe = parse_args(["--trainer", "megatron", "--gpus", "2", "--ep", "2", "--moe-experts", "8", "--d-ff", "2048"])
+    spec = moe.worker_spec("slime")
+    assert spec["ep"] == 2 and spec["moe"] == {"experts": 8, "topk": 2} and spec["model"]["d_ff"] == 2048
+
+
+def test_the_megatron_rank_refuses_expert_parallel_without_experts(tmp_path):
+    out = tmp_path / "r.json"
+    spec = RunConfig(trainer="megatron", model=MEGATRON_QUICK).validate().worker_spec("ebbtide")
+    spec["ep"] = 2
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2")
+    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate.mtrainer", json.dumps(spec), str(out)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    res = json.loads(out.read_text())
+    assert p.returncode == 1 and not res["ok"] and "needs a MoE model" in res["error"]
 
 
 def _rank(step_s: dict, steps: int, ctx=1e9, held=1.5e9) -> dict:

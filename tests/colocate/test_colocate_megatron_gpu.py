@@ -112,3 +112,26 @@ def test_megatron_loop_two_gpus(tmp_path, tp, variant):
         # DP=2: half the model's parameters stepped per rank; TP=2: this rank's pieces, fewer than the whole model
         half = setup["params_stepped"] * 2 == setup["params"]
         assert half if sharded else setup["params_stepped"] < setup["params"], setup
+
+
+# ---- MoE: the same loop on a Megatron MoE GPT, expert parallel over two GPUs ---------------------------------
+def _check_moe(v, experts: int, ep: int):
+    setup = v["ranks"][0]["setup"]
+    assert setup["moe"] == {"experts": experts, "topk": 2} and setup["ep"] == ep, setup
+    # the rollout serves every expert: its model has experts x the dense MLP's parameters, which the sync filled
+    assert setup["params"] > setup["params_stepped"], setup
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs of one host")
+@pytest.mark.parametrize("variant", ["ebbtide", "slime"])
+def test_megatron_moe_loop_expert_parallel_two_gpus(tmp_path, variant):
+    """EP=2: each rank trains half the experts, gathers the others for its own rollout (the whole model, bit-equal
+    on both ranks' rollouts)."""
+    if variant == "slime" and importlib.util.find_spec("torch_memory_saver") is None:
+        pytest.skip("torch_memory_saver is not installed (scripts/fetch-anchor-wheels)")
+    p, res, diag = _run(tmp_path, variant, "--gpus", "2", "--ep", "2", "--moe-experts", "4", "--d-ff", "1024")
+    assert p.returncode == 0, diag
+    v = _check(res, variant, diag)
+    assert v["checks"]["ranks_in_sync"] is True, v["checks"]["verify"]
+    _check_moe(v, 4, 2)

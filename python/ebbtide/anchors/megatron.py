@@ -5,15 +5,39 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["build_gpt", "opt_config", "hdo"]
+__all__ = ["build_gpt", "opt_config", "hdo", "moe_fields"]
+
+
+def moe_fields(experts: int, topk: int) -> dict:
+    """TransformerConfig fields of the MoE GPT both the example and the benchmarks build: ``experts`` whole experts
+    of ``ffn_hidden_size`` (SequentialMLP: the local spec without grouped GEMM) over Megatron's expert-parallel
+    group, ``topk`` per token, the alltoall token dispatcher, an fp32 router (``moe_router_dtype``, as slime's MoE
+    scripts set it: near-tie routing decisions then agree between the trainer and a rollout that recomputes
+    them) and Megatron's other router defaults (softmax after top-k, no scaling, no capacity, no aux loss)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    _moe_without_te()
+    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+                moe_router_dtype="fp32", moe_grouped_gemm=False,
+                expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), expert_tensor_parallel_size=1)
+
+
+def _moe_without_te() -> None:
+    """megatron-core 0.16.1 leaves ``moe_utils.te_general_gemm`` undefined without Transformer Engine (a NameError
+    in every MoE forward); None selects its torch path."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: PLC0415
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt(layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: int, *, dist_opt: bool,
-              seed: int = 1234, ddp_region=None):
+              seed: int = 1234, ddp_region=None, moe: tuple | None = None):
     """GPTModel (local layer spec, rotary positions, no dropout) -> Float16Module (bf16) -> Megatron's DDP.
     ``ddp_region``: a context manager factory entered around the DDP construction only, so its param and grad
     buffers are allocated inside it (e.g. a torch_memory_saver region) while the model's construction-time
-    tensors, freed once DDP has copied them into its buffers, stay outside it."""
+    tensors, freed once DDP has copied them into its buffers, stay outside it. ``moe``: (experts, topk) for a MoE
+    MLP in every layer (``moe_fields``; Megatron's parallel state initialised with the expert-parallel size)."""
     from megatron.core import tensor_parallel  # noqa: PLC0415
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
@@ -23,11 +47,12 @@ def build_gpt(layers: int, hidden: int, heads: int, ffn: int, vocab: int, seq: i
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    extra = moe_fields(*moe) if moe else {}
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             ffn_hidden_size=ffn, bf16=True, pipeline_dtype=torch.bfloat16,
-                            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq,
-                   position_embedding_type="rope")
+                            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra)
+    spec = get_gpt_layer_local_spec(num_experts=moe[0], moe_grouped_gemm=False) if moe else get_gpt_layer_local_spec()
+    gpt = GPTModel(cfg, spec, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
     # Megatron's get_model moves each chunk to the GPU before wrapping it: some modules of the local spec (norms)
     # are built on the CPU, and plain DDP (no distributed optimizer) leaves params where they are.
     gpt.cuda(torch.cuda.current_device())

@@ -21,7 +21,9 @@ Policies:
   softmaxed in fp32 (Megatron's defaults: no pre-softmax, no scaling, no capacity, no shared experts) and
   ``mlp.experts.local_experts.{e}`` MLPs of ``d_ff`` under the names of an expert-parallel size of 1 (the whole
   model, as a serving engine holds it). Every expert runs on every token and the top-k weights select: static
-  shapes for the CUDA-graph decode, and at a decode batch most experts are read anyway.
+  shapes for the CUDA-graph decode, and at a decode batch most experts are read anyway. ``router_fp32`` follows
+  ``moe_router_dtype="fp32"`` (the Megatron loop's setting): logits, top-k and the weighted sum in fp32, so a
+  near-tie between two experts is decided as the trainer decides it far more often than in bf16.
 """
 from __future__ import annotations
 
@@ -105,9 +107,11 @@ class _MLP(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Megatron's MoE MLP in every layer: ``experts`` experts (Megatron's ``num_moe_experts``), ``topk`` of them per
-    token (``moe_router_topk``)."""
+    token (``moe_router_topk``); ``router_fp32``: the router's logits, top-k and weights in fp32 and the experts'
+    weighted sum accumulated in fp32 (``moe_router_dtype="fp32"``), else in the activations' dtype."""
     experts: int
     topk: int = 2
+    router_fp32: bool = False
 
     def validate(self) -> "MoEConfig":
         for name in ("experts", "topk"):
@@ -136,20 +140,24 @@ class _Experts(nn.Module):
 class _MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig):
         super().__init__()
-        self.topk = moe.topk
+        self.topk, self.fp32 = moe.topk, moe.router_fp32
         self.router = _Router(cfg.d_model, moe.experts)
         self.experts = _Experts(cfg, moe.experts)
 
     def forward(self, x):
         h = x.reshape(-1, x.shape[-1])
-        logits = F.linear(h, self.router.weight, self.router.bias)  # [tokens, experts], in the activations' dtype
+        w, b = self.router.weight, self.router.bias
+        if self.fp32:
+            logits = F.linear(h.float(), w.float(), b.float())  # [tokens, experts]
+        else:
+            logits = F.linear(h, w, b)  # in the activations' dtype
         top, idx = torch.topk(logits, self.topk, dim=-1)
         weight = torch.zeros_like(logits).scatter(1, idx, torch.softmax(top, dim=-1, dtype=torch.float32)
                                                   .to(logits.dtype))
-        out = torch.zeros_like(h)
+        out = torch.zeros(h.shape, dtype=weight.dtype, device=h.device)  # fp32 with the fp32 router
         for e, mlp in enumerate(self.experts.local_experts):
             out = out + weight[:, e:e + 1] * mlp(h)
-        return out.view(x.shape)
+        return out.to(x.dtype).view(x.shape)
 
 
 class _Layer(nn.Module):

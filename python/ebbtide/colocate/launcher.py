@@ -13,7 +13,8 @@ Policies:
 - Argument errors raise ``ebbtide.InvalidArgumentError`` before anything starts. A failing rank does not hide the
   others: every rank's result file, exit code and log tail are kept in the results.
 - ``--trainer``: "toy" (default; the example's own model, ``trainer``; variants "ebbtide" and "anchor") or
-  "megatron" (a Megatron-core GPT, ``mtrainer``; one GPU, CUDA only, megatron-core needed; variants "ebbtide",
+  "megatron" (a Megatron-core GPT, ``mtrainer``; CUDA only, megatron-core needed; ``--tp``/``--ep``/``--moe-experts``
+  for tensor and expert parallelism and a MoE model, the rest of ``--gpus`` data parallel; variants "ebbtide",
   "slime", "slime-ebbtide" and "gpu-tms"). Its default size is ``MEGATRON_MODEL`` (~1.3 B params), ``--quick``
   ``MEGATRON_QUICK``.
 - The variants on the torch_memory_saver package (``NEEDS_TMS``) run where it is installed; otherwise they are
@@ -72,6 +73,9 @@ class RunConfig:
     trainer: str = "toy"
     gpus: int = 1
     tp: int = 1  # megatron: tensor parallel; the rest of --gpus is data parallel (distributed optimizer)
+    ep: int = 1  # megatron MoE: expert parallel (experts split over ep ranks, whole experts: expert TP 1)
+    moe_experts: int = 0  # megatron: 0 = dense MLPs; else every layer's MLP is a MoE of this many experts
+    moe_topk: int = 2
     steps: int = 10
     warmup: int = 2
     batch: int = 8
@@ -112,7 +116,8 @@ class RunConfig:
         if self.variants is None:
             self.variants = known
         self.model.validate()
-        ints = {"gpus": 1, "tp": 1, "steps": 1, "warmup": 0, "batch": 1, "seq": 2, "gen_batch": 1, "prompt_len": 1,
+        ints = {"gpus": 1, "tp": 1, "ep": 1, "moe_experts": 0, "moe_topk": 1, "steps": 1, "warmup": 0, "batch": 1,
+                "seq": 2, "gen_batch": 1, "prompt_len": 1,
                 "new_tokens": 1, "verify_batch": 1, "verify_len": 1, "timeout_s": 1}
         for name, lo in ints.items():
             v = getattr(self, name)
@@ -146,9 +151,11 @@ class RunConfig:
                 if getattr(self.model, name) % self.tp:
                     raise InvalidArgumentError(f"--tp {self.tp} must divide the model's {name} "
                                                f"({getattr(self.model, name)}): Megatron splits it between the ranks")
-        elif self.tp != 1:
-            raise InvalidArgumentError(f"--tp is an option of --trainer megatron (the toy trainer is data parallel "
-                                       f"only); got --tp {self.tp}")
+            self._validate_moe()
+        elif self.tp != 1 or self.ep != 1 or self.moe_experts:
+            raise InvalidArgumentError(f"--tp, --ep and --moe-experts: each an option of --trainer megatron (the toy "
+                                       f"trainer is dense and data parallel only); got --tp {self.tp} --ep {self.ep} "
+                                       f"--moe-experts {self.moe_experts}")
         if self.device not in ("cuda", "cpu"):
             raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "cpu" and self.variants != ("ebbtide",):
@@ -176,8 +183,32 @@ class RunConfig:
                                        "optimizer keeps fp32 moments)")
         return self
 
+    def _validate_moe(self) -> None:
+        if not self.moe_experts:
+            if self.ep != 1:
+                raise InvalidArgumentError(f"--ep {self.ep} needs a MoE model: pass --moe-experts")
+            return
+        if self.moe_experts < 2 or self.moe_topk > self.moe_experts:
+            raise InvalidArgumentError(f"--moe-experts must be >= 2 and >= --moe-topk; got --moe-experts "
+                                       f"{self.moe_experts} --moe-topk {self.moe_topk}")
+        if self.gpus % self.ep or self.moe_experts % self.ep:
+            raise InvalidArgumentError(f"--ep {self.ep} must divide --gpus {self.gpus} and --moe-experts "
+                                       f"{self.moe_experts} (each expert-parallel rank holds experts / ep of them)")
+        if self.tp > 1:
+            raise InvalidArgumentError(f"--moe-experts with --tp {self.tp}: Megatron trains a MoE layer at tensor "
+                                       "parallel > 1 only with sequence parallelism, which this loop does not run")
+        if self.ep < 2:
+            # megatron-core 0.16.1, local spec: at expert-parallel 1 and tensor-parallel 1 an expert's fc2 output is
+            # a view returned by the (identity) TP all-reduce, and SequentialMLP adds its bias to it in place: the
+            # backward fails ("a view ... is being modified inplace"); at EP > 1 the experts skip that all-reduce
+            raise InvalidArgumentError("--moe-experts needs --ep 2 or more: megatron-core's SequentialMLP experts "
+                                       "with biases fail their backward at expert parallel 1 (an in-place bias add "
+                                       "on a view)")
+
     def worker_spec(self, variant: str) -> dict:
         return {"model": dataclasses.asdict(self.model), "trainer": self.trainer, "variant": variant, "tp": self.tp,
+                "ep": self.ep,
+                "moe": {"experts": self.moe_experts, "topk": self.moe_topk} if self.moe_experts else None,
                 "steps": self.steps,
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
@@ -194,12 +225,18 @@ def _parser() -> argparse.ArgumentParser:
                                             "against the same loop on torch_memory_saver / torch tools.")
     p.add_argument("--trainer", default=d.trainer, choices=tuple(TRAINERS),
                    help="toy: the example's own small model (default, no dependencies); megatron: a Megatron-core "
-                        "GPT (local layer spec, bf16, DDP, one GPU) on ebbtide's adapter, beside the slime "
+                        "GPT (local layer spec, bf16, DDP; dense or MoE) on ebbtide's adapter, beside the slime "
                         "configuration and the GPU optimizer under torch_memory_saver")
     p.add_argument("--gpus", type=int, default=d.gpus, help="trainer ranks, one per GPU, each with its rollout")
     p.add_argument("--tp", type=int, default=d.tp,
                    help="megatron: tensor-parallel size (divides --gpus; the rest is data parallel, where the ebbtide "
                         "variant runs its distributed optimizer and the anchors Megatron's)")
+    p.add_argument("--ep", type=int, default=d.ep,
+                   help="megatron MoE: expert-parallel size (divides --gpus and --moe-experts; whole experts per rank)")
+    p.add_argument("--moe-experts", type=int, default=d.moe_experts,
+                   help="megatron: every layer's MLP a MoE of this many experts of --d-ff each (Megatron's local spec, "
+                        "alltoall dispatcher, fp32 router; default 0: dense)")
+    p.add_argument("--moe-topk", type=int, default=d.moe_topk, help="megatron MoE: experts per token")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--warmup", type=int, default=d.warmup, help="steps left out of the medians")
     p.add_argument("--quick", action="store_true", help="a small model and short decode (the bench suite's size)")
@@ -227,8 +264,8 @@ def _parser() -> argparse.ArgumentParser:
                         "memory), cpu (paused with a CPU backup: less held, a copy each way), none (discarded)")
     p.add_argument("--decode", default=d.decode, choices=DECODE_MODES,
                    help="rollout decode: the per-token step captured once in a CUDA graph and replayed (default), "
-                        "or eager forwards (same code in both variants; the anchor rollout keeps the graph's memory while "
-                        "paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
+                        "or eager forwards (same code in both variants; the anchor rollout keeps the graph's memory "
+                        "while paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
     p.add_argument("--groups", default=d.groups, choices=GROUP_MODES,
                    help="megatron, ebbtide variant: communicators made at each group's first collective (lazy, "
                         "default; release frees those that exist) or at creation and reload (eager: WORLD bound to "
@@ -264,7 +301,8 @@ def parse_args(argv=None) -> RunConfig:
     base = _model(a.trainer, a.quick)
     model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
-    kw = {k: getattr(a, k) for k in ("gpus", "tp", "steps", "warmup", "batch", "seq", "gen_batch", "prompt_len",
+    kw = {k: getattr(a, k) for k in ("gpus", "tp", "ep", "moe_experts", "moe_topk", "steps", "warmup", "batch",
+                                     "seq", "gen_batch", "prompt_len",
                                      "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode", "groups",
                                      "nccl_cumem",
                                      "moments", "steady_guard", "steady_tolerance",

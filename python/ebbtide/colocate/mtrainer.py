@@ -9,7 +9,12 @@ Policies:
   task (``train_tokens``), fp32 loss; gradient clipping at 1.0. The rollout generates with ``gpt.MegatronGPT``, the
   same architecture under the same parameter names.
 - Parallelism: ``initialize_model_parallel(tp, 1)``; each data-parallel rank trains its own batch (TP ranks share
-  theirs). With data parallelism the ebbtide variant runs ebbtide's distributed optimizer (each rank's host state is
+  theirs). MoE (``spec["moe"]``: experts, top-k; ``anchors.megatron.moe_fields``: SequentialMLP experts, alltoall
+  dispatcher, fp32 router) over ``spec["ep"]`` expert-parallel ranks with whole experts (expert TP 1); every
+  variant runs the same model, the ebbtide one always on its distributed optimizer (the adapter steps expert
+  params only in that form). At EP > 1 each rank sends the whole model to its rollout, the experts all-gathered
+  over the expert-parallel group first (``full_weights``: eagerly, one gather per local expert tensor, in every
+  variant). With data parallelism the ebbtide variant runs ebbtide's distributed optimizer (each rank's host state is
   its shard; the weights are discarded at the offload and rebuilt from each rank's mirrored slices, all-gathered at
   the first forward after the groups' reload), without it the non-sharded one (weights discarded and rebuilt from
   the whole mirror under the first forward). The weight sync sends
@@ -27,8 +32,9 @@ Policies:
   ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
   restore (``weights="discard"``: the weights are dropped and rebuilt from the optimizer's host mirror, as slime
   drops its DDP buffers and restores them from its TensorBackuper), ``release_groups(include_world=True,
-  wait=False)`` (the communicators' teardown overlaps the offload and the rollout's generate; comm_reload joins it,
-  so a teardown longer than both is paid there) / ``reload_groups()``;
+  wait=False)`` (the communicators' teardown overlaps the offload, the rollout's generate and, where it is longer,
+  the next reload: ebbtide.comm's reload goes ahead beside a teardown of destroyed groups, the next release waits for
+  it; its report lands in the phase that saw it finish) / ``reload_groups()``;
   weights by ``ebbtide.sync`` (``Sender`` + ``IpcSender``); the rollout on ebbtide.memory (preload shim).
 - Variant "slime", the configuration slime runs colocated: Megatron's DistributedOptimizer + HybridDeviceOptimizer
   (offload fraction 1.0, D2H/H2D overlap); torch_memory_saver (torch hook mode, ``retain_cpu_backup``) with the
@@ -77,7 +83,7 @@ from .sync import IpcTrainerSync
 from .trainer import (_only, _RolloutClient, align_ranks, align_store, main as _rank_main, reference_entry,
                       rollout_env, train_tokens, verify_entry)
 
-__all__ = ["main", "VARIANTS", "LOGITS_RTOL"]
+__all__ = ["main", "VARIANTS", "LOGITS_RTOL", "MOE_LOGITS_RTOL"]
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
@@ -94,6 +100,11 @@ STEP_BYTES = {"fp32": 28, "bf16": 20}
 # Megatron's forward and the rollout's plain-PyTorch one on the same bf16 weights: same math, other kernels and
 # operation order (fused QKV split, softmax, LayerNorm) through every layer; a wrong name or layout differs by O(1).
 LOGITS_RTOL = 2.0 ** -4
+# MoE: the two forwards' hidden states differ by that rounding, so a token whose top-k experts are nearly tied can
+# be routed to another expert in one of them: one such flip moved the last-position logits by 6.8% of the largest
+# (0.305 of 4.47; 2 H200, 2.15 B MoE at EP=2, weights bitwise equal) where the same step of another run read 1.2%.
+# The weights' bitwise check stays exact; the logits check keeps guarding names and layouts at O(1).
+MOE_LOGITS_RTOL = 2.0 ** -3
 
 
 class _MegatronTrainer:
@@ -102,6 +113,10 @@ class _MegatronTrainer:
         if self.tp < 1 or world % self.tp:
             raise RuntimeError(f"tensor parallel {self.tp} does not divide the world of {world} ranks")
         self.dp = world // self.tp
+        self.ep = int(spec.get("ep", 1))
+        self.moe = spec.get("moe")  # {"experts", "topk"} or None (dense)
+        if self.ep < 1 or world % self.ep or (self.ep > 1 and not self.moe):
+            raise RuntimeError(f"expert parallel {self.ep} needs a MoE model and must divide the world of {world}")
         self.spec, self.rank, self.world, self.variant = spec, rank, world, spec["variant"]
         if self.variant not in VARIANTS:
             raise RuntimeError(f"unknown variant {self.variant!r} (known: {VARIANTS})")
@@ -130,7 +145,7 @@ class _MegatronTrainer:
             tms.retain_cpu_backup = True  # keep the pinned backup across cycles (its best setting)
             self.tms = tms
         self.setup: dict = {"variant": self.variant, "trainer": "megatron", "rank": rank, "world": world,
-                            "tp": self.tp, "dp": self.dp,
+                            "tp": self.tp, "dp": self.dp, "ep": self.ep, "moe": self.moe,
                             "device_name": torch.cuda.get_device_name(self.dev), "torch": torch.__version__,
                             "pid": os.getpid()}
         torch.zeros(1, device=self.dev)  # the CUDA context
@@ -175,7 +190,9 @@ class _MegatronTrainer:
         bound = {"device_id": self.dev} if self.eager_groups else {}
         dist.init_process_group("nccl", store=self.store, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(minutes=10), **bound)
-        parallel_state.initialize_model_parallel(self.tp, 1)
+        # whole experts (expert TP 1) over ep ranks; Megatron's default expert TP is the TP size
+        experts = dict(expert_model_parallel_size=self.ep, expert_tensor_parallel_size=1) if self.moe else {}
+        parallel_state.initialize_model_parallel(self.tp, 1, **experts)
         tensor_parallel.model_parallel_cuda_manual_seed(self.spec["seed"] + 1234)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
@@ -196,12 +213,15 @@ class _MegatronTrainer:
         c, s = self.cfg, self.spec
         dims = (c.n_layers, c.d_model, c.n_heads, c.d_ff, c.vocab, c.max_seq)
         seed = s["seed"] + 1234
+        moe = (self.moe["experts"], self.moe["topk"]) if self.moe else None
         if self.variant == "ebbtide":
             moments = s.get("moments", "fp32")
             if moments not in MOMENTS:
                 raise RuntimeError(f"moments must be one of {MOMENTS}, not {moments!r}")
-            sharded = self.dp > 1  # the distributed optimizer: each DP rank's host state is its shard
-            self.model = build_gpt(*dims, dist_opt=sharded, seed=seed)
+            # the distributed optimizer: each DP rank's host state is its shard (the adapter steps expert-parallel
+            # params only in that form, so a MoE model takes it at DP=1 too)
+            sharded = self.dp > 1 or moe is not None
+            self.model = build_gpt(*dims, dist_opt=sharded, seed=seed, moe=moe)
             cfg = opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=sharded)
             if moments == "bf16":
                 # Megatron's precision-aware fields, set after construction as a config made on a Transformer Engine
@@ -224,7 +244,8 @@ class _MegatronTrainer:
                          overlap_cpu_optimizer_d2h_h2d=True) if slime else {}
             # the DDP param and grad buffers: without backup for slime (--offload-train), else with the rest
             buffers = ("ddp_buffers", False) if slime else ("train", True)
-            self.model = build_gpt(*dims, dist_opt=True, seed=seed, ddp_region=lambda: self._region(*buffers))
+            self.model = build_gpt(*dims, dist_opt=True, seed=seed, ddp_region=lambda: self._region(*buffers),
+                                   moe=moe)
             with self._region("train", True):
                 self.opt = get_megatron_optimizer(opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=True,
                                                              **extra), [self.model])
@@ -237,12 +258,22 @@ class _MegatronTrainer:
             subs = getattr(self.opt, "chained_optimizers", [self.opt])  # Megatron returns a ChainedOptimizer
             self.setup["optimizer"] = ", ".join(f"{type(o).__name__}({type(getattr(o, 'optimizer', o)).__name__})"
                                                 for o in subs)
-        self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
         self.tp_dims = self.ebt.tensor_parallel_dims([self.model])
+        # {local name: global name} of this rank's experts at EP > 1: the sync sends the whole model from every rank
+        # (the experts all-gathered over the expert-parallel group, ``full_weights``, as slime gathers them)
+        self.expert_names = self.ebt.expert_parallel_names([self.model])
+        if self.expert_names:
+            self.named = lambda: self.ebt.full_weights([self.model])
+        else:
+            self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
         named = megatron_names(self.model.named_parameters())
-        local = sum(p.numel() for p in named.values())
-        self.setup["params"] = sum(p.numel() * (self.tp if n in self.tp_dims else 1) for n, p in named.items())
-        self.setup["params_stepped"] = local // self.dp  # this rank's share of the optimizer step
+        self.setup["params"] = sum(p.numel() * (self.tp if n in self.tp_dims else 1)
+                                   * (self.ep if n in self.expert_names else 1) for n, p in named.items())
+        # this rank's share of the optimizer step: dense params over the DP group, experts over the expert-DP group
+        # (world / ep with whole experts)
+        local_experts = sum(p.numel() for n, p in named.items() if ".mlp.experts." in n)
+        dense = sum(p.numel() for p in named.values()) - local_experts
+        self.setup["params_stepped"] = dense // self.dp + local_experts // (self.world // self.ep)
         self._host_floor()
 
     def _host_floor(self):
@@ -273,6 +304,8 @@ class _MegatronTrainer:
                                   "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s", "scratch_backup")}
         spec.update(decode=s.get("decode", "eager"), device=self.dev.index, trainer_pid=os.getpid(), arch="megatron",
                     sync=self.sync.mode)
+        if self.moe:  # the whole MoE model, its router in fp32 as the trainer's (anchors.megatron.moe_fields)
+            spec["moe"] = {"experts": self.moe["experts"], "topk": self.moe["topk"], "router_fp32": True}
         env = rollout_env(self.em, s["scratch_backup"])
         try:
             self.rollout = _RolloutClient(spec, env, {"sync_fd": theirs.fileno()})
@@ -362,13 +395,15 @@ class _MegatronTrainer:
         return reference_entry(megatron_names(self.model.named_parameters()), self.sync.reference(), forward,
                                local=self._shard)
 
-    def _shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This TP rank's piece of a full tensor (what its parameter holds)."""
+    def _shard(self, name: str, full: dict) -> torch.Tensor:
+        """What this rank's parameter ``name`` holds of the whole model ``full``: its TP piece, or for a local
+        expert the global expert it is."""
+        t = full[self.expert_names.get(name, name)]
         d = self.tp_dims.get(name)
         if d is None:
-            return full
+            return t
         r = torch.distributed.get_rank(self.tp_group)
-        return full.chunk(self.tp, d)[r]
+        return t.chunk(self.tp, d)[r]
 
     def step(self, step: int, verify: bool):
         R, rec, tmo, version = self.rollout, self.rec, self.spec["timeout_s"], step + 1
@@ -394,6 +429,7 @@ class _MegatronTrainer:
             align_ranks(self.align, self.world, f"{self.variant}/{step}/load")
         with rec.phase(step, "comm_release") as info:
             if self.em is not None:  # agreed and detached now; the teardown overlaps the offload and generate
+                self._note_release(info, wait=True)  # release() waits for the previous teardown anyway
                 self.releasing = self.ebt.release_groups(include_world=True, wait=False)
                 info["report"] = "teardown in the background (its report: comm_reload's release_report)"
             else:
@@ -413,7 +449,8 @@ class _MegatronTrainer:
                              "decode_vs_full_argmax_equal"))
             if gen.get("decode") != "eager":
                 gen.update(R.call("check_decode", timeout=tmo))
-            self.checks["verify"].append(verify_entry(step, self.rank, ref, loaded, gen, LOGITS_RTOL))
+            rtol = MOE_LOGITS_RTOL if self.moe else LOGITS_RTOL
+            self.checks["verify"].append(verify_entry(step, self.rank, ref, loaded, gen, rtol))
             align_ranks(self.align, self.world, f"{self.variant}/{step}/generate")
         with rec.phase(step, "rollout_pause") as info:
             info.update(_only(R.call("pause", timeout=tmo), "inside_s", "bytes_released"))
@@ -422,13 +459,20 @@ class _MegatronTrainer:
             info.update(self._onload())
         self._sample(step, "onload")
         with rec.phase(step, "comm_reload") as info:
-            if self.releasing is not None:  # a teardown still running (a short generate) is waited for here
-                bg, self.releasing = self.releasing.result(), None
-                slow = sorted(bg.groups, key=lambda g: -g.seconds)[:3]
-                info.update(release_report=bg.summary(), release_background_s=bg.seconds,
-                            release_slowest={g.name: round(g.seconds, 4) for g in slow})
+            # a teardown still running (a short generate) goes on beside the reload: not waited for here
+            info["release_teardown_running"] = self.releasing is not None and not self.releasing.done()
             info["report"] = self.ebt.reload_groups(eager=self.eager_groups).summary()
+            self._note_release(info, wait=False)
         self._sample(step, "comm_reload")
+
+    def _note_release(self, info: dict, wait: bool) -> None:
+        """The background release's report into ``info`` once it finished (``wait``: join it first)."""
+        if self.releasing is None or not (wait or self.releasing.done()):
+            return
+        bg, self.releasing = self.releasing.result(), None
+        slow = sorted(bg.groups, key=lambda g: -g.seconds)[:3]
+        info.update(release_report=bg.summary(), release_background_s=bg.seconds,
+                    release_slowest={g.name: round(g.seconds, 4) for g in slow})
 
     def _note_decode(self, gen: dict):
         ro = self.setup.setdefault("rollout", {})
@@ -443,6 +487,10 @@ class _MegatronTrainer:
             last = [p for p in self.rec.phases if p["step"] == s]
             print(f"[megatron {self.variant}] step {s}: {sum(p['s'] for p in last) * 1e3:.1f} ms, "
                   f"loss {last[0].get('loss', float('nan')):.4f}", flush=True)
+        last_release: dict = {}
+        self._note_release(last_release, wait=True)  # the last step's teardown: its report (and any failure)
+        if last_release:
+            self.setup["last_release"] = last_release
 
     def close(self):
         self.rollout.close()

@@ -25,8 +25,10 @@ Policies:
   the traceback. The process never exits on a command error: the trainer decides.
 - ``spec["arch"]``: "tiny" (``TinyLM``, the toy trainer's model; weights through the shared host buffer
   ``buf_fd``) or "megatron" (``gpt.MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
-  the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``). Every variant other than
-  "ebbtide" runs the rollout on torch_memory_saver ("slime-ebbtide": on ebbtide.compat.torch_memory_saver).
+  the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``); ``spec["moe"]`` (megatron
+  only): ``gpt.MoEConfig`` fields of a MoE model, served whole (every expert) whatever the trainer's expert
+  parallelism. Every variant other than "ebbtide" runs the rollout on torch_memory_saver ("slime-ebbtide": on
+  ebbtide.compat.torch_memory_saver).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..errors import InvalidArgumentError, StateError
-from .gpt import MegatronGPT
+from .gpt import MegatronGPT, MoEConfig
 from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 from .sync import IpcRolloutSync, RolloutSync
 
@@ -131,9 +133,13 @@ class _Rollout:
         arch = spec.get("arch", "tiny")
         if arch not in ARCHS:
             raise InvalidArgumentError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+        moe = spec.get("moe")
+        if moe and arch != "megatron":
+            raise InvalidArgumentError(f"a MoE rollout needs arch 'megatron', got {arch!r}")
+        moe_kw = {"moe": MoEConfig(**moe)} if moe else {}
         with region("weights"):
             # a different seed from the trainer's: only a correct sync makes the logits match
-            self.model = ARCHS[arch].random(self.cfg, seed=spec["seed"] + 1, device=self.dev)
+            self.model = ARCHS[arch].random(self.cfg, seed=spec["seed"] + 1, device=self.dev, **moe_kw)
         self.model.requires_grad_(False)
         with region("kv_cache"):
             self.cache = KVCache(self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)

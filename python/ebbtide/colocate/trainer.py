@@ -462,11 +462,12 @@ class _Trainer:
 def reference_entry(named: dict, ref: dict, forward, local=None) -> dict:
     """What the rollout must show after the sync: the last-position logits of ``forward()`` run with ``ref`` (the
     weights the rollout must hold) copied into the parameters ``named`` (put back afterwards), and ``ref``'s
-    digests. ``local(name, full)``: the piece of a full tensor this rank's parameter holds (tensor parallel)."""
+    digests. ``local(name, ref)``: what this rank's parameter ``name`` holds of the whole ``ref`` (tensor
+    parallel: its piece; expert parallel: the global expert it is)."""
     saved = {n: p.detach().clone() for n, p in named.items()}
     try:
         for n, p in named.items():
-            p.copy_(local(n, ref[n]) if local is not None else ref[n])
+            p.copy_(local(n, ref) if local is not None else ref[n])
         logits = forward()[:, -1].float().cpu()
     finally:
         for n, p in named.items():
