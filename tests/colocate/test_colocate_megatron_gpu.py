@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ebbtide.colocate.launcher import MEGATRON_QUICK  # noqa: E402
 from ebbtide.colocate.measure import MEGATRON_PHASES  # noqa: E402
 
 pytestmark = [
@@ -115,11 +116,13 @@ def test_megatron_loop_two_gpus(tmp_path, tp, variant):
 
 
 # ---- MoE: the same loop on a Megatron MoE GPT, expert parallel over two GPUs ---------------------------------
-def _check_moe(v, experts: int, ep: int):
+def _check_moe(v, experts: int, ep: int, d_model: int, d_ff: int, layers: int):
     setup = v["ranks"][0]["setup"]
     assert setup["moe"] == {"experts": experts, "topk": 2} and setup["ep"] == ep, setup
-    # the rollout serves every expert: its model has experts x the dense MLP's parameters, which the sync filled
-    assert setup["params"] > setup["params_stepped"], setup
+    # each rank steps its own experts whole (expert-DP = world / ep = 1) and half the dense params (DP = 2)
+    local_experts = layers * (experts // ep) * (2 * d_model * d_ff + d_ff + d_model)  # fc1, fc2 and their biases
+    dense = setup["params"] - ep * local_experts
+    assert dense > 0 and setup["params_stepped"] == dense // 2 + local_experts, (setup, local_experts)
 
 
 @pytest.mark.multigpu
@@ -134,4 +137,5 @@ def test_megatron_moe_loop_expert_parallel_two_gpus(tmp_path, variant):
     assert p.returncode == 0, diag
     v = _check(res, variant, diag)
     assert v["checks"]["ranks_in_sync"] is True, v["checks"]["verify"]
-    _check_moe(v, 4, 2)
+    q = MEGATRON_QUICK
+    _check_moe(v, 4, 2, q.d_model, 1024, q.n_layers)

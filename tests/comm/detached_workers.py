@@ -25,11 +25,14 @@ class _Recorder:
     def __init__(self, slow: float = 0.0):
         self.real, self.slow, self.fail = B.teardown, slow, False
         self.events: list = []
+        self.calls = 0
         self.lock = threading.Lock()
         B.teardown = self
 
     def __call__(self, inner, how):
         start = time.monotonic()
+        with self.lock:
+            self.calls += 1
         if self.fail:
             raise RuntimeError("injected teardown failure")
         time.sleep(self.slow)
@@ -217,6 +220,7 @@ def nccl_reload_beside_teardown(rank, world, init, cycles=6, rollout_s=0.2, mode
         pending = not fut.done()
         rl = comm.reload()
         t_reload = time.perf_counter() - t1
+        pending = pending and not fut.done()  # still running after reload: it was beside all of it
         check()
         t_first = time.perf_counter() - t1
         rep = fut.result(timeout=60)
@@ -234,3 +238,45 @@ def nccl_reload_beside_teardown(rank, world, init, cycles=6, rollout_s=0.2, mode
     check()
     dist.destroy_process_group()
     return {"rows": rows, "wait_true_release_s": rep.seconds, "groups": len(groups)}
+
+
+def every_wave_after_a_failure(rank, world, init):
+    """WORLD released too (a later wave than its subgroups): on rank 1 every teardown fails, and still every wave is
+    attempted (a peer's finalize of WORLD would wait for this rank's forever); the next release() raises on both
+    ranks and a retry releases."""
+    _init(rank, world, init)
+    mine = _groups(rank, world)
+    rec = _Recorder()
+    rec.fail = rank == 1
+    fut = comm.release(True, include_cpu=True, wait=False)
+    err = fut.exception(timeout=60)
+    attempted = rec.calls
+    rec.fail = False
+    comm.reload()
+    _check(mine, rank)
+    try:
+        comm.release(True, include_cpu=True)
+    except StateError as e:
+        raised = str(e)
+    else:
+        raise AssertionError("release() after a failed detached teardown did not raise")
+    comm.release(True, include_cpu=True)
+    comm.reload()
+    _check(mine, rank)
+    return {"failed": err is not None, "attempted": attempted, "groups": len(mine), "raised": raised}
+
+
+def wait_must_agree(rank, world, init):
+    """Ranks passing different ``wait`` take different forms (the detached one has no trailing barrier): refused on
+    every rank by the agreement, nothing released."""
+    _init(rank, world, init)
+    mine = _groups(rank, world)
+    try:
+        comm.release(True, include_cpu=True, wait=rank == 0)
+    except StateError as e:
+        out = str(e)
+    else:
+        raise AssertionError("release() with disagreeing wait did not raise")
+    assert not comm.is_released()
+    _check(mine, rank)
+    return out

@@ -36,6 +36,19 @@ def test_failure_raised_at_next_release():
     assert "injected teardown failure" in res[1]["uninstall"] and "uninstall" not in res[0], res
 
 
+def test_every_wave_is_attempted_after_a_failure():
+    res = _spawn.run("every_wave_after_a_failure", 2, module="detached_workers", timeout=120)
+    assert res[1]["failed"] and not res[0]["failed"], res
+    for r in res:
+        assert r["attempted"] == r["groups"], r  # WORLD's wave ran after its subgroups' failed
+        assert "on ranks [1]" in r["raised"], r
+
+
+def test_ranks_must_agree_on_wait():
+    res = _spawn.run("wait_must_agree", 2, module="detached_workers", timeout=120)
+    assert all("include_world/include_cpu/" in r and "wait" in r for r in res), res
+
+
 def test_suspend_plan_is_still_joined_by_reload():
     res = _spawn.run("suspend_is_joined_by_reload", 2, module="detached_workers", slow=1.0, timeout=120)
     for r in res:

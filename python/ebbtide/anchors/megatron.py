@@ -11,9 +11,9 @@ __all__ = ["build_gpt", "opt_config", "hdo", "moe_fields"]
 def moe_fields(experts: int, topk: int) -> dict:
     """TransformerConfig fields of the MoE GPT both the example and the benchmarks build: ``experts`` whole experts
     of ``ffn_hidden_size`` (SequentialMLP: the local spec without grouped GEMM) over Megatron's expert-parallel
-    group, ``topk`` per token, the alltoall token dispatcher, an fp32 router (``moe_router_dtype``, as slime's MoE
-    scripts set it: near-tie routing decisions then agree between the trainer and a rollout that recomputes
-    them) and Megatron's other router defaults (softmax after top-k, no scaling, no capacity, no aux loss)."""
+    group, ``topk`` per token, the alltoall token dispatcher, an fp32 router (``moe_router_dtype``: near-tie
+    routing decisions then agree more often between the trainer and a rollout that recomputes them) and Megatron's
+    other router defaults (softmax after top-k, no scaling, no capacity, no aux loss)."""
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
     _moe_without_te()

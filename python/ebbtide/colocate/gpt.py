@@ -22,8 +22,10 @@ Policies:
   ``mlp.experts.local_experts.{e}`` MLPs of ``d_ff`` under the names of an expert-parallel size of 1 (the whole
   model, as a serving engine holds it). Every expert runs on every token and the top-k weights select: static
   shapes for the CUDA-graph decode, and at a decode batch most experts are read anyway. ``router_fp32`` follows
-  ``moe_router_dtype="fp32"`` (the Megatron loop's setting): logits, top-k and the weighted sum in fp32, so a
-  near-tie between two experts is decided as the trainer decides it far more often than in bf16.
+  ``moe_router_dtype="fp32"`` (the Megatron loop's setting): logits, top-k and softmax in fp32 as Megatron computes
+  them, so a near-tie between two experts is decided as the trainer decides it more often than in bf16. The
+  weighted sum is p * (fc2(act) + bias) accumulated in fp32 here; Megatron scales the activation and the bias by p
+  in bf16 and sums the top-k outputs in bf16: the same math, other roundings.
 """
 from __future__ import annotations
 
@@ -107,8 +109,9 @@ class _MLP(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Megatron's MoE MLP in every layer: ``experts`` experts (Megatron's ``num_moe_experts``), ``topk`` of them per
-    token (``moe_router_topk``); ``router_fp32``: the router's logits, top-k and weights in fp32 and the experts'
-    weighted sum accumulated in fp32 (``moe_router_dtype="fp32"``), else in the activations' dtype."""
+    token (``moe_router_topk``); ``router_fp32``: the router's logits, top-k and weights in fp32
+    (``moe_router_dtype="fp32"``) and the experts' weighted sum accumulated in fp32, else both in the activations'
+    dtype."""
     experts: int
     topk: int = 2
     router_fp32: bool = False

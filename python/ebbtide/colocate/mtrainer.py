@@ -219,7 +219,7 @@ class _MegatronTrainer:
             if moments not in MOMENTS:
                 raise RuntimeError(f"moments must be one of {MOMENTS}, not {moments!r}")
             # the distributed optimizer: each DP rank's host state is its shard (the adapter steps expert-parallel
-            # params only in that form, so a MoE model takes it at DP=1 too)
+            # params only in that form; a MoE model runs at EP >= 2, so DP >= 2 here anyway)
             sharded = self.dp > 1 or moe is not None
             self.model = build_gpt(*dims, dist_opt=sharded, seed=seed, moe=moe)
             cfg = opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=sharded)
@@ -260,7 +260,7 @@ class _MegatronTrainer:
                                                 for o in subs)
         self.tp_dims = self.ebt.tensor_parallel_dims([self.model])
         # {local name: global name} of this rank's experts at EP > 1: the sync sends the whole model from every rank
-        # (the experts all-gathered over the expert-parallel group, ``full_weights``, as slime gathers them)
+        # (the experts all-gathered over the expert-parallel group, ``full_weights``, eagerly: slime gathers per bucket)
         self.expert_names = self.ebt.expert_parallel_names([self.model])
         if self.expert_names:
             self.named = lambda: self.ebt.full_weights([self.model])
@@ -429,8 +429,10 @@ class _MegatronTrainer:
             align_ranks(self.align, self.world, f"{self.variant}/{step}/load")
         with rec.phase(step, "comm_release") as info:
             if self.em is not None:  # agreed and detached now; the teardown overlaps the offload and generate
-                self._note_release(info, wait=True)  # release() waits for the previous teardown anyway
+                previous = self.releasing
+                # release() joins the previous teardown itself: a failure there raises on every rank (its agreement)
                 self.releasing = self.ebt.release_groups(include_world=True, wait=False)
+                self._note_release(info, previous)
                 info["report"] = "teardown in the background (its report: comm_reload's release_report)"
             else:
                 info["report"] = self.ebt.release_groups(include_world=True).summary()
@@ -462,14 +464,22 @@ class _MegatronTrainer:
             # a teardown still running (a short generate) goes on beside the reload: not waited for here
             info["release_teardown_running"] = self.releasing is not None and not self.releasing.done()
             info["report"] = self.ebt.reload_groups(eager=self.eager_groups).summary()
-            self._note_release(info, wait=False)
+            if self.releasing is not None and self.releasing.done():
+                self._note_release(info, self.releasing)
+                self.releasing = None
         self._sample(step, "comm_reload")
 
-    def _note_release(self, info: dict, wait: bool) -> None:
-        """The background release's report into ``info`` once it finished (``wait``: join it first)."""
-        if self.releasing is None or not (wait or self.releasing.done()):
+    def _note_release(self, info: dict, fut) -> None:
+        """A finished background release's report into ``info``. A failure is only recorded here: it raises at the
+        next release_groups() on every rank, not on this rank alone (its peers would wait in their next
+        collective)."""
+        if fut is None or not fut.done():
             return
-        bg, self.releasing = self.releasing.result(), None
+        err = fut.exception()
+        if err is not None:
+            info["release_failed"] = f"{type(err).__name__}: {err}"
+            return
+        bg = fut.result()
         slow = sorted(bg.groups, key=lambda g: -g.seconds)[:3]
         info.update(release_report=bg.summary(), release_background_s=bg.seconds,
                     release_slowest={g.name: round(g.seconds, 4) for g in slow})
@@ -487,10 +497,11 @@ class _MegatronTrainer:
             last = [p for p in self.rec.phases if p["step"] == s]
             print(f"[megatron {self.variant}] step {s}: {sum(p['s'] for p in last) * 1e3:.1f} ms, "
                   f"loss {last[0].get('loss', float('nan')):.4f}", flush=True)
-        last_release: dict = {}
-        self._note_release(last_release, wait=True)  # the last step's teardown: its report (and any failure)
-        if last_release:
-            self.setup["last_release"] = last_release
+        if self.releasing is not None:  # the last step's teardown: joined before the process ends, its report kept
+            self.releasing.exception()
+            last_release: dict = {}
+            self._note_release(last_release, self.releasing)
+            self.setup["last_release"], self.releasing = last_release, None
 
     def close(self):
         self.rollout.close()

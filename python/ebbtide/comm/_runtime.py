@@ -240,7 +240,8 @@ class Runtime:
         with self.lock:
             for attr in ("pending",) + (("teardowns",) if g is self.world else ()):
                 err = joined(getattr(self, attr))
-                setattr(self, attr, None)
+                # a subgroup's destroy leaves the failure for the next entry point (it stays raised there)
+                setattr(self, attr, None if err is None or g is self.world else getattr(self, attr))
                 if err is not None:
                     log.error("ebbtide.comm: dist.destroy_process_group: the background teardown of "
                               "release(wait=False) had failed: %s: %s", type(err).__name__, err)
@@ -303,7 +304,8 @@ class Runtime:
             # 2. Drain outstanding device work (NCCL kernels run on internal streams; a device sync covers them).
             log.debug("ebbtide.comm: release: detached %s", [e.group._ebt_name for e in detached])
             # 3. Agree: same journal, same options; each group's strategy is the weakest of its members' choices.
-            payload = {"journal": journal_hash(self.journal), "opts": [include_world, include_cpu],
+            # wait is agreed too: it decides the form of the rest (Note [Detached teardown]), so the control-plane calls
+            payload = {"journal": journal_hash(self.journal), "opts": [include_world, include_cpu, bool(wait)],
                        "choices": {str(e.gidx): c for e, c, _ in local if e.gidx >= 0},
                        "gone": [e.gidx for e in self.journal if e.group is not None and e.group._ebt_destroyed],
                        "deepep": _deepep.describe(), "teardown": failure_text(failed) if failed else ""}
@@ -330,7 +332,8 @@ class Runtime:
                                      "teardown held may not be freed)") from failed
                 check_agreement(everyone, "release")
                 if len({json.dumps(p["opts"]) for p in everyone}) != 1:
-                    raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu "
+                    raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu/"
+                                     "wait "
                                      f"arguments: {[p['opts'] for p in everyone]}")
                 why = _deepep.disagreement(everyone)
                 if why:

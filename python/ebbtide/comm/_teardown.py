@@ -147,12 +147,17 @@ def finish_release(rt, todo: list[Entry], detached: dict, tmo, control, t0: floa
 #     left, the teardown of inner ProcessGroups that no wrapper, registry or journal entry refers to any more, runs
 #     on a background thread that touches nothing of the runtime's but its own Future, the reports it made, and
 #     ``last_release`` once at the end. So reload(), group creation and split_group need not wait for it: new
-#     communicators are made while the old ones finish. That holds because NCCL is thread-safe across
-#     communicators and torch's shutdown/abort bindings drop the GIL; the new communicators share nothing with the
+#     communicators are made while the old ones finish. What that relies on: torch's shutdown/abort bindings drop
+#     the GIL; one thread tears communicators down while another creates and uses others on the same device, which
+#     NCCL does not promise in general (its thread-safety notes warn against issuing operations to independent
+#     communicators of one device from several threads) and which ran without a hang in the cycles measured below
+#     and in the colocated loops (2026-11-28, NCCL 2.28.9), eager reloads (whose warm-up runs collectives on many
+#     groups at once) included; a longer soak has not run. The new communicators share nothing with the
 #     dying ones (a split needs a live parent, and no dying inner is anyone's parent any more); the dying ones keep
 #     their order among themselves (children before the group they were split from, wave after wave, as on every
 #     path); and what a finalize waits for is the same dying communicator on its peers, whose background threads run
-#     the same waves whatever their main threads do. A SUSPEND plan keeps the whole release on the background
+#     the same waves whatever their main threads do, every wave even after one failed (the peers' later waves
+#     wait for this rank's). A SUSPEND plan keeps the whole release on the background
 #     thread, joined by every entry point: a group must be fully suspended (or its failed suspend turned into a
 #     destroy, which changes what reload agrees on) before anything resumes it.
 #     Who joins the detached teardowns (waits for them and raises their failure as StateError): release(), before
@@ -161,8 +166,12 @@ def finish_release(rt, todo: list[Entry], detached: dict, tmo, control, t0: floa
 #     released, rather than the failed ranks raising alone and their peers timing out; a repeated release() while
 #     released is a no-op without an agreement and raises it on its own rank); uninstall(), the end of management,
 #     after which no release would report it; dist.destroy_process_group of WORLD, which logs it (c10d's destroy
-#     goes on, best effort). Nothing else: reload(), group creation and split_group go ahead, reload's memory
-#     probes reporting None while the teardowns run (they would count their frees).
+#     goes on, best effort). Nothing else: reload(), group creation
+#     and split_group go ahead, reload's memory probes reporting None while this rank's teardowns run (they would
+#     count their frees; a peer's late teardown can still move them). The price: the old communicators' memory is
+#     still held while the new ones are made, and a process that exits with teardowns outstanding (no release()
+#     or destroy_process_group after the last reload) ends inside them; ``release(wait=False)``'s mode is agreed
+#     (its control-plane calls differ), as include_world and include_cpu are.
 #     No trailing barrier: it would be a control-plane call from a second thread while the main thread's reload
 #     exchanges on the same sequence-numbered keys (ControlPlane is not thread-safe, and interleaved calls would
 #     pair different steps across ranks), and its purpose does not hold here: it lets a rank that measures or
@@ -186,16 +195,22 @@ def release_detached(rt, todo: list[Entry], detached: dict, tmo: datetime.timede
     how, generation = rt.teardown, rt.generation
 
     def teardowns() -> Report:
-        try:
-            for wave in work:
+        # Every wave runs even after one failed: a finalize waits for the same communicator on the peers, whose
+        # later waves (WORLD) would otherwise wait for this rank forever. The first failure is raised at the end.
+        first = None
+        for wave in work:
+            try:
                 secs = B.teardown_concurrently(dict(wave), how, tmo, {i: reports[i].name for i, _ in wave})
-                wave.clear()  # the last references to these inners: they are freed here, not by the caller
                 for i, s in secs.items():
                     reports[i].seconds = s
-        except BaseException as err:
-            log.error("ebbtide.comm: the background teardown of release(wait=False) failed (%s: %s); the next "
-                      "release() raises it", type(err).__name__, err)
-            raise
+            except BaseException as err:  # noqa: BLE001 (kept, raised once the other waves ran)
+                log.error("ebbtide.comm: the background teardown of release(wait=False) failed (%s: %s); the "
+                          "next release() raises it", type(err).__name__, err)
+                first = first or err
+            finally:
+                wave.clear()  # the last references to these inners: they are freed here, not by the caller
+        if first is not None:
+            raise first
         rep = Report("release", False, generation, time.perf_counter() - t0, barrier_s, None, None,
                      reports[::-1] + extra)
         rt.last_release = rep
