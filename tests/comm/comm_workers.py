@@ -18,6 +18,18 @@ from ebbtide.bench._spawn import join_store
 from ebbtide.errors import StateError, WaitTimeoutError
 
 
+def suspend_capable_facts(real_facts):
+    """``_backend.facts`` as on a GPU whose torch and NCCL can suspend a communicator (for faked-suspend tests)."""
+    import dataclasses
+
+    def facts(*a, **k):
+        return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
+                                   nccl_version=(2, 29, 7), backend_has_suspend=True, cumem=True,
+                                   split_share=False, comm_initialized=True)
+
+    return facts
+
+
 def _init(rank, world, init, **kw):
     comm.install(**kw)
     dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
@@ -463,17 +475,11 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
     suspend/resume calls (torch >= 2.12 + NCCL >= 2.29.7, absent here) are replaced by recorders inside this rank
     process. A suspended group keeps its inner object and resumes it; when one member's suspend fails it destroys
     instead, and at reload every member agrees to rebuild that group (a resume would wait for it forever)."""
-    import dataclasses
 
     import ebbtide.comm._backend as B
 
     calls = []
-    real_facts = B.facts
-
-    def facts(*a, **k):
-        return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
-                                   nccl_version=(2, 29, 7), backend_has_suspend=True, cumem=True,
-                                   split_share=False, comm_initialized=True)
+    facts = suspend_capable_facts(B.facts)
 
     def suspend(inner):
         calls.append("suspend")

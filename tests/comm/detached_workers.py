@@ -15,7 +15,7 @@ import ebbtide.comm as comm
 import ebbtide.comm._backend as B
 from ebbtide.errors import StateError
 
-from comm_workers import _expect_sum, _init
+from comm_workers import _expect_sum, _init, suspend_capable_facts
 
 
 class _Recorder:
@@ -139,15 +139,9 @@ def suspend_is_joined_by_reload(rank, world, init, slow=1.0):
     """With a SUSPEND plan the whole release runs in the background as before, and reload() waits for it: the
     native suspend (absent here) is replaced by one that takes ``slow`` seconds; reload() returns only after it,
     the Future done."""
-    import dataclasses
 
     calls = []
-    real_facts = B.facts
-
-    def facts(*a, **k):
-        return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
-                                   nccl_version=(2, 29, 7), backend_has_suspend=True, cumem=True,
-                                   split_share=False, comm_initialized=True)
+    facts = suspend_capable_facts(B.facts)
 
     def suspend(inner):
         time.sleep(slow)
