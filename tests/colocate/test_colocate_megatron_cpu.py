@@ -160,15 +160,17 @@ def test_missing_megatron_core_is_a_clear_error(monkeypatch, tmp_path):
         launcher.run(RunConfig(trainer="megatron", out=str(tmp_path)))
 
 
-def test_the_megatron_rank_refuses_a_tp_that_does_not_divide_the_world(tmp_path):
+@pytest.mark.parametrize("key, world, msg", [("tp", "3", "does not divide the world of 3"),
+                                            ("ep", "2", "needs a MoE model")], ids=["tp-world", "ep-dense"])
+def test_the_megatron_rank_refuses_a_parallel_size_it_cannot_run(tmp_path, key, world, msg):
     out = tmp_path / "r.json"
     spec = RunConfig(trainer="megatron", model=MEGATRON_QUICK).validate().worker_spec("ebbtide")
-    spec["tp"] = 2
-    env = dict(os.environ, RANK="0", WORLD_SIZE="3")
+    spec[key] = 2
+    env = dict(os.environ, RANK="0", WORLD_SIZE=world)
     p = subprocess.run([sys.executable, "-m", "ebbtide.colocate.mtrainer", json.dumps(spec), str(out)], env=env,
                        capture_output=True, text=True, timeout=120)
     res = json.loads(out.read_text())
-    assert p.returncode == 1 and not res["ok"] and "does not divide the world of 3" in res["error"]
+    assert p.returncode == 1 and not res["ok"] and msg in res["error"]
 
 
 def test_two_gpu_shapes_parse():
@@ -178,17 +180,6 @@ def test_two_gpu_shapes_parse():
     moe = parse_args(["--trainer", "megatron", "--gpus", "2", "--ep", "2", "--moe-experts", "8", "--d-ff", "2048"])
     spec = moe.worker_spec("slime")
     assert spec["ep"] == 2 and spec["moe"] == {"experts": 8, "topk": 2} and spec["model"]["d_ff"] == 2048
-
-
-def test_the_megatron_rank_refuses_expert_parallel_without_experts(tmp_path):
-    out = tmp_path / "r.json"
-    spec = RunConfig(trainer="megatron", model=MEGATRON_QUICK).validate().worker_spec("ebbtide")
-    spec["ep"] = 2
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2")
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate.mtrainer", json.dumps(spec), str(out)], env=env,
-                       capture_output=True, text=True, timeout=120)
-    res = json.loads(out.read_text())
-    assert p.returncode == 1 and not res["ok"] and "needs a MoE model" in res["error"]
 
 
 def _rank(step_s: dict, steps: int, ctx=1e9, held=1.5e9) -> dict:

@@ -18,16 +18,28 @@ from ebbtide.bench._spawn import join_store
 from ebbtide.errors import StateError, WaitTimeoutError
 
 
-def suspend_capable_facts(real_facts):
-    """``_backend.facts`` as on a GPU whose torch and NCCL can suspend a communicator (for faked-suspend tests)."""
+def suspend_group(rank, world, init, suspend, calls: list):
+    """Init on Gloo with the suspend strategy, as on a GPU whose torch and NCCL can suspend a communicator: the
+    facts forced to allow it, the native suspend replaced by ``suspend(inner)`` and resume by a recorder appending
+    to ``calls``; returns a new group of every rank, checked with one collective."""
     import dataclasses
+
+    import ebbtide.comm._backend as B
+
+    real_facts = B.facts
 
     def facts(*a, **k):
         return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
                                    nccl_version=(2, 29, 7), backend_has_suspend=True, cumem=True,
                                    split_share=False, comm_initialized=True)
 
-    return facts
+    B.facts, B.suspend = facts, suspend
+    B.resume = lambda inner: calls.append("resume")
+    B.torch_version, B.nccl_version = (lambda: (2, 12)), (lambda: (2, 29, 7))  # install() checks them
+    _init(rank, world, init, strategy="suspend")
+    g = dist.new_group(list(range(world)))
+    _expect_sum(g, list(range(world)), rank)
+    return g
 
 
 def _init(rank, world, init, **kw):
@@ -475,23 +487,14 @@ def suspend_bookkeeping(rank, world, init, fail_rank=-1):
     suspend/resume calls (torch >= 2.12 + NCCL >= 2.29.7, absent here) are replaced by recorders inside this rank
     process. A suspended group keeps its inner object and resumes it; when one member's suspend fails it destroys
     instead, and at reload every member agrees to rebuild that group (a resume would wait for it forever)."""
-
-    import ebbtide.comm._backend as B
-
     calls = []
-    facts = suspend_capable_facts(B.facts)
 
     def suspend(inner):
         calls.append("suspend")
         if rank == fail_rank:
             raise RuntimeError("injected suspend failure")
 
-    B.facts, B.suspend = facts, suspend
-    B.resume = lambda inner: calls.append("resume")
-    B.torch_version, B.nccl_version = (lambda: (2, 12)), (lambda: (2, 29, 7))  # install() checks them
-    _init(rank, world, init, strategy="suspend")
-    g = dist.new_group(list(range(world)))
-    _expect_sum(g, list(range(world)), rank)
+    g = suspend_group(rank, world, init, suspend, calls)
     before = g.inner
     rep = comm.release()
     try:

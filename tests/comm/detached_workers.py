@@ -15,7 +15,7 @@ import ebbtide.comm as comm
 import ebbtide.comm._backend as B
 from ebbtide.errors import StateError
 
-from comm_workers import _expect_sum, _init, suspend_capable_facts
+from comm_workers import _expect_sum, _init, suspend_group
 
 
 class _Recorder:
@@ -139,20 +139,13 @@ def suspend_is_joined_by_reload(rank, world, init, slow=1.0):
     """With a SUSPEND plan the whole release runs in the background as before, and reload() waits for it: the
     native suspend (absent here) is replaced by one that takes ``slow`` seconds; reload() returns only after it,
     the Future done."""
-
     calls = []
-    facts = suspend_capable_facts(B.facts)
 
     def suspend(inner):
         time.sleep(slow)
         calls.append("suspend")
 
-    B.facts, B.suspend = facts, suspend
-    B.resume = lambda inner: calls.append("resume")
-    B.torch_version, B.nccl_version = (lambda: (2, 12)), (lambda: (2, 29, 7))  # install() checks them
-    _init(rank, world, init, strategy="suspend")
-    g = dist.new_group(list(range(world)))
-    _expect_sum(g, list(range(world)), rank)
+    g = suspend_group(rank, world, init, suspend, calls)
     t0 = time.monotonic()
     fut = comm.release(wait=False)
     t_release = time.monotonic() - t0
