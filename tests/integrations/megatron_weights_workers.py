@@ -91,7 +91,7 @@ def ep_weights(rank, world, init, experts=4, topk=2):
     gives Megatron's expert-parallel forward's logits."""
     import contextlib  # noqa: PLC0415
 
-    from megatron.core import tensor_parallel  # noqa: PLC0415
+    from megatron.core import parallel_state, tensor_parallel  # noqa: PLC0415
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
@@ -146,6 +146,23 @@ def ep_weights(rank, world, init, experts=4, topk=2):
         HostReceiver(buf).receive(Receiver(dst, plan), 1)
         want = expected(plan, src())
         out["sent_equal"] = sorted(dst) == sorted(want) and all(torch.equal(dst[n], want[n]) for n in want)
+        # ... and with the sender gathering the experts per bucket (small buckets: a layer's experts span several)
+        small = Plan.of({n: torch.empty(t.shape, dtype=torch.bfloat16, device="meta")
+                         for n, t in sorted(full.items())}, bucket_bytes=32 << 10)
+        local = lambda: {n: p.detach().to(torch.bfloat16) for n, p in gpt.named_parameters()}  # noqa: E731
+        sources = ebt.expert_sources([gpt])
+        out["sources_match_names"] = all(sources[g] == (n, rank) for n, g in names.items())
+        buf2 = SharedHostBuffer.create(SharedHostBuffer.size_for(small), pin=False)
+        try:
+            dst = {it.source: torch.zeros(it.shape, dtype=torch.bfloat16) for it in small.items}
+            Sender(local, HostSender(buf2, keep_slots=False), plan=small, each_rank_sends=True,
+                   ep_group=parallel_state.get_expert_model_parallel_group(), ep_sources=sources).push(1)
+            HostReceiver(buf2).receive(Receiver(dst, small), 1)
+            want = expected(small, src())
+            out["buckets"] = len(small.buckets)
+            out["sent_per_bucket_equal"] = all(torch.equal(dst[n], want[n]) for n in want)
+        finally:
+            buf2.close()
     finally:
         buf.close()
     return out

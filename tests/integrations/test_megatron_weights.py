@@ -35,6 +35,7 @@ def test_ep2_full_weights_hold_every_expert_and_serve_megatrons_forward():
         assert r["names_equal"], r  # the EP=1 names of the rollout's MoE model
         assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["max_abs_logit"]), r  # rollout == Megatron's EP=2 forward
         assert r["sent_equal"], r  # and through ebbtide.sync to each rank's own engine
+        assert r["sources_match_names"] and r["buckets"] > 4 and r["sent_per_bucket_equal"], r  # gathered per bucket
     assert res[0]["digests"] == res[1]["digests"]  # both ranks hold the whole model
     owned = {**res[0]["local_digests"], **res[1]["local_digests"]}
     assert len(owned) == layers * experts * per_expert  # each global expert from exactly one rank

@@ -67,9 +67,13 @@ def test_matches_torch_adamw_on_fp32_masters(bucket_numel, slots, overlap):
                         bucket_numel=bucket_numel, slots=slots, overlap_with_backward=overlap, threads=2, **hyper)
     if bucket_numel < 10**6:
         assert len(opt.buckets) > slots  # slots are reused
+    assert opt.last_step_times == {}
     for step in range(6):
         train_step(model, opt, step, ref)
         ref.check(opt)
+        times = opt.last_step_times  # where the step went: the whole pipeline holds the kernel and the waits
+        assert times["elements"] == opt.numel and 0 < times["kernel_s"] <= times["seconds"], times
+        assert 0 <= times["wait_s"] <= times["seconds"], times
 
 
 def test_grads_set_to_none_by_the_model_are_repaired():

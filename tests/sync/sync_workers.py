@@ -195,3 +195,76 @@ def sglang_consumer(conn, release_first: bool, sleep_cycles: int) -> None:
         else:
             conn.send({"success": True, "message": ""})
             del payload, src
+
+
+def moe_checkpoint(experts: int = 4, layers: int = 2, seed: int = 0) -> dict:
+    """A small MoE model under the global (EP=1) names: per layer a norm, ``experts`` experts (bf16 fc1/fc2
+    weights, fp32 fc1 biases) and a router."""
+    g = torch.Generator().manual_seed(seed)
+    out = {"embedding.word_embeddings.weight": torch.randn(64, 128, generator=g).to(torch.bfloat16)}
+    for layer in range(layers):
+        pre = f"decoder.layers.{layer}.mlp."
+        out[f"{pre}router.weight"] = torch.randn(experts, 128, generator=g).to(torch.bfloat16)
+        for e in range(experts):
+            x = f"{pre}experts.local_experts.{e}."
+            out[x + "linear_fc1.weight"] = torch.randn(256, 128, generator=g).to(torch.bfloat16)
+            out[x + "linear_fc1.bias"] = torch.randn(256, generator=g)
+            out[x + "linear_fc2.weight"] = torch.randn(128, 256, generator=g).to(torch.bfloat16)
+    return out
+
+
+def ep_split(full: dict, ep: int, rank: int) -> tuple[dict, dict]:
+    """(rank's local tensors under local names, {global name: (local name, EP rank)}) of ``moe_checkpoint``."""
+    import re
+
+    pat = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
+    per = 1 + max(int(pat.match(n).group(2)) for n in full if pat.match(n))
+    local_n = per // ep
+    local, sources = {}, {}
+    for n, t in full.items():
+        m = pat.match(n)
+        if not m:
+            local[n] = t
+            continue
+        e = int(m.group(2))
+        owner, j = divmod(e, local_n)
+        name = f"{m.group(1)}{j}{m.group(3)}"
+        sources[n] = (name, owner)
+        if owner == rank:
+            local[name] = t.clone()
+    return local, sources
+
+
+def ep_rank(rank: int, port: int, buf_path: str, nbytes: int, q) -> None:
+    """One of two EP ranks on the CPU (Gloo), each holding half the experts: pushes version 1 of the whole model
+    into its own host buffer (``buf_path`` % rank); reports (rank, plan signature, implicit plan signature,
+    the refusals of bad expert arguments)."""
+    import torch.distributed as dist
+
+    from ebbtide.errors import InvalidArgumentError
+    from ebbtide.sync import HostSender, Plan, Sender, SharedHostBuffer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        full = moe_checkpoint()
+        local, sources = ep_split(full, 2, rank)
+        plan = Plan.of(dict(sorted(full.items())), rules=[(r"linear_fc1\.weight$", "fp8")], bucket_bytes=100_000)
+        buf = SharedHostBuffer(os.open(buf_path % rank, os.O_RDWR), nbytes, pin=False)
+        s = Sender(local, HostSender(buf), plan=plan, ep_group=dist.group.WORLD, ep_sources=sources,
+                   each_rank_sends=True)
+        s.push(1)
+        implicit = Sender(local, HostSender(buf), ep_group=dist.group.WORLD, ep_sources=sources,
+                          rules=[(r"linear_fc1\.weight$", "fp8")], bucket_bytes=100_000).plan.signature
+        refused = []
+        one = next(iter(sources))
+        for bad in ({one: (sources[one][0], 2)}, {one: ("no.such.tensor", 0)},
+                    {g: s for g, s in sources.items() if s[1] == 0}):
+            try:
+                Sender(local, HostSender(buf), ep_group=dist.group.WORLD, ep_sources=bad)
+                refused.append(None)
+            except InvalidArgumentError as e:
+                refused.append(str(e))
+        q.put((rank, plan.signature, implicit, refused))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

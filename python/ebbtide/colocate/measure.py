@@ -34,8 +34,10 @@ KNOWN_PHASES = tuple(dict.fromkeys(PHASES + MEGATRON_PHASES))
 # not make them slower. The default tolerance of the loop's guard (ebbtide's median over the anchor's).
 STEADY_PHASES = ("train", "generate")
 STEADY_TOLERANCE = 0.03
-# What the rollout reports of its generation besides the phase's time (medians kept in the summary's "detail").
-DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s")
+# What the rollout reports of its generation and ebbtide's optimizer of its CPU pipeline besides the phase's time
+# (medians kept in the summary's "detail").
+DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s", "pipeline_s", "kernel_s",
+               "copy_wait_s", "kernel_gbps")
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")
 GROWTH_TOLERANCE = 16 << 20  # bytes: a few driver pages of slack; everything above is reported as growth
 

@@ -10,17 +10,18 @@ Policies:
   same architecture under the same parameter names.
 - Parallelism: ``initialize_model_parallel(tp, 1)``; each data-parallel rank trains its own batch (TP ranks share
   theirs). MoE (``spec["moe"]``: experts, top-k; ``anchors.megatron.moe_fields``: SequentialMLP experts, alltoall
-  dispatcher, fp32 router) over ``spec["ep"]`` expert-parallel ranks with whole experts (expert TP 1); every
-  variant runs the same model, the ebbtide one always on its distributed optimizer (the adapter steps expert
-  params only in that form). At EP > 1 each rank sends the whole model to its rollout, the experts all-gathered
-  over the expert-parallel group first (``full_weights``: eagerly, one gather per local expert tensor, in every
-  variant). With data parallelism the ebbtide variant runs ebbtide's distributed optimizer (each rank's host state is
-  its shard; the weights are discarded at the offload and rebuilt from each rank's mirrored slices, all-gathered at
-  the first forward after the groups' reload), without it the non-sharded one (weights discarded and rebuilt from
-  the whole mirror under the first forward). The weight sync sends
-  the full tensors from every rank to its own rollout, split tensors all-gathered over the TP group
-  (``tensor_parallel_dims``). Host threads: with several ranks on one host each rank's CPU work gets its share of
-  the cores (``LOCAL_WORLD_SIZE``): ebbtide's pool by its own default, the anchors' torch CPU AdamW by
+  dispatcher, fp32 router) over ``spec["ep"]`` expert-parallel ranks with whole experts (expert TP 1); every variant
+  runs the same model, the ebbtide one always on its distributed optimizer (the adapter steps expert params only in
+  that form). At EP > 1 each rank sends the whole model to its rollout, the experts all-gathered over the
+  expert-parallel group: in the ebbtide variant by its sender, per bucket (one coalesced gather per bucket,
+  ``expert_sources``); in the anchors eagerly before the update (``full_weights``, one gather per local expert tensor;
+  slime broadcasts each expert tensor from its owner per bucket, the same bytes). With data parallelism the ebbtide
+  variant runs ebbtide's distributed optimizer (each rank's host state is its shard; the weights are discarded at the
+  offload and rebuilt from each rank's mirrored slices, all-gathered at the first forward after the groups' reload),
+  without it the non-sharded one (weights discarded and rebuilt from the whole mirror under the first forward). The
+  weight sync sends the full tensors from every rank to its own rollout, split tensors all-gathered over the TP group
+  (``tensor_parallel_dims``). Host threads: with several ranks on one host each rank's CPU work gets its share of the
+  cores (``LOCAL_WORLD_SIZE``): ebbtide's pool by its own default, the anchors' torch CPU AdamW by
   ``torch.set_num_threads`` (what a careful user does with ``OMP_NUM_THREADS``).
 - The step: train (zero the grad buffer, forward, backward, ``finish_grad_sync``) -> optimizer -> rollout_resume
   -> sync (the rollout holds the new weights) -> comm_release -> offload -> generate -> rollout_pause -> onload ->
@@ -259,13 +260,12 @@ class _MegatronTrainer:
             self.setup["optimizer"] = ", ".join(f"{type(o).__name__}({type(getattr(o, 'optimizer', o)).__name__})"
                                                 for o in subs)
         self.tp_dims = self.ebt.tensor_parallel_dims([self.model])
-        # {local name: global name} of this rank's experts at EP > 1: the sync sends the whole model from every rank
-        # (the experts all-gathered over the expert-parallel group, ``full_weights``, eagerly: slime gathers per bucket)
+        # {local name: global name} of this rank's experts at EP > 1: the sync sends the whole model from every rank,
+        # the experts gathered over the expert-parallel group (ebbtide: the sender's coalesced gather per bucket,
+        # ``expert_sources``; the slime-style update and the checks: ``full_weights``, eagerly)
         self.expert_names = self.ebt.expert_parallel_names([self.model])
-        if self.expert_names:
-            self.named = lambda: self.ebt.full_weights([self.model])
-        else:
-            self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
+        self.named = lambda: {n: p.detach() for n, p in megatron_names(self.model.named_parameters()).items()}
+        self.full = (lambda: self.ebt.full_weights([self.model])) if self.expert_names else None
         named = megatron_names(self.model.named_parameters())
         self.setup["params"] = sum(p.numel() * (self.tp if n in self.tp_dims else 1)
                                    * (self.ep if n in self.expert_names else 1) for n, p in named.items())
@@ -295,9 +295,15 @@ class _MegatronTrainer:
 
         s = self.spec
         mine, theirs = socket.socketpair()
+        experts = {}
+        if self.expert_names:
+            from megatron.core import parallel_state  # noqa: PLC0415
+
+            experts = dict(ep_group=parallel_state.get_expert_model_parallel_group(), full=self.full,
+                           ep_sources=self.ebt.expert_sources([self.model]))
         self.sync = IpcTrainerSync(self.named, Connection(mine.detach()),
                                    "ebbtide" if self.variant == "ebbtide" else "slime",
-                                   tp_group=self.tp_group, tp_dims=self.tp_dims)
+                                   tp_group=self.tp_group, tp_dims=self.tp_dims, **experts)
         self.setup.update(sync=self.sync.mode, sync_bytes=self.sync.plan.nbytes,
                           sync_bf16_bytes=self.sync.plan.source_bytes)
         spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
@@ -354,7 +360,12 @@ class _MegatronTrainer:
         torch.cuda.synchronize(self.dev)
         if not ok:
             raise RuntimeError("the optimizer skipped its step (non-finite gradients)")
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else None}
+        out = {"grad_norm": float(grad_norm) if grad_norm is not None else None}
+        times = getattr(getattr(self.opt, "optimizer", None), "last_step_times", None)
+        if times and times["kernel_s"] > 0:  # ebbtide's CPU pipeline: the rest of the phase is the norm, the clip and the param all-gather
+            out.update(pipeline_s=times["seconds"], kernel_s=times["kernel_s"], copy_wait_s=times["wait_s"],
+                       kernel_gbps=STEP_BYTES[self.setup["moments"]] * times["elements"] / times["kernel_s"] / 1e9)
+        return out
 
     def _offload(self) -> dict:
         if self.em is not None:

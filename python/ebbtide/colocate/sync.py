@@ -186,34 +186,50 @@ class IpcTrainerSync:
     ``multiprocessing`` connection to the rollout's ``IpcRolloutSync``. With tensor parallelism, ``tp_dims``
     (``{name: split dim}``) and ``tp_group``: ``weights`` gives this rank's shards, the plan has the full shapes,
     and every TP rank sends the full tensors to the rollout on its own GPU (ebbtide: the sender's one gather per
-    split tensor per bucket; slime: one gather per tensor as it is packed)."""
+    split tensor per bucket; slime: one gather per tensor as it is packed). With expert parallelism,
+    ``ep_sources`` (``{global name: (local name, EP rank)}``), ``ep_group`` and ``full`` (a callable returning the
+    whole model, experts gathered eagerly): ``weights`` gives this rank's local experts, the plan has every expert
+    under its global name; ebbtide's sender gathers them per bucket, the slime-style update and the reference
+    read ``full()``."""
 
-    def __init__(self, weights, conn, mode: str, *, tp_group=None, tp_dims=None):
+    def __init__(self, weights, conn, mode: str, *, tp_group=None, tp_dims=None, ep_group=None, ep_sources=None,
+                 full=None):
         _check_mode(mode)
         self.weights, self.conn, self.mode = weights, conn, mode
         self.tp_dims = dict(tp_dims or {})
         self.tp_group = tp_group
+        self.ep_sources = dict(ep_sources or {})
+        if self.ep_sources and full is None:
+            raise InvalidArgumentError("ep_sources needs full (the whole model, experts gathered)")
+        self.full = full
         local = weights()
         tp = 1
         if self.tp_dims:
             import torch.distributed as dist  # noqa: PLC0415
 
             tp = dist.get_world_size(tp_group)
-        full = {}
-        for n, t in local.items():
+        experts = {src[0] for src in self.ep_sources.values()}
+        shapes = {n: t for n, t in local.items() if n not in experts}
+        shapes.update((g, local[src[0]]) for g, src in self.ep_sources.items())
+        meta = {}
+        for n, t in shapes.items():
             shape = list(t.shape)
             if n in self.tp_dims:
                 shape[self.tp_dims[n]] *= tp
-            full[n] = torch.empty(shape, dtype=t.dtype, device="meta")
-        self.plan = megatron_plan(full)
+            meta[n] = torch.empty(shape, dtype=t.dtype, device="meta")
+        self.plan = megatron_plan(meta)
         if mode == "ebbtide":
             from ..sync import IpcSender  # noqa: PLC0415
 
             self.ipc = IpcSender(conn)
-            tp_args = dict(tp_group=tp_group, tp_dims=self.tp_dims, each_rank_sends=True) if self.tp_dims else {}
-            self.sender = Sender(weights, self.ipc, plan=self.plan, **tp_args)
+            args = dict(tp_group=tp_group, tp_dims=self.tp_dims) if self.tp_dims else {}
+            if self.ep_sources:
+                args.update(ep_group=ep_group, ep_sources=self.ep_sources)
+            self.sender = Sender(weights, self.ipc, plan=self.plan, each_rank_sends=bool(args), **args)
 
     def _full(self):
+        if self.full is not None:
+            return self.full()
         local = self.weights()
         return _Gathered(local, self.tp_dims, self.tp_group) if self.tp_dims else local
 

@@ -50,6 +50,7 @@ Policies:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,17 +73,21 @@ class _Bucket:
 
 
 class _Transport:
-    """D2H / H2D copies on runtime-owned CUDA streams with events, or synchronous copies for CPU params."""
+    """D2H / H2D copies on runtime-owned CUDA streams with events, or synchronous copies for CPU params. It also
+    keeps where one step's time went (``times``: the host's waits on copies, the CPU kernel, the whole pipeline),
+    so a slow step says whether the copies or the host's memory bound it."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
+        self.times = {}
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
 
     def begin(self):
         """Order both streams after everything already queued on the caller's current stream."""
+        self._t0, self._wait_s, self._kernel_s = time.perf_counter(), 0.0, 0.0
         if self.cuda:
             ev = torch.cuda.current_stream(self.device).record_event()
             self.d2h.wait_event(ev)
@@ -106,14 +111,23 @@ class _Transport:
             dst.copy_(src, non_blocking=True)
             return self.h2d.record_event()
 
-    @staticmethod
-    def wait(event):
+    def wait(self, event):
         if event is not None:
+            t0 = time.perf_counter()
             event.synchronize()
+            self._wait_s += time.perf_counter() - t0
 
-    def end(self):
+    def kernel(self, step, *args):
+        """One CPU kernel call (``step(*args)``), timed."""
+        t0 = time.perf_counter()
+        step(*args)
+        self._kernel_s += time.perf_counter() - t0
+
+    def end(self, elements: int = 0):
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+        self.times = {"seconds": time.perf_counter() - self._t0, "kernel_s": self._kernel_s,
+                      "wait_s": self._wait_s, "elements": elements}
 
 
 def _zeros(kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -291,6 +305,12 @@ class OffloadedAdam(torch.optim.Optimizer):
     def flat_grad(self) -> torch.Tensor:
         """The flat bf16 gradient buffer ``step`` reads (same layout as ``flat_params``)."""
         return self._gflat
+
+    @property
+    def last_step_times(self) -> dict:
+        """Where the last step's time went: ``seconds`` (the whole pipeline), ``kernel_s`` (the CPU kernel),
+        ``wait_s`` (the host waiting for copies), ``elements`` stepped; ``{}`` before the first step."""
+        return dict(self._transport.times)
 
     @property
     def numel(self) -> int:
@@ -500,8 +520,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 if b >= K and self._mirror is None:
                     t.wait(up[b - K])  # its upload slot is free again
                 off4, offm = bk.start * 4, bk.start * msize
-                self._engine.step(
-                    hypers[bk.group],
+                t.kernel(
+                    self._engine.step, hypers[bk.group],
                     [self._master.data_ptr() + off4], [self._m.data_ptr() + offm], [self._v.data_ptr() + offm],
                     [vmax_ptr + off4] if vmax_ptr else [], [self._gslots[slot].data_ptr()], [True],
                     [out.data_ptr()], [n], [], [step_no], mom_bf16)
@@ -509,7 +529,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 if b + K < nb:
                     down[b + K] = self._download(b + K)
         finally:
-            t.end()
+            t.end(self._total)
             self._ready = [0] * nb
 
     # ---- state -------------------------------------------------------------------------------------------------

@@ -11,6 +11,15 @@ Policies:
   then every TP rank quantizes the gathered tensors and sends them through its own transport (one serving engine
   per GPU, each fed by the trainer rank on its GPU, as slime's colocated engines are). Gather buffers live for
   one bucket.
+- Expert parallel: with ``ep_group`` and ``ep_sources`` (``{global name: (local name, EP rank)}`` for every
+  expert parameter of the whole model) the plan names every expert under its global name while ``tensors`` holds
+  this rank's local experts. Before a bucket is filled, every EP rank joins one coalesced all-gather per dtype of
+  the local experts whose global names the bucket holds and that no earlier gather brought (each rank's pieces
+  packed in one buffer, gathered over the group): the pieces of the other EP ranks wait until their own bucket is
+  filled, so with the plan in name order at most the experts of one layer are held beyond the bucket. Every EP rank
+  must push the same plan (the gathers pair up in plan order); expert parameters split over a tensor-parallel
+  group are refused. Without a plan, the sender's plan lists the rank's other tensors in their order, then the
+  experts in ``ep_sources``' order.
 - Host work: each bucket's FP8 launch table is built at the first push and kept while the tensors and the
   transport's buffer stay where they are (``ebbtide.quant.prepared``), and its FP8 source names are listed once, so
   a push reads each tensor's address, strides, size and dtype and does no other per-tensor work in Python (an MoE
@@ -47,7 +56,7 @@ class PushReport(dict):
 class Sender:
     def __init__(self, tensors: Mapping | Callable[[], Mapping], transport, *, plan: Plan | None = None,
                  tp_group=None, tp_dims: Mapping[str, int] | None = None, each_rank_sends: bool = False, device=None,
-                 **plan_options):
+                 ep_group=None, ep_sources: Mapping[str, tuple[str, int]] | None = None, **plan_options):
         self._tensors = tensors if callable(tensors) else (lambda: tensors)
         self.transport = transport
         self.tp_group, self.tp_dims = tp_group, dict(tp_dims or {})
@@ -64,16 +73,19 @@ class Sender:
         unknown = sorted(set(self.tp_dims) - set(local))
         if unknown:
             raise InvalidArgumentError(f"tp_dims names tensors the trainer does not have: {unknown[:4]}")
+        self._init_experts(ep_group, ep_sources, local)
         if plan is None:
-            plan = Plan.build([(n, self._full_shape(n, t), t.dtype) for n, t in local.items()], **plan_options)
+            sources = [n for n in local if n not in self._ep_local] + list(self.ep_sources)
+            plan = Plan.build([(n, self._full_shape(n, self._local_of(n, local)), self._local_of(n, local).dtype)
+                               for n in sources], **plan_options)
         elif plan_options:
             raise InvalidArgumentError(f"pass either a plan or plan options, not both: {sorted(plan_options)}")
         self.plan = plan
-        missing = [it.source for it in plan.items if it.source not in local]
+        missing = [it.source for it in plan.items if it.source not in local and it.source not in self.ep_sources]
         if missing:
             raise InvalidArgumentError(f"the plan names tensors the trainer does not have: {missing[:4]}")
         for it in plan.items:
-            got = self._full_shape(it.source, local[it.source])
+            got = self._full_shape(it.source, self._local_of(it.source, local))
             if got != it.shape:
                 raise InvalidArgumentError(f"{it.source}: the trainer's tensor is {got}, the plan says {it.shape}")
         self.device = torch.device(device) if device is not None else next(iter(local.values())).device
@@ -83,19 +95,63 @@ class Sender:
         # one prepared fill per bucket: its FP8 launch table is rebuilt only when an address changes
         self._fills = [BucketFill(plan, b) for b in plan.buckets]
 
+    def _init_experts(self, ep_group, ep_sources, local: dict) -> None:
+        """Check and index the expert-parallel sources (see the module policies)."""
+        self.ep_group, self.ep_sources = ep_group, dict(ep_sources or {})
+        self.ep_size, self._ep_local, self._ep_global = 1, set(), {}
+        if not self.ep_sources:
+            if ep_group is not None:
+                raise InvalidArgumentError("ep_group needs ep_sources ({global name: (local name, EP rank)})")
+            return
+        if ep_group is None:
+            raise InvalidArgumentError("ep_sources needs an ep_group")
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self.ep_size = dist.get_world_size(ep_group)
+        for g, src in self.ep_sources.items():
+            if not (isinstance(src, tuple) and len(src) == 2 and isinstance(src[1], int)
+                    and 0 <= src[1] < self.ep_size):
+                raise InvalidArgumentError(f"ep_sources[{g!r}] must be (local name, EP rank < {self.ep_size}), "
+                                           f"got {src!r}")
+            if src[0] not in local:
+                raise InvalidArgumentError(f"ep_sources[{g!r}] names {src[0]!r}, which the trainer does not have")
+            if src in self._ep_global:
+                raise InvalidArgumentError(f"ep_sources maps both {self._ep_global[src]!r} and {g!r} to {src}")
+            self._ep_global[src] = g
+        self._ep_local = {src[0] for src in self.ep_sources.values()}
+        for n in sorted(self._ep_local):
+            if any((n, r) not in self._ep_global for r in range(self.ep_size)):
+                raise InvalidArgumentError(f"ep_sources gives {n!r} no global name for some EP rank (every rank's "
+                                           "copy of a local expert is a global expert)")
+        split = sorted(self._ep_local & set(self.tp_dims))
+        if split:
+            raise InvalidArgumentError(f"expert parameters split over a tensor-parallel group are not gathered: "
+                                       f"{split[:4]}")
+
+    def _local_of(self, name: str, local: Mapping) -> torch.Tensor:
+        """The tensor this rank holds for plan source ``name`` (an expert's local copy for a global name)."""
+        src = self.ep_sources.get(name)
+        return local[src[0]] if src is not None else local[name]
+
     def _full_shape(self, name: str, t: torch.Tensor) -> tuple:
         shape = list(t.shape)
         if name in self.tp_dims:
             shape[self.tp_dims[name]] *= self.tp_size
         return tuple(shape)
 
-    def _gather(self, bucket, tensors) -> tuple[dict, list]:
-        """Full tensors of ``bucket``'s items (all-gathered over the TP group where sharded), and the gathered
-        ones (new allocations). Without tensor parallelism: ``tensors`` itself (read by name when filling)."""
-        if self.tp_size == 1 or not self.tp_dims:
+    def _gather(self, bucket, tensors, experts: dict) -> tuple[dict, list]:
+        """Full tensors of ``bucket``'s items (all-gathered over the TP group where sharded, experts over the EP
+        group), and the gathered ones (new allocations). Without either: ``tensors`` itself (read by name when
+        filling). ``experts`` holds gathered experts of later buckets between calls."""
+        if self.ep_sources:
+            self._gather_experts(bucket, tensors, experts)
+        if (self.tp_size == 1 or not self.tp_dims) and not self.ep_sources:
             return tensors, []
         out, new = {}, []
         for it in bucket.items:
+            if it.source in self.ep_sources:
+                out[it.source] = experts.pop(it.source)
+                continue
             t = tensors[it.source]  # read by raw address under no_grad: no detach (1-3 us per tensor)
             d = self.tp_dims.get(it.source)
             if d is None:
@@ -116,6 +172,37 @@ class Sender:
             new.append(out[it.source])
         return out, new
 
+    def _gather_experts(self, bucket, tensors, experts: dict) -> None:
+        """All-gather, over the EP group, the local experts behind ``bucket``'s global names not gathered yet:
+        one collective per dtype, every rank's pieces packed in one buffer; the results land in ``experts``
+        under their global names."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        need: dict = {}  # dtype -> local names, in plan order (the same on every EP rank)
+        seen = set()
+        for it in bucket.items:
+            src = self.ep_sources.get(it.source)
+            if src is not None and it.source not in experts and src[0] not in seen:
+                seen.add(src[0])
+                need.setdefault(tensors[src[0]].dtype, []).append(src[0])
+        for dtype, names in need.items():
+            parts = [tensors[n].reshape(-1) for n in names]
+            packed = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+            whole = torch.empty(self.ep_size * packed.numel(), dtype=dtype, device=packed.device)
+            try:
+                dist.all_gather_into_tensor(whole, packed, group=self.ep_group)  # rank r's pieces at r * numel
+            except RuntimeError as e:
+                raise PartialUpdateError(
+                    f"the expert-parallel gather of {names[0]!r} and {len(names) - 1} more failed (a rank of the "
+                    f"group gone, or the group released?): {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
+                    f"Nothing was committed: the receiver keeps its previous version") from e
+            for r, piece in enumerate(whole.chunk(self.ep_size)):
+                at = 0
+                for n in names:
+                    t = tensors[n]
+                    experts[self._ep_global[(n, r)]] = piece[at:at + t.numel()].view(t.shape)
+                    at += t.numel()
+
     @torch.no_grad()
     def push(self, version: int) -> PushReport:
         """Send every bucket of the current weights as ``version`` (an int that grows with every update)."""
@@ -129,10 +216,11 @@ class Sender:
         ctx = torch.cuda.stream(self.stream) if self.cuda else _nullctx()
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the optimizer step is done
+        experts: dict = {}  # gathered experts waiting for their bucket
         with ctx:
             for bucket in self.plan.buckets:
                 buf = end.buffer(bucket, self.stream) if end is not None else None
-                sources, gathered = self._gather(bucket, tensors)
+                sources, gathered = self._gather(bucket, tensors, experts)
                 if end is not None:
                     self._fills[bucket.index](sources, buf)
                     end.send(bucket, buf, self.stream)

@@ -12,7 +12,8 @@
 
 Weights as a serving engine takes them: ``tensor_parallel_dims`` (the ``tp_dims`` of ``ebbtide.sync.Sender``) and
 ``full_weights`` (gathered over the tensor-parallel group, experts over the expert-parallel one under their global
-names: ``expert_parallel_names``).
+names: ``expert_parallel_names``; ``expert_sources``, the ``ep_sources`` of ``ebbtide.sync.Sender``, gathers them per
+bucket instead).
 
 Groups (``install_groups``, ``release_groups``, ``reload_groups``, ``check_groups``), memory (``TrainingState``) and
 the optimizer (``get_optimizer``, ``EbbtideOptimizer``) are independent: each works with Megatron's own versions of
@@ -25,10 +26,10 @@ from ._memory import OffloadReport, TrainingState
 from ._build import get_optimizer
 from ._distributed import EbbtideDistributedOptimizer
 from ._optimizer import EbbtideOptimizer, check_config
-from ._weights import expert_parallel_names, full_weights, tensor_parallel_dims
+from ._weights import expert_parallel_names, expert_sources, full_weights, tensor_parallel_dims
 
 __all__ = [
     "install_groups", "release_groups", "reload_groups", "check_groups", "megatron_groups",
     "TrainingState", "OffloadReport", "get_optimizer", "EbbtideOptimizer", "EbbtideDistributedOptimizer",
-    "check_config", "tensor_parallel_dims", "expert_parallel_names", "full_weights",
+    "check_config", "tensor_parallel_dims", "expert_parallel_names", "expert_sources", "full_weights",
 ]

@@ -22,10 +22,10 @@ Policies:
   rank's owned slices only: restore uploads them and the params are all-gathered over the data-parallel group
   (DDP's ``start_param_sync``), at restore or, with ``overlap_forward=True``, at each chunk's first forward (after
   a group reload that comes after restore, as in slime's wake-up). Other optimizers: InvalidArgumentError.
-- ``offload()``: empty the caching allocator (activations and other scratch of the default pool), then pause
-  grads (discard), optimizer and weights (copy to pinned host memory); the report has seconds and bytes per tag, and the memory left:
-  torch's reserved bytes outside the tags and the device's used bytes (driver view: CUDA context, NCCL, other
-  processes included). ``restore()``: resume weights, optimizer, grads (same addresses), zero the DDP grad
+- ``offload()``: empty the caching allocator (activations and other scratch of the default pool), then pause grads
+  (discard), optimizer and weights (copy to pinned host memory); the report has seconds and bytes per tag, and the
+  memory left: torch's reserved bytes outside the tags and the device's used bytes (driver view: CUDA context, NCCL,
+  other processes included). ``restore()``: resume weights, optimizer, grads (same addresses), zero the DDP grad
   buffers (``zero_grad_buffer``: the state Megatron expects at the start of a step). ``restore(overlap_forward=
   True)`` (discard mode) queues the mirror's upload and returns: each module's first forward waits for its own
   parameters' buckets (a one-shot forward pre-hook), so the upload overlaps the first layers' compute.

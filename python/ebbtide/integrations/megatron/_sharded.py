@@ -162,6 +162,12 @@ class ShardAdam(torch.optim.Optimizer):
         return self._numel
 
     @property
+    def last_step_times(self) -> dict:
+        """Where the last step's time went: ``seconds`` (the whole pipeline), ``kernel_s`` (the CPU kernel),
+        ``wait_s`` (the host waiting for copies), ``elements`` stepped; ``{}`` before the first step."""
+        return dict(self._transport.times)
+
+    @property
     def host_bytes(self) -> int:
         """Bytes of host state (master and both moments; the pinned slots not counted)."""
         return self._master.nbytes + self._m.nbytes + self._v.nbytes
@@ -252,15 +258,15 @@ class ShardAdam(torch.optim.Optimizer):
                     out = self._oslots[slot][:n]
                     if i >= K:
                         t.wait(up[i - K])
-                self._engine.step(hypers[r.group], [self._master.data_ptr() + r.host * 4],
-                                  [self._m.data_ptr() + r.host * msize], [self._v.data_ptr() + r.host * msize], [],
-                                  [self._gslots[buf.grad_dtype][slot].data_ptr()], [buf.grad_dtype == torch.bfloat16],
-                                  [out.data_ptr()], [n], [], [step_no], mom_bf16)
+                t.kernel(self._engine.step, hypers[r.group], [self._master.data_ptr() + r.host * 4],
+                         [self._m.data_ptr() + r.host * msize], [self._v.data_ptr() + r.host * msize], [],
+                         [self._gslots[buf.grad_dtype][slot].data_ptr()], [buf.grad_dtype == torch.bfloat16],
+                         [out.data_ptr()], [n], [], [step_no], mom_bf16)
                 up[i] = t.upload(buf.param_data[r.lo:r.hi], out)
                 if i + K < len(runs):
                     down[i + K] = download(i + K)
         finally:
-            t.end()
+            t.end(self._numel)
         if self._mirror is not None:
             self._mirror_up = up
         self._step_count += 1

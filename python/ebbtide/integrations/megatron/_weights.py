@@ -14,15 +14,16 @@ Policies:
   rows: refused by name at TP > 1 (UnsupportedError) rather than served wrong.
 - ``full_weights(model_chunks, group=None)``: the gather done eagerly, one ``all_gather`` per split tensor as slime's
   update does (every TP rank must call it), for checks and for paths that want every tensor at once.
-- Expert parallelism (MoE, ``expert_model_parallel_size`` > 1): each rank holds ``num_moe_experts / ep`` experts
-  as ``mlp.experts.local_experts.{j}`` (SequentialMLP), global expert ``ep_rank * local + j`` (Megatron's
+- Expert parallelism (MoE, ``expert_model_parallel_size`` > 1): each rank holds ``num_moe_experts / ep`` experts as
+  ``mlp.experts.local_experts.{j}`` (SequentialMLP), global expert ``ep_rank * local + j`` (Megatron's
   ``local_expert_indices``). ``expert_parallel_names`` maps each local expert parameter to its global name, and
-  ``full_weights`` gathers every expert over the expert-parallel group (one ``all_gather`` per local expert
-  parameter, every EP rank calling it), so each rank holds the whole model under the names of EP=1, as an engine
-  that serves all experts takes them. Megatron marks expert linears ``tensor_model_parallel`` whatever the expert
-  tensor-parallel size: at 1 (whole experts, what MoE with biases requires) ``tensor_parallel_dims`` leaves them out;
-  expert tensor parallelism > 1 and grouped-GEMM experts (``experts.linear_fc1.weight{j}``, ``experts.weight1``) are
-  refused by name.
+  ``full_weights`` gathers every expert over the expert-parallel group (one ``all_gather`` per local expert parameter,
+  every EP rank calling it), so each rank holds the whole model under the names of EP=1, as an engine that serves all
+  experts takes them; ``expert_sources`` lists, for every global expert parameter, the local name and EP rank that
+  hold it, for the sender's per-bucket gather. Megatron marks expert linears ``tensor_model_parallel`` whatever the
+  expert tensor-parallel size: at 1 (whole experts, what MoE with biases requires) ``tensor_parallel_dims`` leaves
+  them out; expert tensor parallelism > 1 and grouped-GEMM experts (``experts.linear_fc1.weight{j}``,
+  ``experts.weight1``) are refused by name.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ import torch
 from ...errors import InvalidArgumentError, UnsupportedError
 from ..names import served_names
 
-__all__ = ["served_names", "tensor_parallel_dims", "expert_parallel_names", "full_weights", "gather_along"]
+__all__ = ["served_names", "tensor_parallel_dims", "expert_parallel_names", "expert_sources", "full_weights",
+           "gather_along"]
 
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12]\.weight\d+|weight[12])$")  # TE's and the legacy
@@ -112,6 +114,19 @@ def expert_parallel_names(model_chunks) -> dict:
                                "(moe_grouped_gemm=False)")
     counts = _local_expert_counts(named)
     return {n: _global_expert(n, rank, counts) for n in named if _LOCAL_EXPERT.match(n)}
+
+
+def expert_sources(model_chunks) -> dict:
+    """``{global name: (local name, EP rank)}`` of every expert parameter of the whole model at expert parallel
+    size > 1 (``{}`` otherwise): what ``ebbtide.sync.Sender`` takes as ``ep_sources`` with
+    ``ep_group=parallel_state.get_expert_model_parallel_group()`` (the local names are the same on every EP rank:
+    Megatron numbers each rank's experts from 0)."""
+    local = expert_parallel_names(model_chunks)
+    if not local:
+        return {}
+    ep, _ = _ep()
+    counts = _local_expert_counts(local)
+    return {_global_expert(n, r, counts): (n, r) for r in range(ep) for n in local}
 
 
 def _local_expert_counts(named) -> dict:
