@@ -36,8 +36,8 @@ STEADY_PHASES = ("train", "generate")
 STEADY_TOLERANCE = 0.03
 # What the rollout reports of its generation and ebbtide's optimizer of its CPU pipeline besides the phase's time
 # (medians kept in the summary's "detail").
-DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s", "pipeline_s", "kernel_s",
-               "copy_wait_s", "kernel_gbps")
+DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s", "prepare_s", "norm_s", "update_s",
+               "pipeline_s", "kernel_s", "copy_wait_s", "kernel_gbps")
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")
 GROWTH_TOLERANCE = 16 << 20  # bytes: a few driver pages of slack; everything above is reported as growth
 

@@ -361,10 +361,12 @@ class _MegatronTrainer:
         if not ok:
             raise RuntimeError("the optimizer skipped its step (non-finite gradients)")
         out = {"grad_norm": float(grad_norm) if grad_norm is not None else None}
-        times = getattr(getattr(self.opt, "optimizer", None), "last_step_times", None)
-        if times and times["kernel_s"] > 0:  # ebbtide's CPU pipeline: the rest of the phase is the norm, the clip and the param all-gather
-            out.update(pipeline_s=times["seconds"], kernel_s=times["kernel_s"], copy_wait_s=times["wait_s"],
-                       kernel_gbps=STEP_BYTES[self.setup["moments"]] * times["elements"] / times["kernel_s"] / 1e9)
+        if self.variant == "ebbtide":  # where the phase went (Megatron's ChainedOptimizer asserts on .optimizer)
+            out.update(self.opt.last_step_times)
+            times = self.opt.optimizer.last_step_times
+            if times and times["kernel_s"] > 0:
+                out.update(pipeline_s=times["seconds"], kernel_s=times["kernel_s"], copy_wait_s=times["wait_s"],
+                           kernel_gbps=STEP_BYTES[self.setup["moments"]] * times["elements"] / times["kernel_s"] / 1e9)
         return out
 
     def _offload(self) -> dict:

@@ -46,6 +46,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         self.float16_groups = [list(g["params"]) for g in inner.param_groups]
         self._clip_coeff = 1.0
         self._device = inner._device
+        self.last_step_times: dict = {}  # see EbbtideOptimizer.step
 
     # ---- gradients: read in place ----------------------------------------------------------------------------
     def _copy_model_grads_to_main_grads(self) -> None:

@@ -40,6 +40,7 @@ Policies:
 from __future__ import annotations
 
 import math
+import time
 from itertools import chain
 
 import torch
@@ -113,6 +114,7 @@ class EbbtideOptimizer(MegatronOptimizer):
         self.float16_groups = [list(g["params"]) for g in inner.param_groups]
         self._clip_coeff = 1.0
         self._device = inner.flat_grad.device
+        self.last_step_times: dict = {}  # see EbbtideOptimizer.step
 
     # ---- gradients -----------------------------------------------------------------------------------------
     def _params(self):
@@ -205,14 +207,24 @@ class EbbtideOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self):
+        """Megatron's step: prepare the grads, clip by the global norm, step. ``last_step_times`` then holds each
+        part's host time (``prepare_s``; ``norm_s``: the norm, its all-reduce and the zero count, waiting for the
+        GPU and for the group's slowest rank; ``update_s``: the CPU pipeline and the launch of the param gather)
+        beside the pipeline's own (``ebbtide.optim`` ``last_step_times``)."""
+        t0 = time.perf_counter()
         found_inf = self.prepare_grads()
+        t1 = time.perf_counter()
         if found_inf:
+            self.last_step_times = {"prepare_s": t1 - t0}
             return False, None, None
         grad_norm = 0.0
         if self.config.clip_grad > 0.0:
             grad_norm = self.clip_grad_norm(self.config.clip_grad)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
-        return self.step_with_ready_grads(), grad_norm, num_zeros
+        t2 = time.perf_counter()
+        ok = self.step_with_ready_grads()
+        self.last_step_times = {"prepare_s": t1 - t0, "norm_s": t2 - t1, "update_s": time.perf_counter() - t2}
+        return ok, grad_norm, num_zeros
 
     def reload_model_params(self, state_dict=None):
         """Masters from the model's current params (after loading weights without the optimizer)."""
