@@ -156,7 +156,11 @@ def moe_exact(rank, world, init, steps=5, ep=2):
     except UnsupportedError as e:
         refused = str(e)
     assert "expert-parallel buffers" in refused, refused
-    return {"losses": losses, "expert_groups": sum(g["is_expert_parallel"] for g in opt.param_groups)}
+    inner = opt.optimizer  # the pipeline's chunks: runs of alternating param groups merged, each contiguous
+    chunks = [(c.hi - c.lo, c.hi - c.lo == sum(r.hi - r.lo for r in c.runs), len({r.group for r in c.runs}))
+              for c in inner._chunks]
+    return {"losses": losses, "expert_groups": sum(g["is_expert_parallel"] for g in opt.param_groups),
+            "runs": len(inner._runs), "chunks": chunks}
 
 
 def dp_exact(rank, world, init, steps=6, tp=1, fp32_grads=False):

@@ -32,6 +32,9 @@ def test_tp2_dp2_exact_matches_megatron_distributed_optimizer():
 def test_moe_expert_parallel_2_exact_matches_megatron():
     res = _spawn.run("moe_exact", 2, module="megatron_dist_workers", timeout=240)
     assert all(r["expert_groups"] >= 1 for r in res), res
+    for r in res:  # the step ran over chunks: fewer than the runs, each within the pipeline's 1000 and gap-free,
+        assert len(r["chunks"]) < r["runs"], r  # and some holding both a weight-decay and a no-decay group
+        assert all(n <= 1000 and whole for n, whole, _ in r["chunks"]) and max(g for *_, g in r["chunks"]) == 2, r
 
 
 def test_mismatched_forms_are_refused():

@@ -123,11 +123,13 @@ class _Transport:
         step(*args)
         self._kernel_s += time.perf_counter() - t0
 
-    def end(self, elements: int = 0):
+    def end(self, elements: int | None = None):
+        """Order the caller's current stream after the uploads; a step (``elements`` stepped) books its times."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
-        self.times = {"seconds": time.perf_counter() - self._t0, "kernel_s": self._kernel_s,
-                      "wait_s": self._wait_s, "elements": elements}
+        if elements is not None:
+            self.times = {"seconds": time.perf_counter() - self._t0, "kernel_s": self._kernel_s,
+                          "wait_s": self._wait_s, "elements": elements}
 
 
 def _zeros(kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

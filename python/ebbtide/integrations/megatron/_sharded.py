@@ -62,6 +62,19 @@ class _Run:
     norm_pieces: list  # (lo, hi) sub-ranges whose params count for the grad norm
 
 
+@dataclass
+class _Chunk:
+    """The pipeline's unit: consecutive runs of one bucket, contiguous both in the buffer and in the host arrays
+    (``[lo, hi)`` and ``host``), at most ``run_numel`` elements: one download, one kernel call per param group
+    among its runs, one upload. Params of alternating groups (a weight with decay, its bias without) are one chunk,
+    not hundreds of runs each paying the copies' and the pool's fixed costs."""
+    buffer: int
+    lo: int
+    hi: int
+    host: int
+    runs: list  # of _Run
+
+
 def shard_ranges(buffer) -> list[tuple[int, int]]:
     """This rank's ``[start, end)`` slice of every bucket of a Megatron ``_ParamAndGradBuffer`` (buffer coords)."""
     dp = buffer.data_parallel_group.size()
@@ -131,16 +144,31 @@ class ShardAdam(torch.optim.Optimizer):
         # Forward order: the last bucket holds the first layers (DDP fills buckets in backward order).
         runs.sort(key=lambda r: (r.buffer, -r.bucket, r.lo))
         self._runs, self._numel = runs, host
+        self._chunks = self._chunk(runs, run_numel)
         self._master = torch.zeros(host, dtype=torch.float32)
         self._m = torch.zeros(host, dtype=self._moments_dtype)
         self._v = torch.zeros(host, dtype=self._moments_dtype)
-        longest = max((r.hi - r.lo for r in runs), default=1)
+        longest = max((c.hi - c.lo for c in self._chunks), default=1)
         pin = self._device.type == "cuda"
         gdt = {b.grad_dtype for b in self.buffers}
         self._gslots = {dt: [torch.empty(longest, dtype=dt, pin_memory=pin) for _ in range(self._slots)]
                         for dt in gdt}
         self._oslots = [torch.empty(longest, dtype=torch.bfloat16, pin_memory=pin) for _ in range(self._slots)]
         self.sync_master_from_params()
+
+    @staticmethod
+    def _chunk(runs, run_numel: int) -> list:
+        """Consecutive runs of one bucket, contiguous in the buffer and in the host arrays, up to ``run_numel``."""
+        out = []
+        for r in runs:
+            c = out[-1] if out else None
+            if (c is None or c.buffer != r.buffer or c.runs[-1].bucket != r.bucket or c.hi != r.lo
+                    or c.host + (c.hi - c.lo) != r.host or r.hi - c.lo > run_numel):
+                out.append(_Chunk(r.buffer, r.lo, r.hi, r.host, [r]))
+            else:
+                c.hi = r.hi
+                c.runs.append(r)
+        return out
 
     @staticmethod
     def _merge(pieces):
@@ -184,11 +212,11 @@ class ShardAdam(torch.optim.Optimizer):
     def sync_master_from_params(self) -> None:
         """Masters (and the mirror, if enabled) from the owned slices of the bf16 params (after loading model
         weights in place)."""
-        for r in self._runs:
-            src = self.buffers[r.buffer].param_data[r.lo:r.hi]
-            self._master[r.host:r.host + r.hi - r.lo].copy_(src)
+        for c in self._chunks:
+            src = self.buffers[c.buffer].param_data[c.lo:c.hi]
+            self._master[c.host:c.host + c.hi - c.lo].copy_(src)
             if self._mirror is not None:
-                self._mirror[r.host:r.host + r.hi - r.lo].copy_(src)
+                self._mirror[c.host:c.host + c.hi - c.lo].copy_(src)
 
     @torch.no_grad()
     def enable_param_mirror(self) -> torch.Tensor:
@@ -196,8 +224,8 @@ class ShardAdam(torch.optim.Optimizer):
         from the params now. Idempotent; returns it."""
         if self._mirror is None:
             m = torch.empty(self._numel, dtype=torch.bfloat16, pin_memory=self._device.type == "cuda")
-            for r in self._runs:
-                m[r.host:r.host + r.hi - r.lo].copy_(self.buffers[r.buffer].param_data[r.lo:r.hi])
+            for c in self._chunks:
+                m[c.host:c.host + c.hi - c.lo].copy_(self.buffers[c.buffer].param_data[c.lo:c.hi])
             self._mirror = m
         return self._mirror
 
@@ -216,8 +244,8 @@ class ShardAdam(torch.optim.Optimizer):
         t = self._transport
         t.begin()
         try:
-            self._mirror_up = [t.upload(self.buffers[r.buffer].param_data[r.lo:r.hi],
-                                        self._mirror[r.host:r.host + r.hi - r.lo]) for r in self._runs]
+            self._mirror_up = [t.upload(self.buffers[c.buffer].param_data[c.lo:c.hi],
+                                        self._mirror[c.host:c.host + c.hi - c.lo]) for c in self._chunks]
         finally:
             t.end()
 
@@ -230,40 +258,47 @@ class ShardAdam(torch.optim.Optimizer):
         check_groups(self.param_groups)
         hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
         step_no = float(self._step_count + 1)
-        t, K, runs = self._transport, self._slots, self._runs
+        t, K, chunks = self._transport, self._slots, self._chunks
         mom_bf16 = [True] if self._moments_dtype == torch.bfloat16 else []
         msize = self._m.element_size()
+        master, m, v = self._master.data_ptr(), self._m.data_ptr(), self._v.data_ptr()
         t.begin()
-        down, up = [None] * len(runs), [None] * len(runs)
+        down, up = [None] * len(chunks), [None] * len(chunks)
 
         def download(i):
-            r = runs[i]
-            buf = self.buffers[r.buffer]
-            return t.download(self._gslots[buf.grad_dtype][i % K][:r.hi - r.lo], buf.grad_data[r.lo:r.hi])
+            c = chunks[i]
+            buf = self.buffers[c.buffer]
+            return t.download(self._gslots[buf.grad_dtype][i % K][:c.hi - c.lo], buf.grad_data[c.lo:c.hi])
 
         try:
-            for i in range(min(K, len(runs))):
+            for i in range(min(K, len(chunks))):
                 down[i] = download(i)
-            for i, r in enumerate(runs):
-                n, slot = r.hi - r.lo, i % K
-                buf = self.buffers[r.buffer]
+            for i, c in enumerate(chunks):
+                n, slot = c.hi - c.lo, i % K
+                buf = self.buffers[c.buffer]
                 t.wait(down[i])
-                # the new bf16 params go to the mirror (its own range per run, once the last upload reading that
+                # the new bf16 params go to the mirror (its own range per chunk, once the last upload reading that
                 # range is done: usually long since, on any stream) or to a reused upload slot
                 if self._mirror is not None:
-                    out = self._mirror[r.host:r.host + n]
+                    out = self._mirror[c.host:c.host + n]
                     if i < len(self._mirror_up):
                         t.wait(self._mirror_up[i])
                 else:
                     out = self._oslots[slot][:n]
                     if i >= K:
                         t.wait(up[i - K])
-                t.kernel(self._engine.step, hypers[r.group], [self._master.data_ptr() + r.host * 4],
-                         [self._m.data_ptr() + r.host * msize], [self._v.data_ptr() + r.host * msize], [],
-                         [self._gslots[buf.grad_dtype][slot].data_ptr()], [buf.grad_dtype == torch.bfloat16],
-                         [out.data_ptr()], [n], [], [step_no], mom_bf16)
-                up[i] = t.upload(buf.param_data[r.lo:r.hi], out)
-                if i + K < len(runs):
+                grad, gsize, bf16 = self._gslots[buf.grad_dtype][slot].data_ptr(), buf.grad_data.element_size(), \
+                    buf.grad_dtype == torch.bfloat16
+                for gi in dict.fromkeys(r.group for r in c.runs):  # one kernel call per param group
+                    rs = [r for r in c.runs if r.group == gi]
+                    k = len(rs)
+                    t.kernel(self._engine.step, hypers[gi], [master + r.host * 4 for r in rs],
+                             [m + r.host * msize for r in rs], [v + r.host * msize for r in rs], [],
+                             [grad + (r.lo - c.lo) * gsize for r in rs], [bf16] * k,
+                             [out.data_ptr() + (r.lo - c.lo) * 2 for r in rs], [r.hi - r.lo for r in rs], [],
+                             [step_no] * k, mom_bf16 * k)
+                up[i] = t.upload(buf.param_data[c.lo:c.hi], out)
+                if i + K < len(chunks):
                     down[i + K] = download(i + K)
         finally:
             t.end(self._numel)
