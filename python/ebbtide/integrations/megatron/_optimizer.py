@@ -142,8 +142,10 @@ class EbbtideOptimizer(MegatronOptimizer):
         return self._grads_for_norm()
 
     def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        """``t`` reduced over the grad-stats group; not a collective where that group is this rank alone (with
+        groups released between steps, a one-rank NCCL communicator would reconnect at every step's norm)."""
         group = self.get_grad_stats_parallel_group()
-        if torch.distributed.is_initialized() and group is not None:
+        if torch.distributed.is_initialized() and group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(t, op=op, group=group)
         return t
 
