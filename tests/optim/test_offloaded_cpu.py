@@ -270,3 +270,19 @@ def test_param_mirror_follows_every_step_and_rebuilds_the_params():
         next(mirrored.parameters()).add_(1.0)  # a write outside the optimizer...
     o2.sync_master_from_params()  # ...reaches the mirror through the documented call
     assert torch.equal(mirror, o2.flat_params)
+
+
+def test_transport_waits_before_any_step_are_timed_without_error():
+    """A grad-hook download waited before the first pipeline ran (a skipped first step, repaired grad views)."""
+    from ebbtide.optim.offloaded import _Transport
+
+    class _Event:
+        def synchronize(self):
+            pass
+
+    t = _Transport(torch.device("cpu"))
+    t.wait(_Event())  # before any begin()
+    t.begin()
+    t.wait(_Event())
+    t.end(7)
+    assert t.times["elements"] == 7 and t.times["wait_s"] <= t.times["seconds"]

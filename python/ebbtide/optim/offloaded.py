@@ -81,6 +81,7 @@ class _Transport:
         self.cuda = device.type == "cuda"
         self.device = device
         self.times = {}
+        self._t0, self._wait_s, self._kernel_s = time.perf_counter(), 0.0, 0.0  # waits may come before a begin()
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)

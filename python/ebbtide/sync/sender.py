@@ -19,7 +19,10 @@ Policies:
   filled, so with the plan in name order at most the experts of one layer are held beyond the bucket. Every EP rank
   must push the same plan (the gathers pair up in plan order); expert parameters split over a tensor-parallel
   group are refused. Without a plan, the sender's plan lists the rank's other tensors in their order, then the
-  experts in ``ep_sources``' order.
+  experts in ``ep_sources``' order. Gathered experts are new buffers at every push, so their buckets' FP8 launch
+  tables are rebuilt each time (the host-work note below holds for the rest). A failure on one EP rank outside the
+  collective (out of memory, a missing tensor) leaves its peers waiting in their next gather until the group's
+  timeout.
 - Host work: each bucket's FP8 launch table is built at the first push and kept while the tensors and the
   transport's buffer stay where they are (``ebbtide.quant.prepared``), and its FP8 source names are listed once, so
   a push reads each tensor's address, strides, size and dtype and does no other per-tensor work in Python (an MoE
@@ -81,6 +84,7 @@ class Sender:
         elif plan_options:
             raise InvalidArgumentError(f"pass either a plan or plan options, not both: {sorted(plan_options)}")
         self.plan = plan
+        self._planned = {it.source for it in plan.items}  # gathered experts the plan does not send are not kept
         missing = [it.source for it in plan.items if it.source not in local and it.source not in self.ep_sources]
         if missing:
             raise InvalidArgumentError(f"the plan names tensors the trainer does not have: {missing[:4]}")
@@ -199,8 +203,9 @@ class Sender:
             for r, piece in enumerate(whole.chunk(self.ep_size)):
                 at = 0
                 for n in names:
-                    t = tensors[n]
-                    experts[self._ep_global[(n, r)]] = piece[at:at + t.numel()].view(t.shape)
+                    t, g = tensors[n], self._ep_global[(n, r)]
+                    if g in self._planned:
+                        experts[g] = piece[at:at + t.numel()].view(t.shape)
                     at += t.numel()
 
     @torch.no_grad()

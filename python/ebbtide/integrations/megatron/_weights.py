@@ -126,7 +126,7 @@ def expert_sources(model_chunks) -> dict:
         return {}
     ep, _ = _ep()
     counts = _local_expert_counts(local)
-    return {_global_expert(n, r, counts): (n, r) for r in range(ep) for n in local}
+    return dict(sorted((_global_expert(n, r, counts), (n, r)) for r in range(ep) for n in local))  # name order
 
 
 def _local_expert_counts(named) -> dict:
