@@ -332,8 +332,7 @@ class Runtime:
                                      "teardown held may not be freed)") from failed
                 check_agreement(everyone, "release")
                 if len({json.dumps(p["opts"]) for p in everyone}) != 1:
-                    raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu/"
-                                     "wait "
+                    raise StateError("ebbtide.comm.release(): ranks passed different include_world/include_cpu/wait "
                                      f"arguments: {[p['opts'] for p in everyone]}")
                 why = _deepep.disagreement(everyone)
                 if why:

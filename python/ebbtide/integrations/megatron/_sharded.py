@@ -33,7 +33,7 @@ What holds:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +73,8 @@ class _Chunk:
     hi: int
     host: int
     runs: list  # of _Run
+    # per param group among the runs, built once: (group, host offsets, offsets from lo, lengths) of its runs
+    spans: list = field(default_factory=list)
 
 
 def shard_ranges(buffer) -> list[tuple[int, int]]:
@@ -168,6 +170,10 @@ class ShardAdam(torch.optim.Optimizer):
             else:
                 c.hi = r.hi
                 c.runs.append(r)
+        for c in out:
+            for gi in dict.fromkeys(r.group for r in c.runs):
+                rs = [r for r in c.runs if r.group == gi]
+                c.spans.append((gi, [r.host for r in rs], [r.lo - c.lo for r in rs], [r.hi - r.lo for r in rs]))
         return out
 
     @staticmethod
@@ -289,13 +295,12 @@ class ShardAdam(torch.optim.Optimizer):
                         t.wait(up[i - K])
                 grad, gsize, bf16 = self._gslots[buf.grad_dtype][slot].data_ptr(), buf.grad_data.element_size(), \
                     buf.grad_dtype == torch.bfloat16
-                for gi in dict.fromkeys(r.group for r in c.runs):  # one kernel call per param group
-                    rs = [r for r in c.runs if r.group == gi]
-                    k = len(rs)
-                    t.kernel(self._engine.step, hypers[gi], [master + r.host * 4 for r in rs],
-                             [m + r.host * msize for r in rs], [v + r.host * msize for r in rs], [],
-                             [grad + (r.lo - c.lo) * gsize for r in rs], [bf16] * k,
-                             [out.data_ptr() + (r.lo - c.lo) * 2 for r in rs], [r.hi - r.lo for r in rs], [],
+                outp = out.data_ptr()
+                for gi, hosts, rel, numels in c.spans:  # one kernel call per param group
+                    k = len(hosts)
+                    t.kernel(self._engine.step, hypers[gi], [master + h * 4 for h in hosts],
+                             [m + h * msize for h in hosts], [v + h * msize for h in hosts], [],
+                             [grad + x * gsize for x in rel], [bf16] * k, [outp + x * 2 for x in rel], numels, [],
                              [step_no] * k, mom_bf16 * k)
                 up[i] = t.upload(buf.param_data[c.lo:c.hi], out)
                 if i + K < len(chunks):
