@@ -263,3 +263,13 @@ def test_moments_option():
         parse_args(["--moments", "bf16"])
     with pytest.raises(InvalidArgumentError, match="moments must be one of"):
         RunConfig(trainer="megatron", moments="fp16").validate()
+
+
+def test_comm_teardown_option():
+    assert parse_args(["--trainer", "megatron"]).comm_teardown == "background"
+    cfg = parse_args(["--trainer", "megatron", "--comm-teardown", "joined"])
+    assert cfg.comm_teardown == "joined" and cfg.worker_spec("ebbtide")["comm_teardown"] == "joined"
+    with pytest.raises(InvalidArgumentError, match="comm_teardown must be one of"):
+        RunConfig(trainer="megatron", comm_teardown="later").validate()
+    with pytest.raises(InvalidArgumentError, match="option of --trainer megatron"):
+        parse_args(["--comm-teardown", "joined"])

@@ -77,6 +77,11 @@ def test_megatron_loop_ebbtide(tmp_path, groups):
     assert setup["groups"] == groups and setup["tp"] == setup["dp"] == 1, setup
     rel = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "comm_release"]
     assert rel and "release" in rel[0]["report"]
+    # the update opened beside the CPU step (the push only joined it); the offload says where its time went
+    syncs = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "sync"]
+    assert syncs and all("open_s" in ph and "fill_s" in ph for ph in syncs), syncs
+    offs = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "offload"]
+    assert offs and all("empty_cache_s" in ph for ph in offs), offs
 
 
 @pytest.mark.parametrize("variant", ["slime", "slime-ebbtide", "gpu-tms"])

@@ -61,6 +61,19 @@ def test_dequant_roundtrip_error_bound():
     assert rel <= 2.0 ** -4 + 2.0 ** -8  # bound: e4m3 half-ulp (2^-4) plus the bf16 output rounding (2^-8)
 
 
+def test_dequant_into_out_is_the_same_bits_and_refuses_a_wrong_out():
+    w = heavy_tailed((130, 260), seed=6)
+    q, s = Q.fp8_block_quant(w)
+    out = torch.full((130, 260), 3.0, dtype=torch.bfloat16)
+    assert Q.fp8_block_dequant(q, s, out=out) is out
+    assert torch.equal(out.view(torch.int16), Q.fp8_block_dequant(q, s).view(torch.int16))
+    for bad in (torch.zeros(130, 260), torch.zeros(130, 259, dtype=torch.bfloat16), "x"):
+        keep = out.clone()
+        with pytest.raises(InvalidArgumentError, match="out must be bfloat16"):
+            Q.fp8_block_dequant(q, s, out=bad)
+        assert torch.equal(out, keep)
+
+
 def test_int4_fake_quant_autograd_straight_through():
     w = heavy_tailed((64, 256), seed=5).requires_grad_()
     y = Q.int4_fake_quant(w, group=64)

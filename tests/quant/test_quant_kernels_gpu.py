@@ -203,6 +203,9 @@ def test_block_dequant_matches_reference(shape):
         poison_cache()
         d = Q.fp8_block_dequant(qr.to(DEV), sr.to(DEV))
         assert_same(d, R.fp8_block_dequant(qr, sr), f"dequant {scale}")
+        out = torch.full(shape, 7.0, dtype=torch.bfloat16, device=DEV)  # into a given tensor: the same bits
+        assert Q.fp8_block_dequant(qr.to(DEV), sr.to(DEV), out=out) is out
+        assert_same(out, R.fp8_block_dequant(qr, sr), f"dequant {scale} into out")
 
 
 def test_every_e4m3_code_dequantizes_exactly():

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from ebbtide.errors import InvalidArgumentError
+from ebbtide.errors import InvalidArgumentError, StateError
 from ebbtide.sync import (HostReceiver, HostSender, PartialUpdateError, Plan, PlanMismatchError, Receiver, Sender,
                           SharedHostBuffer, WeightVersionError, expected)
 
@@ -364,4 +364,65 @@ def test_a_cpu_receiver_has_no_stream_and_refuses_one():
         with pytest.raises(InvalidArgumentError, match="torch.cuda.Stream"):
             Receiver(dst, plan, stream=object())
     finally:
+        buf.close()
+
+
+class _SlowBegin:
+    """A transport wrapper whose begin takes a while and can fail, recording the order of the calls."""
+
+    def __init__(self, inner, fail=False):
+        self.inner, self.fail, self.calls = inner, fail, []
+
+    def begin(self, version, plan, device):
+        import time  # noqa: PLC0415
+
+        time.sleep(0.05)
+        self.calls.append(("begin", version))
+        if self.fail:
+            raise PartialUpdateError("the receiver went away")
+        self.inner.begin(version, plan, device)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_open_begins_ahead_and_push_joins_it():
+    src, plan, buf, _, receiver, dst = _pair()
+    end = _SlowBegin(HostSender(buf))
+    sender, rx = Sender(src, end, plan=plan), HostReceiver(buf)
+    try:
+        fut = sender.open(1, wait=False)
+        with pytest.raises(StateError, match="already open"):
+            sender.open(2)
+        with pytest.raises(InvalidArgumentError, match="update 1 is open"):
+            sender.push(2)  # refused without touching the open update
+        rep = sender.push(1)
+        assert fut.done() and rep["open_s"] >= 0.05 and end.calls == [("begin", 1)]  # begun once, by the open
+        assert rx.receive(receiver, 1) == 1
+        want = expected(plan, src)
+        assert all(torch.equal(_bits(want[n]), _bits(dst[n])) for n in src)
+        sender.open(2)  # wait=True: begun now
+        assert end.calls[-1] == ("begin", 2) and "open_s" in sender.push(2) and rx.receive(receiver, 2) == 2
+        assert "open_s" not in sender.push(3) and end.calls[-1] == ("begin", 3)  # no open: push begins itself
+    finally:
+        sender.close()
+        buf.close()
+
+
+def test_a_failed_open_raises_from_the_push_and_commits_nothing():
+    src, plan, buf, _, receiver, dst = _pair()
+    end = _SlowBegin(HostSender(buf), fail=True)
+    sender, rx = Sender(src, end, plan=plan), HostReceiver(buf)
+    try:
+        sender.open(1, wait=False)
+        with pytest.raises(PartialUpdateError, match="went away"):
+            sender.push(1)
+        with pytest.raises(PartialUpdateError):
+            rx.receive(receiver, 1)  # nothing was written
+        assert receiver.version is None
+        end.fail = False
+        sender.push(1)  # the failed open is gone: the next push begins afresh
+        assert rx.receive(receiver, 1) == 1
+    finally:
+        sender.close()
         buf.close()

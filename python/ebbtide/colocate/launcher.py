@@ -63,6 +63,7 @@ NEEDS_TMS = ("anchor", "slime", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")  # = mtrainer.GROUP_MODES
 CUMEM_MODES = ("off", "on")  # = mtrainer.CUMEM_MODES
 MOMENTS = ("fp32", "bf16")  # = mtrainer.MOMENTS: Adam's moments in the ebbtide variant's host state
+TEARDOWNS = ("background", "joined")  # = mtrainer.TEARDOWNS: where the ebbtide variant's release tears down
 STEADY_GUARDS = ("error", "warn")
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
@@ -104,6 +105,9 @@ class RunConfig:
     # the ebbtide Megatron trainer's NCCL_CUMEM_ENABLE: "off" (slime's actor environment, as the anchors run) or "on"
     nccl_cumem: str = "off"
     moments: str = "fp32"
+    # the ebbtide Megatron trainer's communicator teardown at release: "background" (overlaps offload and generate)
+    # or "joined" (inside comm_release: nothing of the trainer runs beside the rollout's generate)
+    comm_teardown: str = "background"
     # the steady phases (forward + backward, generate) of ebbtide against each anchor's: "error" (exit status 3 when
     # ebbtide is more than steady_tolerance slower), "warn" (say so, exit as usual)
     steady_guard: str = "error"
@@ -178,6 +182,11 @@ class RunConfig:
             raise InvalidArgumentError(f"nccl_cumem must be one of {CUMEM_MODES}, got {self.nccl_cumem!r}")
         if self.moments not in MOMENTS:
             raise InvalidArgumentError(f"moments must be one of {MOMENTS}, got {self.moments!r}")
+        if self.comm_teardown not in TEARDOWNS:
+            raise InvalidArgumentError(f"comm_teardown must be one of {TEARDOWNS}, got {self.comm_teardown!r}")
+        if self.comm_teardown != "background" and self.trainer != "megatron":
+            raise InvalidArgumentError("--comm-teardown is an option of --trainer megatron (the toy trainer "
+                                       "releases its groups with the teardown joined)")
         if self.moments != "fp32" and self.trainer != "megatron":
             raise InvalidArgumentError("--moments bf16 is an option of --trainer megatron (the toy trainer's "
                                        "optimizer keeps fp32 moments)")
@@ -213,7 +222,7 @@ class RunConfig:
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
                 "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
-                "nccl_cumem": self.nccl_cumem,
+                "nccl_cumem": self.nccl_cumem, "comm_teardown": self.comm_teardown,
                 "moments": self.moments, "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
@@ -274,6 +283,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="megatron, ebbtide variant: NCCL_CUMEM_ENABLE off (default: slime's actor environment, as the "
                         "anchors run) or on (NCCL's own default; each lazily connected communicator costs ~0.1 s "
                         "more between two GPUs with NCCL 2.28)")
+    p.add_argument("--comm-teardown", default=d.comm_teardown, choices=TEARDOWNS,
+                   help="megatron, ebbtide variant: the released communicators' teardown runs in the background, "
+                        "beside offload and generate (default), or inside comm_release (joined: the trainer does "
+                        "nothing while the rollout generates; for telling the teardown's effect on generate apart)")
     p.add_argument("--moments", default=d.moments, choices=MOMENTS,
                    help="megatron, ebbtide variant: Adam's moments in fp32 (default) or bf16 (Megatron's precision-"
                         "aware exp_avg_dtype/exp_avg_sq_dtype; 20 instead of 28 bytes per parameter through host "
@@ -304,7 +317,7 @@ def parse_args(argv=None) -> RunConfig:
     kw = {k: getattr(a, k) for k in ("gpus", "tp", "ep", "moe_experts", "moe_topk", "steps", "warmup", "batch",
                                      "seq", "gen_batch", "prompt_len",
                                      "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode", "groups",
-                                     "nccl_cumem",
+                                     "nccl_cumem", "comm_teardown",
                                      "moments", "steady_guard", "steady_tolerance",
                                      "timeout_s",
                                      "verify_batch", "verify_len",

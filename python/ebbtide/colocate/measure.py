@@ -34,10 +34,12 @@ KNOWN_PHASES = tuple(dict.fromkeys(PHASES + MEGATRON_PHASES))
 # not make them slower. The default tolerance of the loop's guard (ebbtide's median over the anchor's).
 STEADY_PHASES = ("train", "generate")
 STEADY_TOLERANCE = 0.03
-# What the rollout reports of its generation and ebbtide's optimizer of its CPU pipeline besides the phase's time
-# (medians kept in the summary's "detail").
-DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s", "prepare_s", "norm_s", "update_s",
-               "pipeline_s", "kernel_s", "copy_wait_s", "kernel_gbps")
+# What the rollout reports of its generation, ebbtide's optimizer of its CPU pipeline, its sender of a push and its
+# training state of an offload besides the phase's time (medians kept in the summary's "detail").
+DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s", "prefill_host_s", "device_mallocs",
+               "prepare_s", "norm_s", "update_s", "pipeline_s", "kernel_s", "copy_wait_s", "kernel_gbps",
+               "begin_s", "open_s", "fill_s", "commit_s", "close_s", "drain_s", "empty_cache_s", "pause_s",
+               "sm_clock_mhz")
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")
 GROWTH_TOLERANCE = 16 << 20  # bytes: a few driver pages of slack; everything above is reported as growth
 
@@ -125,6 +127,16 @@ class NvmlProbe:
             return None
         try:
             return int(self._nvml.nvmlDeviceGetMemoryInfo(self._h).used)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def sm_clock_mhz(self) -> int | None:
+        """The device's SM clock now (MHz), or None. A GPU left idle (a CPU optimizer step) clocks down, and the
+        first kernels after it run slower until it clocks up again."""
+        if not self.ok:
+            return None
+        try:
+            return int(self._nvml.nvmlDeviceGetClockInfo(self._h, self._nvml.NVML_CLOCK_SM))
         except Exception:  # noqa: BLE001
             return None
 

@@ -309,8 +309,8 @@ class GraphDecoder:
         """As ``greedy_decode(model, prompt, new_tokens, cache)``: returns (tokens [B, P + n], logits of the last
         position [B, vocab], fp32). ``prompt`` must have exactly ``batch`` rows. ``events`` (a dict, CUDA only): CUDA
         events recorded on the current stream at "start", "prefilled" (after the eager prefill) and "end", and
-        ``host_enqueue_s`` (host seconds until the last step was launched), so the caller can split the
-        generation's device time from its host time."""
+        ``prefill_host_s`` / ``host_enqueue_s`` (host seconds until the prefill / the last step was launched), so the
+        caller can split the generation's device time from its host time."""
         B, P = prompt.shape
         if B != self.batch:
             raise InvalidArgumentError(f"prompt batch {B} != the decoder's static batch {self.batch}")
@@ -337,6 +337,8 @@ class GraphDecoder:
         self.token.copy_(nxt)
         self.pos.fill_(P)
         mark("prefilled")
+        if timed:
+            events["prefill_host_s"] = time.perf_counter() - t0
         for _ in range(new_tokens - 1):
             logits = self._step()
         mark("end")

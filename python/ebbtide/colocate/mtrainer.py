@@ -28,14 +28,17 @@ Policies:
   comm_reload (slime's sleep() destroys the groups, then pauses its memory; wake_up() resumes, then reloads). Each
   phase ends when its device work is complete, except the ebbtide variant's onload: ``restore(overlap_forward=
   True)`` queues the weights' upload and each layer's first forward waits for its own, so the upload's tail is
-  inside the next train phase.
+  inside the next train phase. The ebbtide variant also sends the rollout its resume and load and opens the update
+  (``Sender.open(wait=False)``) right after the backward: they run beside the CPU step (the GPU is idle then), and
+  rollout_resume only collects the reply, sync only fills and commits.
 - Variant "ebbtide", through the public adapter only: ``install_groups()`` before ``init_process_group``,
   ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
   restore (``weights="discard"``: the weights are dropped and rebuilt from the optimizer's host mirror, as slime
   drops its DDP buffers and restores them from its TensorBackuper), ``release_groups(include_world=True,
   wait=False)`` (the communicators' teardown overlaps the offload, the rollout's generate and, where it is longer,
   the next reload: ebbtide.comm's reload goes ahead beside a teardown of destroyed groups, the next release waits for
-  it; its report lands in the phase that saw it finish) / ``reload_groups()``;
+  it; its report lands in the phase that saw it finish; ``spec["comm_teardown"]`` "joined": inside comm_release,
+  so nothing of the trainer's runs beside the generate) / ``reload_groups()``;
   weights by ``ebbtide.sync`` (``Sender`` + ``IpcSender``); the rollout on ebbtide.memory (preload shim).
 - Variant "slime", the configuration slime runs colocated: Megatron's DistributedOptimizer + HybridDeviceOptimizer
   (offload fraction 1.0, D2H/H2D overlap); torch_memory_saver (torch hook mode, ``retain_cpu_backup``) with the
@@ -93,6 +96,7 @@ VARIANTS = ("ebbtide", "slime", "slime-ebbtide", "gpu-tms")
 GROUP_MODES = ("lazy", "eager")
 CUMEM_MODES = ("off", "on")
 MOMENTS = ("fp32", "bf16")
+TEARDOWNS = ("background", "joined")
 # One CPU Adam step's bytes through host memory per parameter: fp32 master read + write (8), both moments read +
 # write (16 in fp32, 8 in bf16), the bf16 gradient read (2) and the bf16 parameter written back (2); the DMA
 # traffic of the gradient download and the parameter upload (another ~4) is not counted, so the floor is a lower
@@ -184,6 +188,11 @@ class _MegatronTrainer:
         if cumem == "off":  # slime's actor environment (SGLang needs it off; slime sets it for every actor)
             os.environ["NCCL_CUMEM_ENABLE"] = "0"
         self.setup["nccl_cumem"] = cumem
+        teardown = self.spec.get("comm_teardown", "background") if ours else "joined"
+        if teardown not in TEARDOWNS:
+            raise RuntimeError(f"comm_teardown must be one of {TEARDOWNS}, not {teardown!r}")
+        self.background_teardown = teardown == "background"
+        self.setup["comm_teardown"] = teardown
         ebt.install_groups(**({} if ours else {"strategy": "destroy"}))
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store = dist.TCPStore(host, port, None, False, timeout=timedelta(minutes=10))
@@ -372,7 +381,8 @@ class _MegatronTrainer:
     def _offload(self) -> dict:
         if self.em is not None:
             rep = self.state.offload()
-            return {"bytes": rep.bytes_copied, "bytes_released": rep.bytes, "residual_reserved": rep.residual_reserved}
+            return {"bytes": rep.bytes_copied, "bytes_released": rep.bytes, "residual_reserved": rep.residual_reserved,
+                    **rep.parts}
         if self.backup is not None:  # slime's TensorBackuper: the weights to their pinned copy
             for b, p in zip(self.backup, self.params):
                 b.copy_(p.detach(), non_blocking=True)
@@ -423,6 +433,11 @@ class _MegatronTrainer:
         with rec.phase(step, "train") as info:
             info["loss"] = self._train(step)
         self._sample(step, "train")
+        early = self.em is not None and self.sync.mode == "ebbtide"
+        if early:  # the rollout resumes and the update opens beside the CPU step (the GPU is idle meanwhile)
+            R.send("resume")
+            R.send("load", version=version)
+            self.sync.open(version)  # joined (its failure raised) by the push
         with rec.phase(step, "optimizer") as info:
             info.update(self._step_optimizer())
         self._sample(step, "optimizer")
@@ -430,18 +445,22 @@ class _MegatronTrainer:
         if verify:  # the ranks' untimed work differs: the next timed phases start together
             align_ranks(self.align, self.world, f"{self.variant}/{step}/reference")
         with rec.phase(step, "rollout_resume") as info:
-            info.update(_only(R.call("resume", timeout=tmo), "inside_s", "bytes_mapped"))
+            info.update(_only(R.reply(timeout=tmo) if early else R.call("resume", timeout=tmo), "inside_s",
+                              "bytes_mapped"))
         self._sample(step, "rollout_resume")
         with rec.phase(step, "sync") as info:
-            R.send("load", version=version)
+            if not early:
+                R.send("load", version=version)
             info["bytes"] = self.sync.push(version)
+            info.update(getattr(self.sync, "last_push", {}))
             info.update(_only(R.reply(timeout=tmo), "inside_s"))
         self._sample(step, "sync")
         loaded = R.call("verify_load", timeout=tmo) if verify else None
         if verify:
             align_ranks(self.align, self.world, f"{self.variant}/{step}/load")
         with rec.phase(step, "comm_release") as info:
-            if self.em is not None:  # agreed and detached now; the teardown overlaps the offload and generate
+            if self.em is not None and self.background_teardown:  # agreed and detached: the teardown overlaps
+                # the offload and generate
                 previous = self.releasing
                 # release() joins the previous teardown itself: a failure there raises on every rank (its agreement)
                 self.releasing = self.ebt.release_groups(include_world=True, wait=False)
@@ -454,9 +473,12 @@ class _MegatronTrainer:
             info.update(self._offload())
         self._sample(step, "offload")
         with rec.phase(step, "generate") as info:
+            clock = self.nvml.sm_clock_mhz()  # the clock the prefill starts at
+            if clock is not None:
+                info["sm_clock_mhz"] = clock
             gen = R.call("generate", timeout=tmo)
             info.update(_only(gen, "tokens", "inside_s", "prefill_gpu_s", "decode_gpu_s",
-                              "host_enqueue_s"))
+                              "host_enqueue_s", "prefill_host_s", "device_mallocs"))
         self._sample(step, "generate", gen.get("mem"))
         self._note_decode(gen)
         if verify:
@@ -517,6 +539,9 @@ class _MegatronTrainer:
             self.setup["last_release"], self.releasing = last_release, None
 
     def close(self):
+        sync = getattr(self, "sync", None)
+        if sync is not None and sync.mode == "ebbtide":
+            sync.sender.close()  # its open thread; the IPC end was closed after the last push
         self.rollout.close()
 
 

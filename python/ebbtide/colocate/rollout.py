@@ -228,6 +228,10 @@ class _Rollout:
                                             graph_context=self._graph_context())
         return self.decoder.generate(prompt, n, events=events)
 
+    def _device_mallocs(self):
+        """cudaMalloc calls of torch's caching allocator so far (None on the CPU or where torch does not count)."""
+        return torch.cuda.memory_stats(self.dev).get("num_device_alloc") if self.cuda else None
+
     def _tag_active(self, tag: str) -> int:
         return sum(r["bytes_active"] for r in self.em.stats()["tags"] if r["tag"] == tag)
 
@@ -235,6 +239,7 @@ class _Rollout:
         capturing = self.decode != "eager" and self.cuda and (self.decoder is None or self.decoder.graph is None)
         before = self._tag_active(GRAPH_TAG) if capturing and self.em else None
         events = {} if self.cuda else None
+        mallocs = self._device_mallocs()
         seq, last = self._decode(self.prompts.to(self.dev), events)
         out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item()),
                "decode": self.decoder.mode if self.decoder else "eager"}
@@ -242,6 +247,9 @@ class _Rollout:
             out["prefill_gpu_s"] = events["start"].elapsed_time(events["prefilled"]) / 1e3
             out["decode_gpu_s"] = events["prefilled"].elapsed_time(events["end"]) / 1e3
             out["host_enqueue_s"] = events["host_enqueue_s"]
+            out["prefill_host_s"] = events["prefill_host_s"]
+        if mallocs is not None:  # segments the caching allocator had to get from below (after the pause's empty_cache)
+            out["device_mallocs"] = self._device_mallocs() - mallocs
         if self.decoder is not None and self.decoder.graph_bytes is not None:
             out["graph_bytes"] = self.decoder.graph_bytes
         if before is not None:  # the capture (and the static buffers) landed in the engine: paused with the tag

@@ -26,6 +26,8 @@ Policies:
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..errors import InvalidArgumentError, StateError
@@ -202,6 +204,7 @@ class IpcTrainerSync:
         if self.ep_sources and full is None:
             raise InvalidArgumentError("ep_sources needs full (the whole model, experts gathered)")
         self.full = full
+        self.last_push: dict = {}  # the ebbtide sender's time split of the latest push (see push)
         local = weights()
         tp = 1
         if self.tp_dims:
@@ -233,12 +236,22 @@ class IpcTrainerSync:
         local = self.weights()
         return _Gathered(local, self.tp_dims, self.tp_group) if self.tp_dims else local
 
+    def open(self, version: int):
+        """Mode "ebbtide": begin update ``version`` on the sender's thread (``Sender.open(wait=False)``; the rollout
+        must be in its ``load``); returns the Future, None in the slime-style mode (nothing to begin)."""
+        return self.sender.open(version, wait=False) if self.mode == "ebbtide" else None
+
     @torch.no_grad()
     def push(self, version: int) -> int:
-        """Send the current weights as ``version``; returns when the rollout holds them. Returns wire bytes."""
+        """Send the current weights as ``version``; returns when the rollout holds them. Returns wire bytes;
+        ``last_push`` then holds the ebbtide sender's time split (its ``PushReport`` parts and ``close_s``, the
+        unmapping of the rollout's staging)."""
         if self.mode == "ebbtide":
-            self.sender.push(version)
-            self.ipc.close()  # the two producer buffers go back (re-shared at the next push)
+            rep = self.sender.push(version)
+            t0 = time.perf_counter()
+            self.ipc.close()  # the imported staging is unmapped (re-shared at the next push)
+            self.last_push = {k: rep[k] for k in ("begin_s", "open_s", "fill_s", "commit_s") if k in rep}
+            self.last_push["close_s"] = time.perf_counter() - t0
         else:
             from ..anchors.sync import slime_update  # noqa: PLC0415
 

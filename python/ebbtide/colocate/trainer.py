@@ -399,7 +399,8 @@ class _Trainer:
                 out = R.call(cmd, timeout=tmo, **({"version": step + 1} if cmd == "load" else {}))
                 info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released",
                                                                    "bytes_mapped", "prefill_gpu_s", "decode_gpu_s",
-                                                                   "host_enqueue_s")})
+                                                                   "host_enqueue_s", "prefill_host_s",
+                                                                   "device_mallocs")})
             self._sample(step, name, out.get("mem"))
             # Verification is untimed: the rollout checks between phases, before it pauses.
             if cmd == "load":

@@ -123,15 +123,17 @@ def launch_segments(host: torch.Tensor, dev: torch.Tensor, count: int, device) -
                            stream=torch.cuda.current_stream(device).cuda_stream)
 
 
-def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out``: a contiguous bf16 tensor of q's shape on q's device (checked by the caller), written in place."""
     squeeze = q.dim() == 2
     q3 = q.unsqueeze(0) if squeeze else q
     E, N, K = q3.shape
-    out = torch.empty((E, N, K), dtype=torch.bfloat16, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     with torch.cuda.device(q.device):
         _q().fp8_block_dequant(q=q3.data_ptr(), scale=s.data_ptr(), experts=E, rows=N, cols=K, out=out.data_ptr(),
                                stream=_stream(q))
-    return out[0] if squeeze else out
+    return out
 
 
 def fp8_group_quant(x: torch.Tensor, scale_layout: str, scale: str, eps: float):

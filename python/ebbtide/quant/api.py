@@ -198,9 +198,12 @@ def fp8_group_quant(x: torch.Tensor, group: int = 128, scale_layout: str = "row"
     return q.view(x.shape), s
 
 
-def fp8_block_dequant(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+def fp8_block_dequant(q: torch.Tensor, scale: torch.Tensor, block: int = 128, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 = RNbf16(RN32(float(q) * s)) for block-quantized weights: q float8_e4m3fn [(E,) N, K], scale float32
-    [(E,) ceil(N/128), ceil(K/128)] (fp32 or UE8M0 values; unpack packed UE8M0 with reference.ue8m0_unpack)."""
+    [(E,) ceil(N/128), ceil(K/128)] (fp32 or UE8M0 values; unpack packed UE8M0 with reference.ue8m0_unpack).
+    ``out`` (bf16, q's shape and device): written in place and returned, the same bits (a receiver dequantizes
+    straight into its parameter: no temporary, no second copy); on CUDA it must be contiguous."""
     _checks.tensor(q, "q", (2, 3), torch.float8_e4m3fn, why="fp8_block_quant's q [N, K] or [E, N, K]")
     block = _checks.int_choice(block, "block", (128,))
     want = (*q.shape[:-2], -(-q.shape[-2] // 128), -(-q.shape[-1] // 128))
@@ -209,9 +212,17 @@ def fp8_block_dequant(q: torch.Tensor, scale: torch.Tensor, block: int = 128) ->
         raise InvalidArgumentError(f"scale must be float32 of shape {want}, got {got}")
     if scale.device != q.device:
         raise InvalidArgumentError(f"q is on {q.device} but scale on {scale.device}")
+    if out is not None:
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != q.shape
+                or out.device != q.device or (q.device.type == "cuda" and not out.is_contiguous())):
+            got = (f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous {out.is_contiguous()}"
+                   if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise InvalidArgumentError(f"out must be bfloat16 of shape {tuple(q.shape)} on {q.device} (contiguous "
+                                       f"on CUDA), got {got}")
     if q.device.type == "cpu":
-        return _ref.fp8_block_dequant(q, scale, block)
-    return _cuda.fp8_block_dequant(q.contiguous(), scale.contiguous())
+        ref = _ref.fp8_block_dequant(q, scale, block)
+        return ref if out is None else out.copy_(ref)
+    return _cuda.fp8_block_dequant(q.contiguous(), scale.contiguous(), out)
 
 
 # ---- INT4 ----------------------------------------------------------------------------------------------------

@@ -76,7 +76,11 @@ def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params, *, served: bool =
     for it in bucket.items:
         p = params[it.source]
         if it.kind == "fp8":
-            p.copy_(Q.fp8_block_dequant(it.outputs[0].view(buf), it.outputs[1].view(buf)))
+            q, s = it.outputs[0].view(buf), it.outputs[1].view(buf)
+            if p.dtype == torch.bfloat16 and (p.is_contiguous() or p.device.type == "cpu"):
+                Q.fp8_block_dequant(q, s, out=p)  # straight into the parameter: no temporary, one kernel
+            else:
+                p.copy_(Q.fp8_block_dequant(q, s))
         elif it.kind == "int4":
             packed, scale, _ = it.outputs
             p.copy_(Q.int4_unpack(packed.view(buf), scale.view(buf), it.shape))

@@ -31,6 +31,12 @@ Policies:
   for the caller's current stream ("optimizer done"); the transport moves bucket k (copy, IPC hand-off or
   broadcast on its own stream) while bucket k+1 is quantized. A producer buffer is written again only after the
   transport says its previous content was consumed on the device (an event), never when a reply arrives.
+- ``open(version, wait=False)`` starts the transport's begin of the update (for CUDA IPC: the round trip to the
+  receiver and the mapping of its staging) on the sender's own thread and returns a Future; ``push(version)`` then
+  joins it instead of beginning. A trainer opens the update right after its backward, so the begin runs beside
+  its CPU optimizer step (whose kernels release the GIL), and the push has only the fills and the commit left.
+  The receiver must be ready to answer (for IPC: serving its ``receive``). A push of another version than the open
+  one raises ``InvalidArgumentError`` and leaves the update open; a failed open raises from the push.
 - ``push(version)`` returns when the receiver holds the new version (the transport's commit), or raises; the
   receiver then still holds its previous version. A TP gather that raises (a peer rank died, seen by Gloo within
   its timeout) becomes PartialUpdateError before the commit; with NCCL a dead peer usually ends in torch's
@@ -39,12 +45,13 @@ Policies:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, Mapping
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, StateError
 from ._fill import BucketFill
 from .errors import PartialUpdateError
 from .plan import Plan
@@ -53,7 +60,11 @@ __all__ = ["Sender", "PushReport"]
 
 
 class PushReport(dict):
-    """``{"version", "seconds", "buckets", "wire_bytes", "source_bytes"}`` of one push."""
+    """``{"version", "seconds", "buckets", "wire_bytes", "source_bytes", "begin_s", "fill_s", "commit_s"}`` of one
+    push (and ``open_s`` after an ``open``): ``begin_s`` the transport's begin (e.g. the IPC round trip that maps
+    the receiver's staging) or, after an ``open``, the push's wait for it; ``open_s`` the begin's own time; ``fill_s``
+    the host time queueing the gathers, fills and sends of every bucket, ``commit_s`` the commit (the receiver's
+    apply included where the transport waits for it)."""
 
 
 class Sender:
@@ -98,6 +109,8 @@ class Sender:
         self.is_source = bool(each_rank_sends) or self.tp_rank == 0
         # one prepared fill per bucket: its FP8 launch table is rebuilt only when an address changes
         self._fills = [BucketFill(plan, b) for b in plan.buckets]
+        self._open = None  # (version, Future of the begin's seconds) of an update opened ahead of its push
+        self._pool = None  # the thread open(wait=False) begins on, made at its first use
 
     def _init_experts(self, ep_group, ep_sources, local: dict) -> None:
         """Check and index the expert-parallel sources (see the module policies)."""
@@ -208,16 +221,42 @@ class Sender:
                         experts[g] = piece[at:at + t.numel()].view(t.shape)
                     at += t.numel()
 
+    def _begin(self, version: int) -> float:
+        t0 = time.perf_counter()
+        if self.is_source:
+            if self.cuda:
+                torch.cuda.set_device(self.device)  # a thread of its own starts on device 0
+            self.transport.begin(version, self.plan, self.device)
+        return time.perf_counter() - t0
+
+    def open(self, version: int, *, wait: bool = True):
+        """Begin update ``version`` on the transport ahead of :meth:`push` (see the module policies): now, or with
+        ``wait=False`` on the sender's thread, returning a ``concurrent.futures.Future`` of the begin's seconds."""
+        _check_version(version)
+        if self._open is not None:
+            raise StateError(f"update {self._open[0]} is already open: push it before opening another")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if wait:
+            fut.set_result(self._begin(version))
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ebbtide-sync-open")
+            fut = self._pool.submit(self._begin, version)
+        self._open = (version, fut)
+        return fut
+
     @torch.no_grad()
     def push(self, version: int) -> PushReport:
         """Send every bucket of the current weights as ``version`` (an int that grows with every update)."""
-        if not isinstance(version, int) or version < 0:
-            raise InvalidArgumentError(f"version must be a non-negative int, got {version!r}")
+        _check_version(version)
+        if self._open is not None and self._open[0] != version:
+            raise InvalidArgumentError(f"push({version}) while update {self._open[0]} is open: push that version")
         t0 = time.perf_counter()
         tensors = self._tensors()
         end = self.transport if self.is_source else None
-        if end is not None:
-            end.begin(version, self.plan, self.device)
+        opened, self._open = self._open, None
+        open_s = opened[1].result() if opened is not None else self._begin(version)  # an open's failure raises here
+        t1 = time.perf_counter()
         ctx = torch.cuda.stream(self.stream) if self.cuda else _nullctx()
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the optimizer step is done
@@ -233,16 +272,27 @@ class Sender:
                     for g in gathered:
                         g.record_stream(self.stream)
                 del sources, gathered
+        t2 = time.perf_counter()
         if end is not None:
             end.commit(version)
         elif self.cuda:
             self.stream.synchronize()
-        return PushReport(version=version, seconds=time.perf_counter() - t0, buckets=len(self.plan.buckets),
-                          wire_bytes=self.plan.nbytes, source_bytes=self.plan.source_bytes)
+        t3 = time.perf_counter()
+        return PushReport(version=version, seconds=t3 - t0, buckets=len(self.plan.buckets),
+                          wire_bytes=self.plan.nbytes, source_bytes=self.plan.source_bytes, begin_s=t1 - t0,
+                          fill_s=t2 - t1, commit_s=t3 - t2, **({"open_s": open_s} if opened is not None else {}))
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # an open still running ends first
+            self._pool = None
         if self.is_source:
             self.transport.close()
+
+
+def _check_version(version) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidArgumentError(f"version must be a non-negative int, got {version!r}")
 
 
 class _nullctx:

@@ -52,13 +52,16 @@ __all__ = ["TrainingState", "OffloadReport"]
 class OffloadReport:
     """One offload or restore. ``tags``: per tag {"bytes": released/mapped, "bytes_copied": ..., "s": ...};
     ``residual_reserved``: torch-reserved bytes outside the tags after the call; ``device_used``: the driver's used
-    bytes on the device (everything on it); ``seconds``: wall time of the call."""
+    bytes on the device (everything on it); ``seconds``: wall time of the call; ``parts`` (offload): its split,
+    ``drain_s`` (waiting for the device), ``empty_cache_s`` (the caching allocator's free blocks back) and
+    ``pause_s`` (the tags' pauses and the residual's reading)."""
 
     kind: str
     seconds: float
     tags: dict
     residual_reserved: int
     device_used: int
+    parts: dict = dataclasses.field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -238,15 +241,18 @@ class TrainingState:
             h.remove()
         self._gathers = {}
         torch.cuda.synchronize()
+        t1 = time.perf_counter()
         self._adopt_optimizer_state()  # state tensors a GPU optimizer created since the last call
         torch.cuda.empty_cache()
+        t2 = time.perf_counter()
         tags = {}
         for tag in self._tags_present():
             rep = self._em.pause(tag)
             tags[tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
         self._offloaded = True
         residual, used = self._residual()
-        return OffloadReport("offload", time.perf_counter() - t0, tags, residual, used)
+        return OffloadReport("offload", time.perf_counter() - t0, tags, residual, used,
+                             {"drain_s": t1 - t0, "empty_cache_s": t2 - t1, "pause_s": time.perf_counter() - t2})
 
     def restore(self, *, overlap_forward: bool = False) -> OffloadReport:
         """Map the training state back at the same addresses, restore weights and optimizer state, zero the DDP
