@@ -426,3 +426,25 @@ def test_a_failed_open_raises_from_the_push_and_commits_nothing():
     finally:
         sender.close()
         buf.close()
+
+
+def test_abort_gives_an_open_update_up_and_the_receiver_keeps_its_version():
+    src, plan, buf, _, receiver, dst = _pair()
+    end = _SlowBegin(HostSender(buf))
+    sender, rx = Sender(src, end, plan=plan), HostReceiver(buf)
+    try:
+        sender.push(1)
+        assert rx.receive(receiver, 1) == 1
+        sender.abort()  # nothing open: nothing happens
+        sender.open(2, wait=False)
+        sender.abort()  # waits for the begin, then closes the transport
+        assert end.calls[-1] == ("begin", 2)
+        with pytest.raises(PartialUpdateError):
+            rx.receive(receiver, 2)  # begun, never committed
+        assert receiver.version == 1
+        sender.open(2)  # free to open again
+        sender.push(2)
+        assert rx.receive(receiver, 2) == 2
+    finally:
+        sender.close()
+        buf.close()

@@ -438,12 +438,17 @@ class _MegatronTrainer:
             R.send("resume")
             R.send("load", version=version)
             self.sync.open(version)  # joined (its failure raised) by the push
-        with rec.phase(step, "optimizer") as info:
-            info.update(self._step_optimizer())
-        self._sample(step, "optimizer")
-        ref = self._reference() if verify else None  # untimed
-        if verify:  # the ranks' untimed work differs: the next timed phases start together
-            align_ranks(self.align, self.world, f"{self.variant}/{step}/reference")
+        try:
+            with rec.phase(step, "optimizer") as info:
+                info.update(self._step_optimizer())
+            self._sample(step, "optimizer")
+            ref = self._reference() if verify else None  # untimed
+            if verify:  # the ranks' untimed work differs: the next timed phases start together
+                align_ranks(self.align, self.world, f"{self.variant}/{step}/reference")
+        except BaseException:
+            if early:  # the push will not come: the rollout's load ends now, its weights as they were
+                self.sync.abort()
+            raise
         with rec.phase(step, "rollout_resume") as info:
             info.update(_only(R.reply(timeout=tmo) if early else R.call("resume", timeout=tmo), "inside_s",
                               "bytes_mapped"))
@@ -453,7 +458,9 @@ class _MegatronTrainer:
                 R.send("load", version=version)
             info["bytes"] = self.sync.push(version)
             info.update(getattr(self.sync, "last_push", {}))
-            info.update(_only(R.reply(timeout=tmo), "inside_s"))
+            load = R.reply(timeout=tmo)
+            if not early:  # after an early open the rollout's load began beside the optimizer step
+                info.update(_only(load, "inside_s"))
         self._sample(step, "sync")
         loaded = R.call("verify_load", timeout=tmo) if verify else None
         if verify:
@@ -472,8 +479,8 @@ class _MegatronTrainer:
         with rec.phase(step, "offload") as info:
             info.update(self._offload())
         self._sample(step, "offload")
+        clock = self.nvml.sm_clock_mhz()  # the clock the prefill starts at (read outside the timed phase)
         with rec.phase(step, "generate") as info:
-            clock = self.nvml.sm_clock_mhz()  # the clock the prefill starts at
             if clock is not None:
                 info["sm_clock_mhz"] = clock
             gen = R.call("generate", timeout=tmo)
@@ -539,10 +546,12 @@ class _MegatronTrainer:
             self.setup["last_release"], self.releasing = last_release, None
 
     def close(self):
-        sync = getattr(self, "sync", None)
-        if sync is not None and sync.mode == "ebbtide":
-            sync.sender.close()  # its open thread; the IPC end was closed after the last push
-        self.rollout.close()
+        try:
+            sync = getattr(self, "sync", None)
+            if sync is not None and sync.mode == "ebbtide":
+                sync.sender.close()  # its open thread; the IPC end was closed after the last push
+        finally:
+            self.rollout.close()
 
 
 def main(argv=None) -> int:

@@ -241,6 +241,11 @@ class IpcTrainerSync:
         must be in its ``load``); returns the Future, None in the slime-style mode (nothing to begin)."""
         return self.sender.open(version, wait=False) if self.mode == "ebbtide" else None
 
+    def abort(self) -> None:
+        """Give up an opened update: the rollout's ``load`` raises and it keeps its weights."""
+        if self.mode == "ebbtide":
+            self.sender.abort()
+
     @torch.no_grad()
     def push(self, version: int) -> int:
         """Send the current weights as ``version``; returns when the rollout holds them. Returns wire bytes;
@@ -300,6 +305,9 @@ class IpcRolloutSync:
         """Serve one push of ``version``; returns the wire bytes received."""
         if self.mode == "ebbtide":
             got = self.ipc.receive(self.receiver, version)
+            if got is None:  # the sender gave the update up (Sender.abort or close) before committing it
+                raise StateError(f"the sender closed update {version} before committing it; the rollout keeps "
+                                 f"version {self.receiver.version}")
             if self.ipc.receive(self.receiver) is not None:  # the sender gives its buffers back after each update
                 raise StateError("protocol error: expected the sender's close after the update")
             if got != version:

@@ -77,7 +77,7 @@ def load_bucket(bucket: BucketPlan, buf: torch.Tensor, params, *, served: bool =
         p = params[it.source]
         if it.kind == "fp8":
             q, s = it.outputs[0].view(buf), it.outputs[1].view(buf)
-            if p.dtype == torch.bfloat16 and (p.is_contiguous() or p.device.type == "cpu"):
+            if p.dtype == torch.bfloat16 and p.device == q.device and (p.is_contiguous() or p.device.type == "cpu"):
                 Q.fp8_block_dequant(q, s, out=p)  # straight into the parameter: no temporary, one kernel
             else:
                 p.copy_(Q.fp8_block_dequant(q, s))

@@ -36,7 +36,8 @@ Policies:
   joins it instead of beginning. A trainer opens the update right after its backward, so the begin runs beside
   its CPU optimizer step (whose kernels release the GIL), and the push has only the fills and the commit left.
   The receiver must be ready to answer (for IPC: serving its ``receive``). A push of another version than the open
-  one raises ``InvalidArgumentError`` and leaves the update open; a failed open raises from the push.
+  one raises ``InvalidArgumentError`` and leaves the update open; a failed open raises from the push; ``abort()``
+  gives an open update up (a failed or skipped step): the transport is closed, the receiver keeps its version.
 - ``push(version)`` returns when the receiver holds the new version (the transport's commit), or raises; the
   receiver then still holds its previous version. A TP gather that raises (a peer rank died, seen by Gloo within
   its timeout) becomes PartialUpdateError before the commit; with NCCL a dead peer usually ends in torch's
@@ -105,6 +106,8 @@ class Sender:
                 raise InvalidArgumentError(f"{it.source}: the trainer's tensor is {got}, the plan says {it.shape}")
         self.device = torch.device(device) if device is not None else next(iter(local.values())).device
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # "cuda": the current device, named (open's thread sets it)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.is_source = bool(each_rank_sends) or self.tp_rank == 0
         # one prepared fill per bucket: its FP8 launch table is rebuilt only when an address changes
@@ -224,10 +227,13 @@ class Sender:
     def _begin(self, version: int) -> float:
         t0 = time.perf_counter()
         if self.is_source:
-            if self.cuda:
-                torch.cuda.set_device(self.device)  # a thread of its own starts on device 0
             self.transport.begin(version, self.plan, self.device)
         return time.perf_counter() - t0
+
+    def _begin_on_thread(self, version: int) -> float:
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # the pool's thread starts on device 0
+        return self._begin(version)
 
     def open(self, version: int, *, wait: bool = True):
         """Begin update ``version`` on the transport ahead of :meth:`push` (see the module policies): now, or with
@@ -241,7 +247,7 @@ class Sender:
         else:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ebbtide-sync-open")
-            fut = self._pool.submit(self._begin, version)
+            fut = self._pool.submit(self._begin_on_thread, version)
         self._open = (version, fut)
         return fut
 
@@ -251,9 +257,9 @@ class Sender:
         _check_version(version)
         if self._open is not None and self._open[0] != version:
             raise InvalidArgumentError(f"push({version}) while update {self._open[0]} is open: push that version")
-        t0 = time.perf_counter()
         tensors = self._tensors()
         end = self.transport if self.is_source else None
+        t0 = time.perf_counter()
         opened, self._open = self._open, None
         open_s = opened[1].result() if opened is not None else self._begin(version)  # an open's failure raises here
         t1 = time.perf_counter()
@@ -282,10 +288,22 @@ class Sender:
                           wire_bytes=self.plan.nbytes, source_bytes=self.plan.source_bytes, begin_s=t1 - t0,
                           fill_s=t2 - t1, commit_s=t3 - t2, **({"open_s": open_s} if opened is not None else {}))
 
+    def abort(self) -> None:
+        """Give up an open update (its push will not come: the step failed or was skipped): wait for its begin,
+        then close the transport, which ends the receiver's pending update without a commit (it keeps its
+        version). Nothing open: nothing happens."""
+        opened, self._open = self._open, None
+        if opened is None:
+            return
+        opened[1].exception()  # the begin has finished (or failed) before the transport is touched again
+        if self.is_source:
+            self.transport.close()
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)  # an open still running ends first
             self._pool = None
+        self._open = None
         if self.is_source:
             self.transport.close()
 

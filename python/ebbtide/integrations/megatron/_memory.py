@@ -53,8 +53,8 @@ class OffloadReport:
     """One offload or restore. ``tags``: per tag {"bytes": released/mapped, "bytes_copied": ..., "s": ...};
     ``residual_reserved``: torch-reserved bytes outside the tags after the call; ``device_used``: the driver's used
     bytes on the device (everything on it); ``seconds``: wall time of the call; ``parts`` (offload): its split,
-    ``drain_s`` (waiting for the device), ``empty_cache_s`` (the caching allocator's free blocks back) and
-    ``pause_s`` (the tags' pauses and the residual's reading)."""
+    ``drain_s`` (waiting for the device, adopting a GPU optimizer's new state), ``empty_cache_s`` (the caching
+    allocator's free blocks back) and ``pause_s`` (the tags' pauses and the residual's reading)."""
 
     kind: str
     seconds: float
@@ -241,8 +241,8 @@ class TrainingState:
             h.remove()
         self._gathers = {}
         torch.cuda.synchronize()
-        t1 = time.perf_counter()
         self._adopt_optimizer_state()  # state tensors a GPU optimizer created since the last call
+        t1 = time.perf_counter()
         torch.cuda.empty_cache()
         t2 = time.perf_counter()
         tags = {}
