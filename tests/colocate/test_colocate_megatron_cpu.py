@@ -273,3 +273,10 @@ def test_comm_teardown_option():
         RunConfig(trainer="megatron", comm_teardown="later").validate()
     with pytest.raises(InvalidArgumentError, match="option of --trainer megatron"):
         parse_args(["--comm-teardown", "joined"])
+
+
+def test_groups_used_mode_reaches_the_worker():
+    cfg = parse_args(["--trainer", "megatron", "--groups", "used"])
+    assert cfg.groups == "used" and cfg.worker_spec("ebbtide")["groups"] == "used"
+    with pytest.raises(InvalidArgumentError, match="groups must be one of"):
+        RunConfig(trainer="megatron", groups="some").validate()

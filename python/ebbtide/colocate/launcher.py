@@ -60,7 +60,7 @@ TRAINERS = {"toy": ("ebbtide.colocate.trainer", VARIANTS),
             "megatron": ("ebbtide.colocate.mtrainer", ("ebbtide", "slime", "slime-ebbtide", "gpu-tms"))}
 # = mtrainer.VARIANTS; the variants that run on the torch_memory_saver package (the others need only ebbtide)
 NEEDS_TMS = ("anchor", "slime", "gpu-tms")
-GROUP_MODES = ("lazy", "eager")  # = mtrainer.GROUP_MODES
+GROUP_MODES = ("lazy", "eager", "used")  # = mtrainer.GROUP_MODES
 CUMEM_MODES = ("off", "on")  # = mtrainer.CUMEM_MODES
 MOMENTS = ("fp32", "bf16")  # = mtrainer.MOMENTS: Adam's moments in the ebbtide variant's host state
 TEARDOWNS = ("background", "joined")  # = mtrainer.TEARDOWNS: where the ebbtide variant's release tears down
@@ -99,8 +99,10 @@ class RunConfig:
     device: str = "cuda"
     store_bind: str = "127.0.0.1"  # where the ranks' rendezvous store listens (loopback unless asked)
     # the ebbtide Megatron trainer's communicators: "lazy" (made at a group's first collective, as slime's are;
-    # release frees only those that exist) or "eager" (WORLD bound to the device: every group connects at creation
-    # and again at reload). The anchors always run slime's own settings (lazy, NCCL_CUMEM_ENABLE=0).
+    # release frees only those that exist), "eager" (WORLD bound to the device: every group connects at creation
+    # and again at reload) or "used" (lazy, and the reload connects and warms up, concurrently, only the groups
+    # that had a communicator at the release). The anchors always run slime's own settings (lazy,
+    # NCCL_CUMEM_ENABLE=0).
     groups: str = "lazy"
     # the ebbtide Megatron trainer's NCCL_CUMEM_ENABLE: "off" (slime's actor environment, as the anchors run) or "on"
     nccl_cumem: str = "off"
@@ -277,8 +279,10 @@ def _parser() -> argparse.ArgumentParser:
                         "while paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
     p.add_argument("--groups", default=d.groups, choices=GROUP_MODES,
                    help="megatron, ebbtide variant: communicators made at each group's first collective (lazy, "
-                        "default; release frees those that exist) or at creation and reload (eager: WORLD bound to "
-                        "the device). The anchors run slime's settings whatever this says")
+                        "default; release frees those that exist), at creation and reload (eager: WORLD bound to "
+                        "the device), or lazily and again at reload for the groups the last step used (used: "
+                        "reload_groups(eager=True) over lazy groups, their warm-ups concurrent). The anchors run "
+                        "slime's settings whatever this says")
     p.add_argument("--nccl-cumem", default=d.nccl_cumem, choices=CUMEM_MODES,
                    help="megatron, ebbtide variant: NCCL_CUMEM_ENABLE off (default: slime's actor environment, as the "
                         "anchors run) or on (NCCL's own default; each lazily connected communicator costs ~0.1 s "
