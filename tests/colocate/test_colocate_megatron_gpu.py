@@ -67,7 +67,7 @@ def _check(res: dict, name: str, diag: str):
     return v
 
 
-@pytest.mark.parametrize("groups", ["lazy", "eager"])
+@pytest.mark.parametrize("groups", ["lazy", "eager", "used"])
 def test_megatron_loop_ebbtide(tmp_path, groups):
     p, res, diag = _run(tmp_path, "ebbtide", "--groups", groups)
     assert p.returncode == 0, diag
