@@ -460,7 +460,7 @@ class _MegatronTrainer:
             if not early:
                 R.send("load", version=version)
             info["bytes"] = self.sync.push(version)
-            info.update(getattr(self.sync, "last_push", {}))
+            info.update(self.sync.last_push)
             load = R.reply(timeout=tmo)
             if not early:  # after an early open the rollout's load began beside the optimizer step
                 info.update(_only(load, "inside_s"))
@@ -469,8 +469,7 @@ class _MegatronTrainer:
         if verify:
             align_ranks(self.align, self.world, f"{self.variant}/{step}/load")
         with rec.phase(step, "comm_release") as info:
-            if self.em is not None and self.background_teardown:  # agreed and detached: the teardown overlaps
-                # the offload and generate
+            if self.em is not None and self.background_teardown:  # agreed, detached; teardown beside offload, generate
                 previous = self.releasing
                 # release() joins the previous teardown itself: a failure there raises on every rank (its agreement)
                 self.releasing = self.ebt.release_groups(include_world=True, wait=False)

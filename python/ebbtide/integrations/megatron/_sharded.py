@@ -293,9 +293,8 @@ class ShardAdam(torch.optim.Optimizer):
                     out = self._oslots[slot][:n]
                     if i >= K:
                         t.wait(up[i - K])
-                grad, gsize, bf16 = self._gslots[buf.grad_dtype][slot].data_ptr(), buf.grad_data.element_size(), \
-                    buf.grad_dtype == torch.bfloat16
-                outp = out.data_ptr()
+                grad, outp = self._gslots[buf.grad_dtype][slot].data_ptr(), out.data_ptr()
+                gsize, bf16 = buf.grad_data.element_size(), buf.grad_dtype == torch.bfloat16
                 for gi, hosts, rel, numels in c.spans:  # one kernel call per param group
                     k = len(hosts)
                     t.kernel(self._engine.step, hypers[gi], [master + h * 4 for h in hosts],
