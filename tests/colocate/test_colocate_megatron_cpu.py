@@ -275,6 +275,16 @@ def test_comm_teardown_option():
         parse_args(["--comm-teardown", "joined"])
 
 
+def test_cache_trim_option():
+    assert parse_args(["--trainer", "megatron"]).cache_trim == "auto"
+    cfg = parse_args(["--trainer", "megatron", "--cache-trim", "offload"])
+    assert cfg.cache_trim == "offload" and cfg.worker_spec("ebbtide")["cache_trim"] == "offload"
+    with pytest.raises(InvalidArgumentError, match="cache_trim must be one of"):
+        RunConfig(trainer="megatron", cache_trim="never").validate()
+    with pytest.raises(InvalidArgumentError, match="option of --trainer megatron"):
+        parse_args(["--cache-trim", "step"])
+
+
 def test_groups_used_mode_reaches_the_worker():
     cfg = parse_args(["--trainer", "megatron", "--groups", "used"])
     assert cfg.groups == "used" and cfg.worker_spec("ebbtide")["groups"] == "used"

@@ -48,7 +48,10 @@ def test_offload_restore_50_cycles_bit_identical():
     released, copied, _residual, restored = res["reports"][0]
     assert released > 0 and copied > 0 and restored == copied  # grads discarded, weights copied both ways
     assert len(res["losses"]) == 4 and all(x == x for x in res["losses"])
-    print(res["offload"], "|", res["restore"])
+    # the optimizer's update-start hook trimmed the cache on a thread: offload joined it and says how long it took
+    assert len(res["trims"]) == 2 and all("trim_s" in t and t["trim_s"] >= 0 for t in res["trims"]), res["trims"]
+    assert "while offloaded" in res["errors"]["trim_offloaded"]
+    print(res["offload"], "|", res["restore"], "|", res["trims"])
 
 
 def test_offload_restore_discarding_the_weights_bit_identical():

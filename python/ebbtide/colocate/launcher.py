@@ -64,6 +64,7 @@ GROUP_MODES = ("lazy", "eager", "used")  # = mtrainer.GROUP_MODES
 CUMEM_MODES = ("off", "on")  # = mtrainer.CUMEM_MODES
 MOMENTS = ("fp32", "bf16")  # = mtrainer.MOMENTS: Adam's moments in the ebbtide variant's host state
 TEARDOWNS = ("background", "joined")  # = mtrainer.TEARDOWNS: where the ebbtide variant's release tears down
+CACHE_TRIMS = ("auto", "step", "offload")  # = mtrainer.CACHE_TRIMS: when the ebbtide trainer empties its cache
 STEADY_GUARDS = ("error", "warn")
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
@@ -110,6 +111,7 @@ class RunConfig:
     # the ebbtide Megatron trainer's communicator teardown at release: "background" (overlaps offload and generate)
     # or "joined" (inside comm_release: nothing of the trainer runs beside the rollout's generate)
     comm_teardown: str = "background"
+    cache_trim: str = "auto"  # ebbtide Megatron trainer's cache emptied during the CPU step or in the offload
     # the steady phases (forward + backward, generate) of ebbtide against each anchor's: "error" (exit status 3 when
     # ebbtide is more than steady_tolerance slower), "warn" (say so, exit as usual)
     steady_guard: str = "error"
@@ -186,6 +188,10 @@ class RunConfig:
             raise InvalidArgumentError(f"moments must be one of {MOMENTS}, got {self.moments!r}")
         if self.comm_teardown not in TEARDOWNS:
             raise InvalidArgumentError(f"comm_teardown must be one of {TEARDOWNS}, got {self.comm_teardown!r}")
+        if self.cache_trim not in CACHE_TRIMS:
+            raise InvalidArgumentError(f"cache_trim must be one of {CACHE_TRIMS}, got {self.cache_trim!r}")
+        if self.cache_trim != "auto" and self.trainer != "megatron":
+            raise InvalidArgumentError("--cache-trim is an option of --trainer megatron (the toy one trims offloading)")
         if self.comm_teardown != "background" and self.trainer != "megatron":
             raise InvalidArgumentError("--comm-teardown is an option of --trainer megatron (the toy trainer "
                                        "releases its groups with the teardown joined)")
@@ -224,7 +230,7 @@ class RunConfig:
                 "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
                 "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
-                "nccl_cumem": self.nccl_cumem, "comm_teardown": self.comm_teardown,
+                "nccl_cumem": self.nccl_cumem, "comm_teardown": self.comm_teardown, "cache_trim": self.cache_trim,
                 "moments": self.moments, "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
@@ -291,6 +297,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="megatron, ebbtide variant: the released communicators' teardown runs in the background, "
                         "beside offload and generate (default), or inside comm_release (joined: the trainer does "
                         "nothing while the rollout generates; for telling the teardown's effect on generate apart)")
+    p.add_argument("--cache-trim", default=d.cache_trim, choices=CACHE_TRIMS,
+                   help="megatron, ebbtide variant: the caching allocator's free blocks (the activations) go back to "
+                        "the device on a thread while the CPU optimizer steps (step), inside the offload (offload), "
+                        "or step at DP=EP=1 and offload with the sharded optimizer (auto, default)")
     p.add_argument("--moments", default=d.moments, choices=MOMENTS,
                    help="megatron, ebbtide variant: Adam's moments in fp32 (default) or bf16 (Megatron's precision-"
                         "aware exp_avg_dtype/exp_avg_sq_dtype; 20 instead of 28 bytes per parameter through host "
@@ -319,13 +329,10 @@ def parse_args(argv=None) -> RunConfig:
     model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
     kw = {k: getattr(a, k) for k in ("gpus", "tp", "ep", "moe_experts", "moe_topk", "steps", "warmup", "batch",
-                                     "seq", "gen_batch", "prompt_len",
-                                     "new_tokens", "kv_reserve_gb", "lr", "seed", "scratch_backup", "decode", "groups",
-                                     "nccl_cumem", "comm_teardown",
-                                     "moments", "steady_guard", "steady_tolerance",
-                                     "timeout_s",
-                                     "verify_batch", "verify_len",
-                                     "out", "device", "store_bind")}
+                                     "seq", "gen_batch", "prompt_len", "new_tokens", "kv_reserve_gb", "lr", "seed",
+                                     "scratch_backup", "decode", "groups", "nccl_cumem", "comm_teardown", "cache_trim",
+                                     "moments", "steady_guard", "steady_tolerance", "timeout_s", "verify_batch",
+                                     "verify_len", "out", "device", "store_bind")}
     if a.quick:
         q = quick_overrides()
         for k, v in q.items():

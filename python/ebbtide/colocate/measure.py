@@ -37,8 +37,8 @@ STEADY_TOLERANCE = 0.03
 # What the rollout reports of its generation, ebbtide's optimizer of its CPU pipeline, its sender of a push and its
 # training state of an offload besides the phase's time (medians kept in the summary's "detail").
 DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s", "prefill_host_s", "device_mallocs",
-               "prepare_s", "norm_s", "update_s", "pipeline_s", "kernel_s", "copy_wait_s", "kernel_gbps",
-               "begin_s", "open_s", "fill_s", "commit_s", "close_s", "drain_s", "empty_cache_s", "pause_s",
+               "prepare_s", "norm_s", "hooks_s", "update_s", "pipeline_s", "kernel_s", "copy_wait_s", "kernel_gbps",
+               "begin_s", "open_s", "fill_s", "commit_s", "close_s", "drain_s", "empty_cache_s", "pause_s", "trim_s",
                "sm_clock_mhz")
 ROLLOUT_PHASES = ("rollout_resume", "sync_load", "generate", "rollout_pause")
 GROWTH_TOLERANCE = 16 << 20  # bytes: a few driver pages of slack; everything above is reported as growth

@@ -99,6 +99,7 @@ GROUP_MODES = ("lazy", "eager", "used")
 CUMEM_MODES = ("off", "on")
 MOMENTS = ("fp32", "bf16")
 TEARDOWNS = ("background", "joined")
+CACHE_TRIMS = ("auto", "step", "offload")
 # One CPU Adam step's bytes through host memory per parameter: fp32 master read + write (8), both moments read +
 # write (16 in fp32, 8 in bf16), the bf16 gradient read (2) and the bf16 parameter written back (2); the DMA
 # traffic of the gradient download and the parameter upload (another ~4) is not counted, so the floor is a lower
@@ -246,6 +247,14 @@ class _MegatronTrainer:
             # weights dropped at the offload and rebuilt from the optimizer's host mirror (sharded: each rank's
             # slices, all-gathered at the first forward, after the groups' reload)
             self.state = self.ebt.TrainingState([self.model], self.opt, weights="discard")
+            trim = s.get("cache_trim", "auto")
+            if trim not in CACHE_TRIMS:
+                raise RuntimeError(f"cache_trim must be one of {CACHE_TRIMS}, not {trim!r}")
+            if trim == "auto":  # measured: the trim beside the sharded step delays its param gather's launch
+                trim = "offload" if sharded else "step"
+            if trim == "step":  # the activations' cached blocks go back while the host steps, not in the offload
+                self.opt.update_start_hooks.append(lambda: self.state.trim_cache(background=True))
+            self.setup["cache_trim"] = trim
             inner = getattr(self.opt, "optimizer", None)
             self.setup["optimizer"] = (f"{type(self.opt).__name__}({type(inner).__name__}, "
                                        f"isa={getattr(inner, 'isa', '?')})")

@@ -170,11 +170,20 @@ def cmd_cycles(spec: dict) -> dict:
             assert not b.grad_data.any(), f"grad buffer not zero after cycle {c}"
     now = _snapshot(model, opt)[1]
     assert all(torch.equal(host[k], now[k]) for k in host), "host optimizer state changed"
-    for s in range(2, 4):  # training goes on after the cycles
+    # training goes on after the cycles, the cache trimmed on a thread as each CPU update starts
+    opt.update_start_hooks.append(lambda: state.trim_cache(background=True))
+    trims = []
+    for s in range(2, 4):
         opt.zero_grad()
         losses.append(train(model, size, s))
         opt.step()
-    return {"errors": errors, "reports": reports[:2] + reports[-1:], "losses": losses,
+        trims.append(state.offload().parts)
+        try:
+            state.trim_cache()
+        except StateError as e:
+            errors["trim_offloaded"] = str(e)
+        state.restore()
+    return {"errors": errors, "reports": reports[:2] + reports[-1:], "losses": losses, "trims": trims,
             "offload": off.summary(), "restore": on.summary()}
 
 

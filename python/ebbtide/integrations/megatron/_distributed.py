@@ -47,6 +47,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         self._clip_coeff = 1.0
         self._device = inner._device
         self.last_step_times: dict = {}  # see EbbtideOptimizer.step
+        self.update_start_hooks: list = []  # see EbbtideOptimizer
 
     # ---- gradients: read in place ----------------------------------------------------------------------------
     def _copy_model_grads_to_main_grads(self) -> None:

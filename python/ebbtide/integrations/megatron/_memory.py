@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 import time
 from itertools import chain
 
@@ -53,8 +54,10 @@ class OffloadReport:
     """One offload or restore. ``tags``: per tag {"bytes": released/mapped, "bytes_copied": ..., "s": ...};
     ``residual_reserved``: torch-reserved bytes outside the tags after the call; ``device_used``: the driver's used
     bytes on the device (everything on it); ``seconds``: wall time of the call; ``parts`` (offload): its split,
-    ``drain_s`` (waiting for the device, adopting a GPU optimizer's new state), ``empty_cache_s`` (the caching
-    allocator's free blocks back) and ``pause_s`` (the tags' pauses and the residual's reading)."""
+    ``drain_s`` (waiting for the device, adopting a GPU optimizer's new state and for a background trim_cache),
+    ``empty_cache_s`` (the caching allocator's free blocks back), ``pause_s`` (the tags' pauses and the residual's
+    reading) and, after a ``trim_cache`` since the last offload, ``trim_s`` (the trims' own seconds, off the
+    offload's path)."""
 
     kind: str
     seconds: float
@@ -132,6 +135,9 @@ class TrainingState:
         for opt in self._shards if weights == "discard" else []:
             self._mirrored_buffers.update(id(b) for b in opt.buffers)
         self._gathers = {}  # an overlapped restore's pending all-gathers: id(chunk) -> its forward pre-hook
+        self._trim = None  # the last background trim_cache(): [thread, seconds or None, exception or None]
+        self._trim_s = 0.0  # background trims' own seconds since the last offload (its parts' trim_s)
+        self._trimmed = False  # a trim_cache() since the last offload
         torch.cuda.synchronize()
         self._adopt_model()
         self._adopt_optimizer_state()
@@ -234,6 +240,9 @@ class TrainingState:
         if self._offloaded:
             raise StateError("offload() called twice: the training state is already offloaded (call restore())")
         t0 = time.perf_counter()
+        self._join_trim()  # first: a failed trim raises here, before anything changed
+        trim_s, self._trim_s, trimmed = self._trim_s, 0.0, self._trimmed
+        self._trimmed = False
         # an overlapped restore whose forward never ran: its upload ends before the pause; a pending all-gather is
         # dropped (the weights are discarded again and the next restore rebuilds them from the mirror)
         self._drop_pending()
@@ -243,7 +252,7 @@ class TrainingState:
         torch.cuda.synchronize()
         self._adopt_optimizer_state()  # state tensors a GPU optimizer created since the last call
         t1 = time.perf_counter()
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # after a background trim: only what was cached since it ran
         t2 = time.perf_counter()
         tags = {}
         for tag in self._tags_present():
@@ -251,8 +260,62 @@ class TrainingState:
             tags[tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
         self._offloaded = True
         residual, used = self._residual()
-        return OffloadReport("offload", time.perf_counter() - t0, tags, residual, used,
-                             {"drain_s": t1 - t0, "empty_cache_s": t2 - t1, "pause_s": time.perf_counter() - t2})
+        parts = {"drain_s": t1 - t0, "empty_cache_s": t2 - t1, "pause_s": time.perf_counter() - t2}
+        if trimmed:
+            parts["trim_s"] = trim_s
+        return OffloadReport("offload", time.perf_counter() - t0, tags, residual, used, parts)
+
+    def trim_cache(self, *, background: bool = False) -> None:
+        """Give the caching allocator's free blocks (the forward's and backward's activations, once the backward
+        is done) back to the device ahead of :meth:`offload`, which then frees only what was cached since.
+        ``background=True`` runs it on a thread and returns at once; while an earlier background trim still runs
+        the call does nothing (it is already trimming), and one that ended is collected first (what it raised is
+        raised here as StateError). ``offload`` joins the last one, raises what it raised before changing anything,
+        and reports the trims' own seconds as ``parts["trim_s"]``. ``torch.cuda.empty_cache`` holds the
+        allocator's lock and synchronizes the device for every segment it frees, so while a trim runs every
+        allocation and free of this process waits, and each ``cudaFree`` holds the driver: start it where the host
+        is busy and the GPU mostly idle (the CPU optimizer step's kernel: ``EbbtideOptimizer.update_start_hooks``),
+        never during a CUDA graph capture, and only where torch releases the GIL inside ``empty_cache`` (torch 2.11
+        did: the CPU step beside it kept its speed), or the trim stalls this process's Python. StateError while
+        offloaded."""
+        if self._offloaded:
+            raise StateError("trim_cache() while offloaded: the cache was emptied by offload()")
+        box = self._trim
+        if box is not None and background and box[0].is_alive():
+            return
+        self._join_trim()
+        self._trimmed = True
+        if not background:
+            t = time.perf_counter()
+            torch.cuda.empty_cache()
+            self._trim_s += time.perf_counter() - t
+            return
+        device = torch.cuda.current_device()
+        box = [None, None, None]
+
+        def run():
+            try:
+                torch.cuda.set_device(device)
+                t = time.perf_counter()
+                torch.cuda.empty_cache()
+                box[1] = time.perf_counter() - t
+            except BaseException as e:  # noqa: BLE001 -- raised again by the join
+                box[2] = e
+
+        box[0] = threading.Thread(target=run, name="ebbtide-trim-cache", daemon=True)
+        self._trim = box
+        box[0].start()
+
+    def _join_trim(self) -> None:
+        """Wait for the last background trim_cache(), add its seconds to the offload's trim_s; its exception
+        raised here as StateError."""
+        box, self._trim = self._trim, None
+        if box is None:
+            return
+        box[0].join()
+        if box[2] is not None:
+            raise StateError(f"the background trim_cache() failed: {box[2]}") from box[2]
+        self._trim_s += box[1]
 
     def restore(self, *, overlap_forward: bool = False) -> OffloadReport:
         """Map the training state back at the same addresses, restore weights and optimizer state, zero the DDP

@@ -115,6 +115,11 @@ class EbbtideOptimizer(MegatronOptimizer):
         self._clip_coeff = 1.0
         self._device = inner.flat_grad.device
         self.last_step_times: dict = {}  # see EbbtideOptimizer.step
+        # callables run by step() once the norm is done, right before the CPU update: the GPU is about to idle
+        # while the host steps (TrainingState.trim_cache(background=True) goes here). One that raises aborts the
+        # step before the update, after the norm's collective: every rank must then stop (a rank that steps on
+        # alone waits for its peers in the next collective).
+        self.update_start_hooks: list = []
 
     # ---- gradients -----------------------------------------------------------------------------------------
     def _params(self):
@@ -215,7 +220,8 @@ class EbbtideOptimizer(MegatronOptimizer):
     def step(self):
         """Megatron's step: prepare the grads, clip by the global norm, step. ``last_step_times`` then holds each
         part's host time (``prepare_s``; ``norm_s``: the norm, its all-reduce and the zero count, waiting for the
-        GPU and for the group's slowest rank; ``update_s``: the CPU pipeline and the launch of the param gather)
+        GPU and for the group's slowest rank; ``hooks_s``: ``update_start_hooks``; ``update_s``: the CPU pipeline
+        and the launch of the param gather)
         beside the pipeline's own (``ebbtide.optim`` ``last_step_times``)."""
         t0 = time.perf_counter()
         found_inf = self.prepare_grads()
@@ -228,8 +234,12 @@ class EbbtideOptimizer(MegatronOptimizer):
             grad_norm = self.clip_grad_norm(self.config.clip_grad)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
         t2 = time.perf_counter()
+        for hook in self.update_start_hooks:
+            hook()
+        t3 = time.perf_counter()
         ok = self.step_with_ready_grads()
-        self.last_step_times = {"prepare_s": t1 - t0, "norm_s": t2 - t1, "update_s": time.perf_counter() - t2}
+        self.last_step_times = {"prepare_s": t1 - t0, "norm_s": t2 - t1, "hooks_s": t3 - t2,
+                                "update_s": time.perf_counter() - t3}
         return ok, grad_norm, num_zeros
 
     def reload_model_params(self, state_dict=None):
