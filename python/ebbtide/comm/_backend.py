@@ -27,6 +27,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 from torch._C._distributed_c10d import ProcessGroup
 
+from .. import settings
 from ..errors import StateError
 from . import _strategy as S
 from ._registry import _global_ranks
@@ -366,49 +367,81 @@ def connect(inner: ProcessGroup, g) -> bool:
 
 # Note [Concurrent warm-up]
 #     With NCCL's runtime connect (the default since 2.22) a rebuilt communicator is cheap to create (~30 ms per
-#     split on 2 H200, NCCL 2.28.9) and pays its transport connect at its first collective: ~0.13 s per group, one
-#     group after another as user code reaches them (0.90 s for WORLD + 7 groups after a 0.24 s reload).
+#     split on 2 H200, NCCL 2.28.9) and pays its transport connect at its first collective: ~0.13 s per group,
+#     one group after another as user code reaches them (0.90 s for WORLD + 7 groups after a 0.24 s reload).
 #     NCCL_RUNTIME_CONNECT=0 only moves that cost into the (sequential) splits (1.37 s reload), and non-blocking
-#     init (TORCH_NCCL_USE_COMM_NONBLOCKING=1) does not change it (measured). The connects of different
-#     communicators are independent host-side handshakes, so reload issues one 1-element all_reduce per group from
-#     a thread per group, each on its own stream: 0.43-0.48 s for reload + every group connected (0.61-0.73 s with
-#     the threads sharing the default stream, whose host sync waits for every group's kernel; 1.06-1.19 s one
-#     group at a time), and the user's first 1 MB all_reduce on each group then takes ~1 ms. A tiny
-#     all_reduce connects what larger ones use on these machines (the first 1 MB collective found everything
-#     connected). Groups never wait on each other: each collective pairs up within its own group.
+#     init (TORCH_NCCL_USE_COMM_NONBLOCKING=1) does not change it (measured). The connects are host-side
+#     handshakes inside the first collective's call, so warming the groups from a thread each overlaps them:
+#     0.43-0.48 s for reload + every group connected, against 1.06-1.19 s one group at a time (2 H200). But NCCL
+#     documents calls on independent communicators of one device from several threads at once as unsafe, and it
+#     crashed here: a segmentation fault inside the threads' all_reduce calls in one of two runs of an EP=2 MoE
+#     reload (2 H200, NCCL 2.28.9, 2026-11-28). So the warm-up is serial by default: one thread, the groups in
+#     one order every rank agrees on (sorted names), each collective on its own stream and all streams
+#     synchronised at the end. A blocking connect may wait for a peer still finishing an earlier group of that
+#     order, but that peer never waits back on a later one: the lowest unfinished group always has all its members
+#     in it, so there is no cycle. EBBTIDE_COMM_WARMUP=concurrent brings the threads back, outside NCCL's
+#     documented contract (and with CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron sets, threads that launch in
+#     different orders on different ranks can also deadlock on the GPU); "off" leaves every connect to the
+#     group's first use.
+WARMUP = settings.declare("EBBTIDE_COMM_WARMUP", settings.parse_choice("serial", "concurrent", "off"), "serial",
+                          "how an eager reload connects the rebuilt groups: one thread, in an order every rank "
+                          "agrees on (serial); a thread per group (concurrent: faster, outside NCCL's "
+                          "thread-safety contract); or not at all (off: each connects at its first use)")
+
+
 def warm_up(groups: list, device: int | None) -> float:
-    """Connect the transports of these (attached, device) groups now: one 1-element all_reduce per group, issued
-    from one thread per group so the connections are made concurrently. NCCL connects a communicator's transports
-    at its first collective, not at init (runtime connect); one after another that costs ~0.13 s per group on 2
-    H200 (Note [Concurrent warm-up]). Every member warms the same groups (the caller passes a set agreed on every
-    rank; each group's collective pairs up within the group; different groups never wait on each other). A
-    failure is logged, never raised: the group then connects on first use. ``device``: the caller's CUDA device,
-    where groups without a bound device run (a fresh thread's current device would be 0). Returns the seconds
-    spent, device work included."""
-    if not groups:
+    """Connect the transports of these (attached, device) groups now: one 1-element all_reduce per group (NCCL
+    connects a communicator's transports at its first collective, not at init: Note [Concurrent warm-up]). Every
+    member warms the same groups in the same order (the caller passes a set agreed on every rank; sorted here by
+    name; each group's collective pairs up within the group), from this thread or, with
+    ``EBBTIDE_COMM_WARMUP=concurrent``, a thread per group (``off``: nothing). A failure is logged, not raised:
+    a connect that failed is tried again at the group's first use, where a lasting fault (a peer gone, a sticky
+    CUDA error) raises or times out in the user's collective. ``device``: the caller's CUDA device, where groups
+    without a bound device run (a fresh thread's current device would be 0). Returns the seconds spent, device
+    work included."""
+    how = settings.get(WARMUP)
+    if not groups or how == "off":
         return 0.0
     t0 = time.perf_counter()
     default = torch.device("cuda", device if device is not None else 0)
+    groups = sorted(groups, key=lambda g: g._ebt_name)
 
-    def one(g):
+    def issue(g, set_device: bool):
         dev = g.bound_device_id or default
-        torch.cuda.set_device(dev)
+        if set_device:
+            torch.cuda.set_device(dev)
         stream = torch.cuda.Stream(dev)  # its own: a sync then waits for this group's collective only
         with torch.cuda.stream(stream):
             x = torch.zeros(1, device=dev)
             c10d.all_reduce(x, group=g, async_op=True).wait()  # NCCL work: the stream waits for the kernel
-        stream.synchronize()
+        return stream
+
+    def failed(g, e):  # an optimisation only
+        log.warning("ebbtide.comm: warm-up of group %s failed (%s); it connects on first use", g._ebt_name, e)
+
+    if how == "serial":
+        streams = []
+        for g in groups:
+            try:
+                streams.append((g, issue(g, False)))
+            except Exception as e:
+                failed(g, e)
+        for g, st in streams:
+            try:
+                st.synchronize()
+            except Exception as e:
+                failed(g, e)
+        return time.perf_counter() - t0
 
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     with ThreadPoolExecutor(max_workers=min(len(groups), 64), thread_name_prefix="ebt-comm-warmup") as ex:
-        futures = {ex.submit(one, g): g for g in groups}
+        futures = {ex.submit(lambda g=g: issue(g, True).synchronize()): g for g in groups}
         for f, g in futures.items():
             try:
                 f.result()
-            except Exception as e:  # an optimisation only
-                log.warning("ebbtide.comm: warm-up of group %s failed (%s); it connects on first use",
-                            g._ebt_name, e)
+            except Exception as e:
+                failed(g, e)
     return time.perf_counter() - t0
 
 

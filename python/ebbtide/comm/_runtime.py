@@ -439,7 +439,7 @@ class Runtime:
                     reports.extend(self._reload_one(e, eager and e.gidx in connect))
                 warm_s = 0.0
                 if eager and warm:  # Note [Concurrent warm-up] in _backend.py; before DeepEP's handle exchange
-                    warm_s = B.warm_up(sorted(self._warm_now, key=lambda g: g._ebt_name), B.current_cuda_device())
+                    warm_s = B.warm_up(list(self._warm_now), B.current_cuda_device())
                 reports.extend(_deepep.reload_buffers())  # over their reloaded groups
             finally:
                 self.replaying = False
