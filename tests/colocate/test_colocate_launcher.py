@@ -200,7 +200,7 @@ def test_the_loop_runs_on_cpu_with_the_static_decode(tmp_path):
 
 
 def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():
-    from ebbtide.colocate.launcher import _wait_all
+    from ebbtide.colocate._procs import _wait_all
 
     def spawn(code):
         return subprocess.Popen([sys.executable, "-c", code])
@@ -229,7 +229,7 @@ def test_a_killed_rank_takes_its_rollout_child_with_it(tmp_path):
     import os
     import time
 
-    from ebbtide.colocate.launcher import _wait_all
+    from ebbtide.colocate._procs import _wait_all
 
     pidfile = tmp_path / "child.pid"
     code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "

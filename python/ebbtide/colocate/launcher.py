@@ -34,15 +34,14 @@ import dataclasses
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 from ..errors import InvalidArgumentError, UnsupportedError
 from .measure import (STEADY_TOLERANCE, format_report, growth_check, nvml_all_pids, plot_timeline, steady_check,
                       summarize)
+from ._procs import _kill_group, _reap_group, _tail, _wait_all
 from .model import ModelConfig
 
 __all__ = ["RunConfig", "parse_args", "run", "run_loop", "main", "QUICK_MODEL", "MEGATRON_MODEL", "MEGATRON_QUICK",
@@ -351,65 +350,6 @@ def _model(trainer: str, quick: bool) -> ModelConfig:
 def quick_overrides() -> dict:
     return {"steps": 5, "warmup": 1, "batch": 4, "seq": 256, "gen_batch": 8, "prompt_len": 64, "new_tokens": 32,
             "kv_reserve_gb": 0.5}
-
-
-def _tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-def _kill_group(p) -> None:
-    """Kill ``p`` and, when it leads its own process group (started with start_new_session), the group: a trainer
-    rank takes its rollout child with it."""
-    try:
-        if os.getpgid(p.pid) == p.pid:
-            os.killpg(p.pid, signal.SIGKILL)
-            return
-    except (ProcessLookupError, PermissionError):
-        pass
-    if p.poll() is None:
-        p.kill()
-
-
-def _reap_group(pgid: int) -> None:
-    """What is left of a finished rank's process group (a rollout whose trainer exited without closing it)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-PEER_GRACE_S = 60  # after one rank failed, how long the others get to finish before they are killed
-
-
-def _wait_all(procs: list, timeout: float, grace: float = PEER_GRACE_S) -> dict:
-    """Wait for every process; kill the rest at the deadline, or ``grace`` seconds after one exits non-zero (its
-    peers would wait for it in a collective until NCCL's own timeout). Returns {index: why it was killed}."""
-    deadline = time.monotonic() + timeout
-    first_failure = None  # (time, index)
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if first_failure is None:
-            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                first_failure = (now, bad[0])
-        why = None
-        if now > deadline:
-            why = f"timed out after {timeout} s"
-        elif first_failure is not None and now > first_failure[0] + grace:
-            why = f"killed {grace:.0f} s after rank {first_failure[1]} failed"
-        if why:
-            killed = {}
-            for i, p in enumerate(procs):
-                if p.poll() is None:
-                    _kill_group(p)
-                    killed[i] = why
-            return killed
-        time.sleep(0.2)
-    return {}
 
 
 def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
