@@ -1,10 +1,11 @@
 /*
- * thread_pool.h — a small fixed-size pool with static partitioning, for CPU kernels (optim, the host bandwidth
- * probe). Header-only so each component owns its pool without sharing state across libraries.
+ * thread_pool.h — a small fixed-size pool with static or claimed task assignment, for CPU kernels (optim, the host
+ * bandwidth probe). Header-only so each component owns its pool without sharing state across libraries.
  *
  * Policy: `run(n_tasks, fn)` calls fn(task, worker) for every task in [0, n_tasks); task t always goes to worker
  * t % threads (static partitioning: a given thread count gives the same assignment every call, and results that
- * depend only on each task's own range are independent of the thread count). The caller's thread is worker 0.
+ * depend only on each task's own range are independent of the thread count). `run(n_tasks, fn, kClaim)` hands
+ * the tasks out in order to whichever worker is free (Note [Claimed tasks]). The caller's thread is worker 0.
  * Thread count is fixed at construction (never read from OMP_NUM_THREADS). One `run` at a time per pool:
  * concurrent callers are serialized by run_mu_. fn must not throw. Idle threads poll briefly before they block
  * (Note [Spin before sleeping]).
@@ -25,6 +26,8 @@ namespace ebbtide {
 
 class ThreadPool {
  public:
+  enum Schedule { kStatic, kClaim };
+
   explicit ThreadPool(int threads) : threads_(threads < 1 ? 1 : threads) {
     for (int w = 1; w < threads_; ++w) workers_.emplace_back([this, w] { loop(w); });
   }
@@ -43,7 +46,7 @@ class ThreadPool {
   int threads() const { return threads_; }
 
   // Blocks until every task ran.
-  void run(size_t n_tasks, const std::function<void(size_t task, int worker)>& fn) {
+  void run(size_t n_tasks, const std::function<void(size_t task, int worker)>& fn, Schedule schedule = kStatic) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
     if (threads_ == 1 || n_tasks <= 1) {
       for (size_t t = 0; t < n_tasks; ++t) fn(t, 0);
@@ -53,6 +56,8 @@ class ThreadPool {
       std::lock_guard<std::mutex> lock(mu_);
       fn_ = &fn;
       n_tasks_ = n_tasks;
+      claim_ = schedule == kClaim;
+      next_.store(0, std::memory_order_relaxed);
       pending_.store(threads_ - 1, std::memory_order_relaxed);
       generation_.fetch_add(1, std::memory_order_release);  // publishes fn_ and n_tasks_ to spinning workers
     }
@@ -86,7 +91,16 @@ class ThreadPool {
     }
   }
 
+  // Note [Claimed tasks]: with static assignment a call lasts as long as its slowest worker, and a worker the
+  // scheduler preempts (another thread of the process -- the CUDA driver's, a copy launch, a cache trim -- or of
+  // the host) delays every call it takes part in by the whole preemption. Claiming splits the work into more
+  // tasks than workers and lets a delayed worker's remaining tasks go to the others; what a task computes still
+  // depends only on its own range.
   void work(int w) {
+    if (claim_) {
+      for (size_t t; (t = next_.fetch_add(1, std::memory_order_relaxed)) < n_tasks_;) (*fn_)(t, w);
+      return;
+    }
     for (size_t t = static_cast<size_t>(w); t < n_tasks_; t += static_cast<size_t>(threads_)) (*fn_)(t, w);
   }
   void loop(int w) {
@@ -113,6 +127,8 @@ class ThreadPool {
   std::condition_variable cv_, done_cv_;
   const std::function<void(size_t, int)>* fn_ = nullptr;  // published by the generation bump (release)
   size_t n_tasks_ = 0;
+  bool claim_ = false;                               // published with fn_
+  std::atomic<size_t> next_{0};                      // kClaim: the next unclaimed task
   std::atomic<int> pending_{0};                      // workers (excluding the caller) still busy with this run
   std::atomic<unsigned long long> generation_{0};    // bumped per run() and at shutdown
   std::atomic<bool> stop_{false};

@@ -1,4 +1,4 @@
-// adam.cc — the step driver: validation, per-span scalars (torch's roundings), static partition over the
+// adam.cc — the step driver: validation, per-span scalars (torch's roundings), the task split over the
 // engine's pool, and the one place where the ISA kernel table is chosen. Policies: optim/adam.h.
 #include "optim/adam.h"
 
@@ -16,7 +16,7 @@
 namespace ebbtide::optim {
 namespace {
 
-constexpr int64_t kGrain = int64_t(1) << 15;  // elements per worker below which fewer workers are used
+constexpr int64_t kGrain = int64_t(1) << 15;  // elements per task below which fewer tasks are made
 constexpr int64_t kAlign = 16;                // partition boundaries: 64 B of fp32
 
 struct IsaEntry {
@@ -173,8 +173,8 @@ KernelArgs resolve(const AdamHyper& h, const AdamSpan& s, double step) {
 }
 
 // The partition: [bounds[t], bounds[t+1]) of the concatenated spans goes to task t.
-std::vector<int64_t> partition(int64_t total, int threads) {
-  int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, (total + kGrain - 1) / kGrain));
+std::vector<int64_t> partition(int64_t total, int64_t max_tasks) {
+  int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(max_tasks, (total + kGrain - 1) / kGrain));
   std::vector<int64_t> b(tasks + 1);
   for (int64_t t = 0; t <= tasks; ++t) b[t] = t == tasks ? total : (total * t / tasks) / kAlign * kAlign;
   return b;
@@ -214,11 +214,15 @@ ebt_status_t sqrt_flavor_eval(int flavor, const float* x, float* out, int64_t n)
   return EBT_SUCCESS;
 }
 
-AdamEngine::AdamEngine(int threads, const KernelTable* k) : pool_(new ThreadPool(threads)), kernels_(k) {}
+AdamEngine::AdamEngine(int threads, int tasks_per_thread, const KernelTable* k)
+    : pool_(new ThreadPool(threads)), kernels_(k), tasks_per_thread_(tasks_per_thread) {}
 
-ebt_status_t AdamEngine::create(int threads, const std::string& isa, std::unique_ptr<AdamEngine>* out) {
+ebt_status_t AdamEngine::create(int threads, const std::string& isa, int tasks_per_thread,
+                                std::unique_ptr<AdamEngine>* out) {
   EBT_REQUIRE_ARG(out != nullptr, "out is null");
   EBT_REQUIRE_ARG(threads <= 4096, "threads=%d is out of range", threads);
+  EBT_REQUIRE_ARG(tasks_per_thread >= 1 && tasks_per_thread <= kMaxTasksPerThread,
+                  "tasks_per_thread=%d is out of range [1, %d]", tasks_per_thread, kMaxTasksPerThread);
   if (threads <= 0) {
     int n = 1;
     if (ebt_cpu_affinity_count(&n) != EBT_SUCCESS || n < 1) n = 1;
@@ -236,8 +240,9 @@ ebt_status_t AdamEngine::create(int threads, const std::string& isa, std::unique
     if ((cpu_features() & chosen->needs) != chosen->needs)
       return ebt_set_error(EBT_ERROR_UNSUPPORTED, "isa '%s' is not supported by this CPU", isa.c_str());
   }
-  out->reset(new AdamEngine(threads, &chosen->table()));
-  EBT_INFO(EBT_SUBSYS_OPTIM, "adam engine: %d threads, isa %s", threads, chosen->name);
+  out->reset(new AdamEngine(threads, tasks_per_thread, &chosen->table()));
+  EBT_INFO(EBT_SUBSYS_OPTIM, "adam engine: %d threads, isa %s, %d tasks per thread", threads, chosen->name,
+           tasks_per_thread);
   return EBT_SUCCESS;
 }
 
@@ -247,8 +252,10 @@ ebt_status_t AdamEngine::step(const AdamHyper& h, const AdamSpan* spans, size_t 
   std::vector<int64_t> prefix(n_spans + 1, 0);
   for (size_t i = 0; i < n_spans; ++i) prefix[i + 1] = prefix[i] + spans[i].n;
   const int64_t total = prefix[n_spans];
-  const std::vector<int64_t> bounds = partition(total, pool_->threads());
+  const std::vector<int64_t> bounds = partition(total, int64_t(pool_->threads()) * tasks_per_thread_);
   const size_t tasks = bounds.size() - 1;
+  const ThreadPool::Schedule schedule =
+      tasks > size_t(pool_->threads()) ? ThreadPool::kClaim : ThreadPool::kStatic;
   const KernelTable& k = *kernels_;
   const float gs = static_cast<float>(h.maximize ? -h.grad_scale : h.grad_scale);
 
@@ -260,7 +267,7 @@ ebt_status_t AdamEngine::step(const AdamHyper& h, const AdamSpan* spans, size_t 
           if (!bad[t] && k.non_finite(spans[s].g, spans[s].grad_bf16, gs, b, e)) bad[t] = 1;
         });
       });
-    });
+    }, schedule);
     if (std::any_of(bad.begin(), bad.end(), [](char c) { return c != 0; })) {
       if (applied) *applied = false;
       EBT_INFO(EBT_SUBSYS_OPTIM, "adam step skipped: non-finite gradient");
@@ -282,7 +289,7 @@ ebt_status_t AdamEngine::step(const AdamHyper& h, const AdamSpan* spans, size_t 
     with_ieee_fp([&] {
       for_range(prefix, bounds[t], bounds[t + 1], [&](size_t s, int64_t b, int64_t e) { fn(args[s], b, e); });
     });
-  });
+  }, schedule);
   return EBT_SUCCESS;
 }
 

@@ -73,19 +73,27 @@ ebt_status_t sqrt_flavor_eval(int flavor, const float* x, float* out, int64_t n)
 
 class AdamEngine {
  public:
+  static constexpr int kMaxTasksPerThread = 256;
+
   // threads <= 0: the process's CPU affinity count. isa empty: ebt_cpu_isa() (honours EBBTIDE_CPU_ISA).
-  static ebt_status_t create(int threads, const std::string& isa, std::unique_ptr<AdamEngine>* out);
+  // tasks_per_thread in [1, kMaxTasksPerThread]: a step's elements are split into up to threads x this many
+  // ranges; 1 gives each thread one contiguous range, more are claimed by whichever thread is free
+  // (csrc/thread_pool.h Note [Claimed tasks]). Results never depend on either count.
+  static ebt_status_t create(int threads, const std::string& isa, int tasks_per_thread,
+                             std::unique_ptr<AdamEngine>* out);
 
   int threads() const { return pool_->threads(); }
+  int tasks_per_thread() const { return tasks_per_thread_; }
   const char* isa() const { return kernels_->isa; }
 
   // Blocking. `applied` (may be null) is false when skip_non_finite found a bad gradient.
   ebt_status_t step(const AdamHyper& h, const AdamSpan* spans, size_t n_spans, bool* applied);
 
  private:
-  AdamEngine(int threads, const KernelTable* k);
+  AdamEngine(int threads, int tasks_per_thread, const KernelTable* k);
   std::unique_ptr<ThreadPool> pool_;
   const KernelTable* kernels_;  // immutable after construction
+  const int tasks_per_thread_;
 };
 
 }  // namespace ebbtide::optim

@@ -91,15 +91,17 @@ void register_bindings(py::module_& m) {
       .def_readwrite("bc2_sqrt_pow", &AdamHyper::bc2_sqrt_pow);
 
   py::class_<AdamEngine>(m, "AdamEngine", "A CPU Adam kernel with its own thread pool.")
-      .def(py::init([](int threads, const std::string& isa) {
+      .def(py::init([](int threads, const std::string& isa, int tasks_per_thread) {
              std::unique_ptr<AdamEngine> e;
-             EBT_PY_CHECK(AdamEngine::create(threads, isa, &e));
+             EBT_PY_CHECK(AdamEngine::create(threads, isa, tasks_per_thread, &e));
              return e;
            }),
-           py::arg("threads") = 0, py::arg("isa") = "",
+           py::arg("threads") = 0, py::arg("isa") = "", py::arg("tasks_per_thread") = 16,
            "threads <= 0: the process's CPU affinity count. isa '': the best this CPU runs (EBBTIDE_CPU_ISA lowers "
-           "it); or one of available_isas().")
+           "it); or one of available_isas(). tasks_per_thread (1..256): a step is split into up to threads x "
+           "this many ranges, claimed by whichever thread is free when more than one per thread.")
       .def_property_readonly("threads", &AdamEngine::threads)
+      .def_property_readonly("tasks_per_thread", &AdamEngine::tasks_per_thread)
       .def_property_readonly("isa", &AdamEngine::isa)
       .def("step", &engine_step, py::arg("hyper"), py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
            py::arg("max_exp_avg_sqs"), py::arg("grads"), py::arg("grad_bf16"), py::arg("outs"), py::arg("numels"),

@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from .. import _native
+from .. import _native, settings
 from ..errors import InvalidArgumentError
 from ._validate import (MODES, STATE_TENSORS, check_distinct, check_grad_scale, check_group, check_groups,
                         check_state_dict, param_list, scalar_value)
@@ -106,6 +106,11 @@ def torch_sqrt_flavor() -> int:
     return flavor
 
 
+TASKS_PER_THREAD = settings.declare(
+    "EBBTIDE_ADAM_TASKS_PER_THREAD", settings.parse_int(1, 256), 16,
+    "ranges per pool thread in one CPU Adam call: 1 gives each thread one contiguous range; more are claimed by "
+    "whichever thread is free, so a preempted thread delays the call by one range, not by its whole share")
+
 _ENGINES: dict[tuple[int, str], object] = {}
 _ENGINES_LOCK = threading.Lock()  # guards _ENGINES
 
@@ -139,7 +144,7 @@ def shared_engine(threads: int | None, isa: str | None):
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:
-            eng = _native.load().optim.AdamEngine(*key)
+            eng = _native.load().optim.AdamEngine(*key, settings.get(TASKS_PER_THREAD))
             _ENGINES[key] = eng
         return eng
 

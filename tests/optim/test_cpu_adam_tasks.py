@@ -1,0 +1,72 @@
+"""The engine's task split: claimed ranges (tasks_per_thread > 1) give the same bits as the static split, for every
+thread count, both modes and both moment dtypes; the setting is strict."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ebbtide
+from ebbtide import _native
+from ebbtide.optim.cpu_adam import make_hyper
+
+BF16 = torch.bfloat16
+N = 3 * 2**20 + 37  # several grains per task at every split below, plus a ragged tail
+
+
+def _state(moments):
+    g = torch.Generator().manual_seed(5)
+    p = torch.randn(N, generator=g)
+    m = (torch.randn(N, generator=g) * 1e-2).to(moments)
+    v = (torch.rand(N, generator=g) * 1e-4).to(moments)
+    grad = (torch.randn(N, generator=g) * 1e-2).to(BF16)
+    return p, m, v, grad
+
+
+def _step(eng, mode, moments, steps=3):
+    p, m, v, grad = _state(moments)
+    out = torch.empty(N, dtype=BF16)
+    hyper = make_hyper(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, mode=mode))
+    for t in range(1, steps + 1):
+        assert eng.step(hyper, [p.data_ptr()], [m.data_ptr()], [v.data_ptr()], [], [grad.data_ptr()], [True],
+                        [out.data_ptr()], [N], [], [float(t)], [moments == BF16])
+    return p, m, v, out
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("moments", [torch.float32, BF16])
+def test_claimed_tasks_give_the_static_split_bits(mode, moments):
+    C = _native.load()
+    ref = _step(C.optim.AdamEngine(1, "", 1), mode, moments)
+    for threads, tasks in [(2, 1), (2, 16), (3, 7), (4, 256)]:
+        eng = C.optim.AdamEngine(threads, "", tasks)
+        assert (eng.threads, eng.tasks_per_thread) == (threads, tasks)
+        got = _step(eng, mode, moments)
+        for a, b in zip(ref, got):
+            assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a.view(torch.int32),
+                               b.view(torch.int16) if b.dtype == BF16 else b.view(torch.int32)), (threads, tasks)
+
+
+def test_tasks_per_thread_out_of_range_is_refused():
+    C = _native.load()
+    for bad in (0, -1, 257):
+        with pytest.raises(ebbtide.InvalidArgumentError, match="tasks_per_thread"):
+            C.optim.AdamEngine(2, "", bad)
+
+
+def _engine_in_child(value):
+    env = dict(os.environ, EBBTIDE_ADAM_TASKS_PER_THREAD=value)
+    code = ("from ebbtide.optim.cpu_adam import shared_engine\n"
+            "try:\n    print(shared_engine(2, None).tasks_per_thread)\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120).stdout.strip()
+
+
+def test_the_setting_reaches_the_shared_engine():
+    assert _engine_in_child("") == "16"
+    assert _engine_in_child(" 4 ") == "4"
+    for bad in ("0", "300", "many"):
+        got = _engine_in_child(bad)
+        assert got.startswith("SettingError EBBTIDE_ADAM_TASKS_PER_THREAD=") and "[1, 256]" in got, got
