@@ -179,6 +179,10 @@ def dp_exact(rank, world, init, steps=6, tp=1, fp32_grads=False):
     model = _gpt(fp32_grads=fp32_grads)
     opt = ebt.get_optimizer(opt_config(), [model], mode="exact", bucket_numel=1000)
     assert type(opt).__name__ == "EbbtideDistributedOptimizer", type(opt)
+    # the norm's all-reduce runs over a Gloo twin of the grad-stats group (its ranks, not the NCCL communicator)
+    twin, stats = opt.grad_stats_cpu_group, opt.grad_stats_parallel_group
+    assert twin is not None and twin is not stats and dist.get_backend(twin) == "gloo"
+    assert dist.get_process_group_ranks(twin) == sorted(dist.get_process_group_ranks(stats))
     losses = [_step(model, opt, s, rank) for s in range(steps)]
     assert losses == ref_losses, (losses, ref_losses)
     for p, q in zip(model.parameters(), ref_model.parameters()):
@@ -224,7 +228,8 @@ def refusals(rank, world, init):
     out = {}
     for name, cfg, kw in (("plain_config", opt_config(use_distributed_optimizer=False), {}),
                           ("cpu_offload", opt_config(optimizer_cpu_offload=True), {}),
-                          ("factory", opt_config(), {"buffer_factory": lambda *a: None})):
+                          ("factory", opt_config(), {"buffer_factory": lambda *a: None}),
+                          ("stats_on_cpu", opt_config(), {"stats_on_cpu": "yes"})):
         try:
             ebt.get_optimizer(cfg, [model], **kw)
             out[name] = ""

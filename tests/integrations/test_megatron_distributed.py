@@ -43,6 +43,7 @@ def test_mismatched_forms_are_refused():
         assert "build both the same way" in r["plain_config"], r
         assert "optimizer_cpu_offload" in r["cpu_offload"], r
         assert "non-sharded form only" in r["factory"], r
+        assert "stats_on_cpu must be True or False" in r["stats_on_cpu"], r
 
 
 # ---- GPUs: one rank per GPU ------------------------------------------------------------------------------------

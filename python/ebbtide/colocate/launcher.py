@@ -367,6 +367,7 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     procs = []
     base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     base_env.setdefault("PYTHONUNBUFFERED", "1")
+    base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host: Gloo groups listen on loopback
     for r in range(cfg.gpus):
         env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(cfg.gpus),
                    LOCAL_WORLD_SIZE=str(cfg.gpus), MASTER_ADDR=store.host,

@@ -8,6 +8,7 @@ import torch
 from ...errors import InvalidArgumentError, UnsupportedError
 from ...optim import OffloadedAdam
 from ._distributed import EbbtideDistributedOptimizer
+from ._groups import gloo_twin
 from ._optimizer import EbbtideOptimizer, check_config, moments_dtype
 from ._sharded import ShardAdam
 
@@ -21,7 +22,8 @@ __all__ = ["get_optimizer"]
 
 
 def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "fast", threads: int | None = None,
-                  bucket_numel: int = 16 * 2**20, slots: int = 3, buffer_factory=None) -> EbbtideOptimizer:
+                  bucket_numel: int = 16 * 2**20, slots: int = 3, buffer_factory=None,
+                  stats_on_cpu: bool = True) -> EbbtideOptimizer:
     """Megatron's ``get_megatron_optimizer`` for ebbtide: the same ``OptimizerConfig`` and model chunks (Megatron
     DDP, bf16 params), param groups formed by Megatron (weight-decay and lr multipliers, ``config_overrides``).
     With ``use_distributed_optimizer=False`` (config and DDP): an :class:`EbbtideOptimizer` (whole host state on
@@ -29,8 +31,12 @@ def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "f
     data-parallel rank holds its shard; expert-parallel params too). ``mode``: "fast" or "exact" (fp32 master
     bit-identical to torch's CPU AdamW). ``threads``/``bucket_numel``/``slots`` go to the CPU pipeline
     (``bucket_numel``: its transfer granularity); ``buffer_factory`` to OffloadedAdam (non-sharded form only).
-    Collective over WORLD (Megatron aligns param groups across ranks)."""
+    ``stats_on_cpu``: the step's scalar all-reduces (grad norm, found-inf, zero count) run over a Gloo twin of the
+    grad-stats group (``gloo_twin``), never waiting on a released NCCL group's reconnect; False keeps them on the
+    NCCL group. Collective over WORLD (Megatron aligns param groups across ranks)."""
     check_config(config)
+    if not isinstance(stats_on_cpu, bool):
+        raise InvalidArgumentError(f"stats_on_cpu must be True or False (got {stats_on_cpu!r})")
     if not isinstance(model_chunks, (list, tuple)):
         model_chunks = [model_chunks]
     if not model_chunks:
@@ -75,11 +81,12 @@ def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "f
                                        "keeps the params in Megatron's DDP buffers)")
         buffers = [b for c in model_chunks for b in list(c.buffers) + list(c.expert_parallel_buffers)]
         inner = ShardAdam(groups, buffers, run_numel=bucket_numel, tp_group=tp_group, **hyper)
+        stats = parallel_state.get_intra_distributed_optimizer_instance_group()
         return EbbtideDistributedOptimizer(
-            inner, config, model_chunks, grad_scaler,
-            grad_stats_parallel_group=parallel_state.get_intra_distributed_optimizer_instance_group(),
-            tp_group=tp_group)
+            inner, config, model_chunks, grad_scaler, grad_stats_parallel_group=stats, tp_group=tp_group,
+            grad_stats_cpu_group=gloo_twin(stats) if stats_on_cpu else None)
     inner = OffloadedAdam(groups, bucket_numel=bucket_numel, buffer_factory=buffer_factory, attach_grads=False,
                           **hyper)
-    return EbbtideOptimizer(inner, config, grad_scaler,
-                            grad_stats_parallel_group=parallel_state.get_model_parallel_group(), tp_group=tp_group)
+    stats = parallel_state.get_model_parallel_group()
+    return EbbtideOptimizer(inner, config, grad_scaler, grad_stats_parallel_group=stats, tp_group=tp_group,
+                            grad_stats_cpu_group=gloo_twin(stats) if stats_on_cpu else None)

@@ -36,11 +36,12 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
     """Megatron's optimizer interface over one :class:`ShardAdam` (build it with ``get_optimizer``)."""
 
     def __init__(self, inner: ShardAdam, config, model_chunks, grad_scaler=None, *, grad_stats_parallel_group=None,
-                 tp_group=None):
+                 tp_group=None, grad_stats_cpu_group=None):
         super(EbbtideOptimizer, self).__init__(inner, config, init_state_fn=lambda *a, **k: None)
         self.is_stub_optimizer = False
         self.grad_scaler = grad_scaler
         self.grad_stats_parallel_group = grad_stats_parallel_group
+        self.grad_stats_cpu_group = grad_stats_cpu_group  # see EbbtideOptimizer._all_reduce
         self.tp_group = tp_group
         self.model_chunks = list(model_chunks)
         self.float16_groups = [list(g["params"]) for g in inner.param_groups]

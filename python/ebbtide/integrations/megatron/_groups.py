@@ -15,6 +15,9 @@ Policies:
   Both are collective over WORLD, as ebbtide.comm's release/reload.
 - ``check_groups()`` walks ``parallel_state``'s module globals and lists every group Megatron holds, raising
   StateError naming the ones that are not reloadable.
+- ``gloo_twin(group)`` makes a Gloo group over the same ranks: the optimizer's scalar all-reduces (the grad norm,
+  found-inf) go there, so they never wait for a released NCCL communicator to be rebuilt and connected (~65-95 ms
+  a step at TP=2 on 2 H200 when the norm's group connected at first use).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from ... import comm
 from ...errors import StateError
 
-__all__ = ["install_groups", "release_groups", "reload_groups", "check_groups", "megatron_groups"]
+__all__ = ["install_groups", "release_groups", "reload_groups", "check_groups", "megatron_groups", "gloo_twin"]
 
 
 def _parallel_state():
@@ -116,3 +119,21 @@ def check_groups() -> dict:
         raise StateError(f"{len(plain)} of Megatron's process groups are not reloadable (made before "
                          f"install_groups()): {', '.join(plain[:8])}")
     return report
+
+
+def gloo_twin(group):
+    """A Gloo group over ``group``'s ranks, or None where there is nothing to reduce (no process group, or
+    ``group`` is this rank alone). Collective over WORLD: every rank calls it, and every rank's group is made by
+    every rank, in one agreed order (``new_group``'s rule), so ranks of different groups (the model-parallel
+    groups of a TP x DP grid) build their twins together."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    mine = tuple(sorted(dist.get_process_group_ranks(group)))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    twin = None
+    for ranks in sorted({tuple(r) for r in everyone if len(r) > 1}):
+        g = dist.new_group(list(ranks), backend="gloo")
+        if ranks == mine:
+            twin = g
+    return twin

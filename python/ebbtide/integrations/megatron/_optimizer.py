@@ -104,11 +104,12 @@ class EbbtideOptimizer(MegatronOptimizer):
     :func:`get_optimizer`)."""
 
     def __init__(self, inner: OffloadedAdam, config, grad_scaler=None, *, grad_stats_parallel_group=None,
-                 tp_group=None):
+                 tp_group=None, grad_stats_cpu_group=None):
         super().__init__(inner, config, init_state_fn=lambda *a, **k: None)
         self.is_stub_optimizer = False
         self.grad_scaler = grad_scaler
         self.grad_stats_parallel_group = grad_stats_parallel_group
+        self.grad_stats_cpu_group = grad_stats_cpu_group  # see _all_reduce
         self.tp_group = tp_group
         # Megatron's helpers (sharded_state_dict) read the model params per group under this name.
         self.float16_groups = [list(g["params"]) for g in inner.param_groups]
@@ -148,7 +149,15 @@ class EbbtideOptimizer(MegatronOptimizer):
 
     def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         """``t`` reduced over the grad-stats group; not a collective where that group is this rank alone (with
-        groups released between steps, a one-rank NCCL communicator would reconnect at every step's norm)."""
+        groups released between steps, a one-rank NCCL communicator would reconnect at every step's norm). With
+        a CPU twin of that group (``grad_stats_cpu_group``: same ranks, Gloo) the scalar goes there instead, as a
+        CPU tensor: the caller reads it on the host anyway, and a released NCCL group would be rebuilt and
+        connected inside the step. Two ranks sum in the one order there is; with more, the two backends may
+        add in different orders (an ulp of the norm)."""
+        if self.grad_stats_cpu_group is not None:
+            c = t.cpu()
+            torch.distributed.all_reduce(c, op=op, group=self.grad_stats_cpu_group)
+            return c
         group = self.get_grad_stats_parallel_group()
         if torch.distributed.is_initialized() and group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(t, op=op, group=group)
