@@ -76,7 +76,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
+from concurrent import futures
 from datetime import timedelta
 
 import torch
@@ -520,6 +522,13 @@ class _MegatronTrainer:
             if self.releasing is not None and self.releasing.done():
                 self._note_release(info, self.releasing)
                 self.releasing = None
+        if self.releasing is not None:
+            # The step's memory reading must not count the old communicators' last moments beside the new ones
+            # (only a generate shorter than the teardown leaves it running here): wait outside the timed phases
+            # and say how long, so the growth check compares like with like.
+            t0 = time.perf_counter()
+            futures.wait([self.releasing], timeout=tmo)
+            self.rec.phases[-1]["teardown_wait_s"] = time.perf_counter() - t0
         self._sample(step, "comm_reload")
 
     def _note_release(self, info: dict, fut) -> None:
