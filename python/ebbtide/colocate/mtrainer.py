@@ -491,6 +491,7 @@ class _MegatronTrainer:
         self._sample(step, "comm_release")
         with rec.phase(step, "offload") as info:
             info.update(self._offload())
+        self._note_residual()
         self._sample(step, "offload")
         clock = self.nvml.sm_clock_mhz()  # the clock the prefill starts at (read outside the timed phase)
         with rec.phase(step, "generate") as info:
@@ -530,6 +531,17 @@ class _MegatronTrainer:
             futures.wait([self.releasing], timeout=tmo)
             self.rec.phases[-1]["teardown_wait_s"] = time.perf_counter() - t0
         self._sample(step, "comm_reload")
+
+    def _note_residual(self) -> None:
+        """After the offload, outside the timed phases: where more than 64 MiB of torch's default pool is still
+        live, its largest blocks go into the phase's record (a diagnostic: a failure is recorded, never raised)."""
+        ph = self.rec.phases[-1]
+        if self.em is None or ph.get("residual_reserved", 0) <= 64 << 20:
+            return
+        try:
+            ph["residual_blocks"] = self.state.residual_blocks(top=6)
+        except Exception as e:  # noqa: BLE001
+            ph["residual_blocks_error"] = f"{type(e).__name__}: {e}"
 
     def _note_release(self, info: dict, fut) -> None:
         """A finished background release's report into ``info``. A failure is only recorded here: it raises at the

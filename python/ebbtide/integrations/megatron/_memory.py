@@ -29,6 +29,8 @@ Policies:
   buffers (``zero_grad_buffer``: the state Megatron expects at the start of a step). ``restore(overlap_forward=
   True)`` (discard mode) queues the mirror's upload and returns: each module's first forward waits for its own
   parameters' buckets (a one-shot forward pre-hook), so the upload overlaps the first layers' compute.
+- ``residual_blocks()``: the largest live blocks of torch's default pool (outside every tag) with their sizes and,
+  where torch records memory history, the frames that allocated them: what keeps ``residual_reserved`` up.
 - Errors: offload twice or restore without offload -> StateError; a model chunk that is not Megatron's DDP, or a
   trainable param without ``main_grad`` (held outside the DDP buffers) -> InvalidArgumentError naming it; no GPU
   -> UnsupportedError. Checks happen before anything is paused.
@@ -230,6 +232,13 @@ class TrainingState:
         free, total = torch.cuda.mem_get_info()
         return max(0, torch.cuda.memory_reserved() - tagged), total - free
 
+    def residual_blocks(self, top: int = 8) -> list[dict]:
+        """The ``top`` largest live blocks of torch's default pool (the memory ``residual_reserved`` counts, never
+        a tag's), largest first: ``{"bytes", "frames"}``; frames (``"file:line name"``, innermost first) only when
+        ``torch.cuda.memory._record_memory_history`` has been on since the block was allocated. A diagnostic: call
+        it outside timed code (it walks every segment)."""
+        return largest_live_blocks(torch.cuda.memory_snapshot(), top)
+
     def _tags_present(self) -> list[str]:
         return [t for t in (self.tags["grads"], self.tags["optimizer"], self.tags["weights"],
                             self.tags["weights_mirrored"]) if self._expected[t]]
@@ -426,3 +435,19 @@ class TrainingState:
         for h in self._armed:
             h.remove()
         self._uploads, self._armed = [], []
+
+
+def largest_live_blocks(snapshot: list[dict], top: int = 8) -> list[dict]:
+    """From ``torch.cuda.memory_snapshot()``: the ``top`` largest allocated blocks of the default pool (pool id
+    (0, 0); ebbtide's tags live in private pools), largest first."""
+    found = []
+    for seg in snapshot:
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue
+        for blk in seg.get("blocks", ()):
+            if blk.get("state") == "active_allocated":
+                frames = [f"{f.get('filename', '?')}:{f.get('line', '?')} {f.get('name', '?')}"
+                          for f in blk.get("frames", ())[:6]]
+                found.append({"bytes": int(blk["size"]), "frames": frames})
+    found.sort(key=lambda b: -b["bytes"])
+    return found[:max(0, int(top))]
