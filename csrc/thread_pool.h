@@ -95,7 +95,9 @@ class ThreadPool {
   // scheduler preempts (another thread of the process -- the CUDA driver's, a copy launch, a cache trim -- or of
   // the host) delays every call it takes part in by the whole preemption. Claiming splits the work into more
   // tasks than workers and lets a delayed worker's remaining tasks go to the others; what a task computes still
-  // depends only on its own range.
+  // depends only on its own range. What it does not remove: run() returns once every worker has checked in, so a
+  // worker preempted before it saw the call still holds the call's end until it runs (it then claims nothing).
+  // Returning on the tasks' completion instead would let a late worker read a finished call's fn_.
   void work(int w) {
     if (claim_) {
       for (size_t t; (t = next_.fetch_add(1, std::memory_order_relaxed)) < n_tasks_;) (*fn_)(t, w);

@@ -17,7 +17,7 @@ namespace ebbtide::optim {
 namespace {
 
 constexpr int64_t kGrain = int64_t(1) << 15;  // elements per task below which fewer tasks are made
-constexpr int64_t kAlign = 16;                // partition boundaries: 64 B of fp32
+constexpr int64_t kAlign = 32;                // range boundaries: 128 B of fp32, a whole 64 B line of bf16
 
 struct IsaEntry {
   const char* name;

@@ -14,8 +14,10 @@
  *    in double with std::pow, as torch does in Python; lr may be a Python float (double arithmetic) or a float32
  *    tensor (torch then rounds lr*wd and lr/bc1 to float32; `lr_f32` replicates that).
  *  - Threads: the engine's own pool (csrc/thread_pool.h), size fixed at creation (default: the process's CPU
- *    affinity count), never OMP_NUM_THREADS. Static partition: the concatenated spans are cut into equal ranges
- *    aligned to 16 elements, range t always on worker t. Workers run with IEEE default FP state (no FTZ/DAZ).
+ *    affinity count), never OMP_NUM_THREADS. The concatenated spans are cut into up to threads x tasks_per_thread
+ *    equal ranges aligned to 32 elements (a whole 64-byte line of bf16: no line is shared by two ranges); with one
+ *    range per thread range t runs on worker t, with more each goes to whichever worker is free. Workers run with
+ *    IEEE default FP state (no FTZ/DAZ).
  *  - ISA: chosen once per engine from ebt_cpu_isa() (dispatch rules, EBBTIDE_CPU_ISA) or named explicitly for tests;
  *    a name the CPU cannot run is refused, never silently downgraded.
  *  - Errors: bad input returns EBT_ERROR_INVALID_ARGUMENT before anything is touched. With skip_non_finite, a

@@ -70,3 +70,54 @@ def test_the_setting_reaches_the_shared_engine():
     for bad in ("0", "300", "many"):
         got = _engine_in_child(bad)
         assert got.startswith("SettingError EBBTIDE_ADAM_TASKS_PER_THREAD=") and "[1, 256]" in got, got
+
+
+def test_a_non_finite_gradient_in_a_late_claimed_task_skips_every_span():
+    """skip_non_finite with claimed tasks: a NaN in the last range (and in a ragged second span whose start is not
+    a multiple of 16) is found whichever thread claims it, and nothing changes anywhere."""
+    C = _native.load()
+    eng = C.optim.AdamEngine(4, "", 64)
+    hyper = make_hyper(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, mode="fast"),
+                       skip_non_finite=True)
+    n0, n1 = 2**20 + 5, 2**19 + 3
+    for where in (n0 - 1, n0 + n1 - 7):
+        p = torch.ones(n0 + n1)
+        m, v = torch.zeros(n0 + n1), torch.zeros(n0 + n1)
+        g = torch.full((n0 + n1,), 1e-3)
+        g[where] = float("nan")
+        before = p.clone()
+        spans = [(0, n0), (n0, n1)]  # the second span starts at an odd element: unaligned pointers
+
+        def ptr(t, off):
+            return t.data_ptr() + off * t.element_size()
+
+        applied = eng.step(hyper, [ptr(p, o) for o, _ in spans], [ptr(m, o) for o, _ in spans],
+                           [ptr(v, o) for o, _ in spans], [], [ptr(g, o) for o, _ in spans], [False, False], [],
+                           [n for _, n in spans], [], [1.0, 1.0], [])
+        assert applied is False and torch.equal(p, before) and not m.any() and not v.any(), where
+
+
+def test_ragged_spans_give_the_static_split_bits():
+    """Several spans of odd lengths at odd offsets, cut into claimed ranges: bit-equal to one thread."""
+    C = _native.load()
+    lengths = [1, 15, 33, 4099, 2**18 + 17, 2**20 + 31]
+    total = sum(lengths)
+
+    def run(eng):
+        g = torch.Generator().manual_seed(11)
+        p, grad = torch.randn(total, generator=g), torch.randn(total, generator=g) * 1e-2
+        m, v = torch.zeros(total), torch.zeros(total)
+        out = torch.empty(total, dtype=BF16)
+        offs = [sum(lengths[:i]) for i in range(len(lengths))]
+        hyper = make_hyper(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, mode="exact"))
+        for t in (1, 2):
+            assert eng.step(hyper, [p.data_ptr() + 4 * o for o in offs], [m.data_ptr() + 4 * o for o in offs],
+                            [v.data_ptr() + 4 * o for o in offs], [], [grad.data_ptr() + 4 * o for o in offs],
+                            [False] * len(offs), [out.data_ptr() + 2 * o for o in offs], lengths, [],
+                            [float(t)] * len(offs), [])
+        return p, m, v, out.view(torch.int16)
+
+    ref = run(C.optim.AdamEngine(1, "", 1))
+    for threads, tasks in [(3, 16), (4, 256)]:
+        got = run(C.optim.AdamEngine(threads, "", tasks))
+        assert all(torch.equal(a, b) for a, b in zip(ref, got)), (threads, tasks)

@@ -524,12 +524,15 @@ class _MegatronTrainer:
                 self._note_release(info, self.releasing)
                 self.releasing = None
         if self.releasing is not None:
-            # The step's memory reading must not count the old communicators' last moments beside the new ones
-            # (only a generate shorter than the teardown leaves it running here): wait outside the timed phases
-            # and say how long, so the growth check compares like with like.
+            # (a generate shorter than the teardown) the step's memory must not count the old communicators beside
+            # the new ones: wait outside the timed phases, say how long, note the release's report here.
             t0 = time.perf_counter()
-            futures.wait([self.releasing], timeout=tmo)
-            self.rec.phases[-1]["teardown_wait_s"] = time.perf_counter() - t0
+            done, _ = futures.wait([self.releasing], timeout=tmo)
+            ph = self.rec.phases[-1]
+            ph.update(teardown_wait_s=time.perf_counter() - t0, teardown_wait_timed_out=not done)
+            if done:
+                self._note_release(ph, self.releasing)
+                self.releasing = None
         self._sample(step, "comm_reload")
 
     def _note_residual(self) -> None:

@@ -111,7 +111,7 @@ TASKS_PER_THREAD = settings.declare(
     "ranges per pool thread in one CPU Adam call: 1 gives each thread one contiguous range; more are claimed by "
     "whichever thread is free, so a preempted thread delays the call by one range, not by its whole share")
 
-_ENGINES: dict[tuple[int, str], object] = {}
+_ENGINES: dict[tuple[int, str, int], object] = {}
 _ENGINES_LOCK = threading.Lock()  # guards _ENGINES
 
 
@@ -135,16 +135,16 @@ def default_threads() -> int | None:
 
 
 def shared_engine(threads: int | None, isa: str | None):
-    """One native engine (and thread pool) per (threads, isa) per process: optimizers share it, so wrappers that
-    build one optimizer per parameter (Megatron's HybridDeviceOptimizer) do not create a pool each. Calls on an
-    engine are serialized natively. ``threads=None``: :func:`default_threads`."""
+    """One native engine (and thread pool) per (threads, isa, tasks per thread) per process: optimizers share it,
+    so wrappers that build one optimizer per parameter (Megatron's HybridDeviceOptimizer) do not create a pool each.
+    Calls on an engine are serialized natively. ``threads=None``: :func:`default_threads`."""
     if threads is None:
         threads = default_threads()
-    key = (threads or 0, isa or "")
+    key = (threads or 0, isa or "", settings.get(TASKS_PER_THREAD))
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:
-            eng = _native.load().optim.AdamEngine(*key, settings.get(TASKS_PER_THREAD))
+            eng = _native.load().optim.AdamEngine(*key)
             _ENGINES[key] = eng
         return eng
 

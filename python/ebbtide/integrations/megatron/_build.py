@@ -33,7 +33,8 @@ def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "f
     (``bucket_numel``: its transfer granularity); ``buffer_factory`` to OffloadedAdam (non-sharded form only).
     ``stats_on_cpu``: the step's scalar all-reduces (grad norm, found-inf, zero count) run over a Gloo twin of the
     grad-stats group (``gloo_twin``), never waiting on a released NCCL group's reconnect; False keeps them on the
-    NCCL group. Collective over WORLD (Megatron aligns param groups across ranks)."""
+    NCCL group (no Gloo, or Gloo unable to reach the peers); the same on every rank. Collective over WORLD (Megatron
+    aligns param groups across ranks)."""
     check_config(config)
     if not isinstance(stats_on_cpu, bool):
         raise InvalidArgumentError(f"stats_on_cpu must be True or False (got {stats_on_cpu!r})")
