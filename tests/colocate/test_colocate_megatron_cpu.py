@@ -285,6 +285,24 @@ def test_cache_trim_option():
         parse_args(["--cache-trim", "step"])
 
 
+def test_sync_fill_and_memory_history_options():
+    cfg = parse_args(["--trainer", "megatron"])
+    assert cfg.sync_fill == "auto" and cfg.memory_history is False
+    cfg = parse_args(["--trainer", "megatron", "--sync-fill", "after", "--memory-history"])
+    spec = cfg.worker_spec("ebbtide")
+    assert spec["sync_fill"] == "after" and spec["memory_history"] is True
+    with pytest.raises(InvalidArgumentError, match="sync_fill must be one of"):
+        RunConfig(trainer="megatron", sync_fill="early").validate()
+    with pytest.raises(InvalidArgumentError, match="needs one GPU and a dense model"):
+        parse_args(["--trainer", "megatron", "--gpus", "2", "--sync-fill", "streamed"])
+    with pytest.raises(InvalidArgumentError, match="option of --trainer megatron"):
+        parse_args(["--sync-fill", "after"])
+    with pytest.raises(InvalidArgumentError, match="option of --trainer megatron"):
+        parse_args(["--memory-history"])
+    with pytest.raises(InvalidArgumentError, match="memory_history must be a bool"):
+        RunConfig(trainer="megatron", memory_history="yes").validate()
+
+
 def test_groups_used_mode_reaches_the_worker():
     cfg = parse_args(["--trainer", "megatron", "--groups", "used"])
     assert cfg.groups == "used" and cfg.worker_spec("ebbtide")["groups"] == "used"

@@ -67,9 +67,9 @@ def _check(res: dict, name: str, diag: str):
     return v
 
 
-@pytest.mark.parametrize("groups", ["lazy", "eager", "used"])
-def test_megatron_loop_ebbtide(tmp_path, groups):
-    p, res, diag = _run(tmp_path, "ebbtide", "--groups", groups)
+@pytest.mark.parametrize("groups,fill", [("lazy", "auto"), ("eager", "streamed"), ("used", "auto")])
+def test_megatron_loop_ebbtide(tmp_path, groups, fill):
+    p, res, diag = _run(tmp_path, "ebbtide", "--groups", groups, "--sync-fill", fill)
     assert p.returncode == 0, diag
     v = _check(res, "ebbtide", diag)
     setup = v["ranks"][0]["setup"]
@@ -79,7 +79,10 @@ def test_megatron_loop_ebbtide(tmp_path, groups):
     assert rel and "release" in rel[0]["report"]
     # the update opened beside the CPU step (the push only joined it); the offload says where its time went
     syncs = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "sync"]
-    assert syncs and all("open_s" in ph and "fill_s" in ph for ph in syncs), syncs
+    assert syncs and all("open_s" in ph and "fill_s" in ph and ph["apply_s"] > 0 for ph in syncs), syncs
+    # "auto" fills after the step; "streamed" fills each tensor while the CPU step uploads it
+    assert setup["sync_fill"] == ("streamed" if fill == "streamed" else "after"), setup
+    assert all((ph.get("streamed", 0) > 0) == (fill == "streamed") for ph in syncs), syncs
     offs = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "offload"]
     assert offs and all("empty_cache_s" in ph for ph in offs), offs
 

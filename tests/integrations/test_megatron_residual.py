@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from ebbtide.integrations.megatron._memory import largest_live_blocks  # noqa: E402
+from ebbtide.integrations.megatron._memory import largest_live_blocks, largest_segments  # noqa: E402
 
 
 def _seg(pool, *blocks):
@@ -26,3 +26,30 @@ def test_only_live_blocks_of_the_default_pool_largest_first():
     assert got[0]["frames"] == ["mtrainer.py:7 _step"] * 6 and got[1]["frames"] == []
     assert [b["bytes"] for b in largest_live_blocks(snap, top=8)] == [512 << 20, 128 << 20, 2 << 20]
     assert largest_live_blocks([], top=3) == [] and largest_live_blocks(snap, top=0) == []
+    got = largest_live_blocks(snap, top=1)[0]
+    assert got["segment_bytes"] == (512 + 64) << 20 and got["segment_live_bytes"] == 512 << 20
+
+
+def test_segments_kept_by_small_live_blocks_largest_first():
+    frame = [{"filename": "loss.py", "line": 3, "name": "f"}]
+    snap = [
+        _seg((0, 0), (2 << 20, "active_allocated", frame), (610 << 20, "inactive", []), (512, "active_allocated", [])),
+        _seg((0, 0), (20 << 20, "active_allocated", [])),
+        _seg((0, 0), (8 << 20, "inactive", [])),  # nothing live: freed by empty_cache, not the residual
+        _seg((2, 1), (1 << 30, "active_allocated", [])),  # a tag's pool
+    ]
+    got = largest_segments(snap, top=4)
+    assert [s["segment_bytes"] for s in got] == [(612 << 20) + 512, 20 << 20]
+    assert got[0]["live_bytes"] == (2 << 20) + 512 and got[0]["live_blocks"] == 2
+    assert got[0]["frames"] == ["loss.py:3 f"]
+    assert largest_segments(snap, top=1) == got[:1] and largest_segments([], top=2) == []
+
+
+def test_python_frames_first_where_recorded():
+    cpp = [{"filename": "CUDACachingAllocator.cpp", "line": 0, "name": "malloc"}] * 7
+    py = [{"filename": "torch/nn/functional.py", "line": 12, "name": "linear"}]
+    snap = [_seg((0, 0), (32 << 20, "active_allocated", cpp + py)), _seg((0, 0), (4 << 20, "active_allocated", cpp))]
+    got = largest_live_blocks(snap, top=2)
+    assert got[0]["frames"] == ["torch/nn/functional.py:12 linear"]
+    assert got[1]["frames"] == ["CUDACachingAllocator.cpp:0 malloc"] * 6  # no Python frame: the innermost
+    assert largest_segments(snap, top=1)[0]["frames"] == ["torch/nn/functional.py:12 linear"]

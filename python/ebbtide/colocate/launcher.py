@@ -64,6 +64,7 @@ CUMEM_MODES = ("off", "on")  # = mtrainer.CUMEM_MODES
 MOMENTS = ("fp32", "bf16")  # = mtrainer.MOMENTS: Adam's moments in the ebbtide variant's host state
 TEARDOWNS = ("background", "joined")  # = mtrainer.TEARDOWNS: where the ebbtide variant's release tears down
 CACHE_TRIMS = ("auto", "step", "offload")  # = mtrainer.CACHE_TRIMS: when the ebbtide trainer empties its cache
+SYNC_FILLS = ("auto", "streamed", "after")  # = mtrainer.SYNC_FILLS: when the ebbtide trainer fills the update
 STEADY_GUARDS = ("error", "warn")
 DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
 
@@ -115,6 +116,12 @@ class RunConfig:
     # ebbtide is more than steady_tolerance slower), "warn" (say so, exit as usual)
     steady_guard: str = "error"
     steady_tolerance: float = STEADY_TOLERANCE
+    # megatron: torch records every allocation's frames in each trainer (a diagnostic of what the offload leaves in
+    # torch's pool: the offload phase's residual_blocks/residual_segments get frames; the steps run slower)
+    memory_history: bool = False
+    # megatron, ebbtide variant: the update filled while the CPU step uploads the weights ("streamed", one GPU,
+    # dense) or after the step ("after"; "auto" = after: docs/colocate.md has the measured reason)
+    sync_fill: str = "auto"
 
     def validate(self) -> "RunConfig":
         if self.trainer not in TRAINERS:
@@ -194,6 +201,17 @@ class RunConfig:
         if self.comm_teardown != "background" and self.trainer != "megatron":
             raise InvalidArgumentError("--comm-teardown is an option of --trainer megatron (the toy trainer "
                                        "releases its groups with the teardown joined)")
+        if self.sync_fill not in SYNC_FILLS:
+            raise InvalidArgumentError(f"sync_fill must be one of {SYNC_FILLS}, got {self.sync_fill!r}")
+        if self.sync_fill != "auto" and self.trainer != "megatron":
+            raise InvalidArgumentError("--sync-fill is an option of --trainer megatron")
+        if self.sync_fill == "streamed" and (self.gpus > 1 or self.moe_experts):
+            raise InvalidArgumentError("--sync-fill streamed needs one GPU and a dense model (the distributed "
+                                       "optimizer and the TP/EP gathers fill after the step)")
+        if not isinstance(self.memory_history, bool):
+            raise InvalidArgumentError(f"memory_history must be a bool, got {self.memory_history!r}")
+        if self.memory_history and self.trainer != "megatron":
+            raise InvalidArgumentError("--memory-history is an option of --trainer megatron")
         if self.moments != "fp32" and self.trainer != "megatron":
             raise InvalidArgumentError("--moments bf16 is an option of --trainer megatron (the toy trainer's "
                                        "optimizer keeps fp32 moments)")
@@ -230,7 +248,8 @@ class RunConfig:
                 "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
                 "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
                 "nccl_cumem": self.nccl_cumem, "comm_teardown": self.comm_teardown, "cache_trim": self.cache_trim,
-                "moments": self.moments, "verify_batch": self.verify_batch,
+                "moments": self.moments, "memory_history": self.memory_history, "sync_fill": self.sync_fill,
+                "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
 
@@ -305,6 +324,13 @@ def _parser() -> argparse.ArgumentParser:
                         "aware exp_avg_dtype/exp_avg_sq_dtype; 20 instead of 28 bytes per parameter through host "
                         "memory). The slime anchors keep fp32 moments: HybridDeviceOptimizer's CPU AdamW has no "
                         "moment dtype")
+    p.add_argument("--sync-fill", default=d.sync_fill, choices=SYNC_FILLS,
+                   help="megatron, ebbtide variant: the weight update filled while the CPU step uploads each bucket "
+                        "(streamed; one GPU, dense) or after the step (after; auto, the default, is after: streamed "
+                        "measured slower, its fills' Python contending with the CPU step for the GIL)")
+    p.add_argument("--memory-history", action="store_true",
+                   help="megatron, a diagnostic: each trainer records its allocations' frames, so the offload "
+                        "phase's residual_blocks name what keeps torch's pool reserved (the steps run slower)")
     p.add_argument("--steady-guard", default=d.steady_guard, choices=STEADY_GUARDS,
                    help="when ebbtide's train (forward + backward) or generate median is more than --steady-tolerance "
                         "slower than an anchor's: error (default: exit status 3) or warn")
@@ -330,8 +356,8 @@ def parse_args(argv=None) -> RunConfig:
     kw = {k: getattr(a, k) for k in ("gpus", "tp", "ep", "moe_experts", "moe_topk", "steps", "warmup", "batch",
                                      "seq", "gen_batch", "prompt_len", "new_tokens", "kv_reserve_gb", "lr", "seed",
                                      "scratch_backup", "decode", "groups", "nccl_cumem", "comm_teardown", "cache_trim",
-                                     "moments", "steady_guard", "steady_tolerance", "timeout_s", "verify_batch",
-                                     "verify_len", "out", "device", "store_bind")}
+                                     "moments", "memory_history", "sync_fill", "steady_guard", "steady_tolerance",
+                                     "timeout_s", "verify_batch", "verify_len", "out", "device", "store_bind")}
     if a.quick:
         q = quick_overrides()
         for k, v in q.items():

@@ -29,8 +29,9 @@ Policies:
   phase ends when its device work is complete, except the ebbtide variant's onload: ``restore(overlap_forward=
   True)`` queues the weights' upload and each layer's first forward waits for its own, so the upload's tail is
   inside the next train phase. The ebbtide variant also sends the rollout its resume and load and opens the update
-  (``Sender.open(wait=False)``) right after the backward: they run beside the CPU step (the GPU is idle then), and
-  rollout_resume only collects the reply, sync only fills and commits.
+  right after the backward, beside the CPU step: ``open(wait=False)``, or with ``sync_fill`` "streamed" (one rank
+  per replica) ``Sender.streamed``, each tensor filled as the step uploads it (the optimizer's bucket hook):
+  rollout_resume only collects the reply, sync fills and commits (streamed: commits and fills the last part).
 - Variant "ebbtide", through the public adapter only: ``install_groups()`` before ``init_process_group``,
   ``get_optimizer`` (``EbbtideOptimizer``, DDP without the distributed optimizer), ``TrainingState`` offload and
   restore (``weights="discard"``: the weights are dropped and rebuilt from the optimizer's host mirror, as slime
@@ -83,6 +84,7 @@ from datetime import timedelta
 
 import torch
 
+from ._records import note_release, note_residual
 from .gpt import megatron_names
 from .measure import NvmlProbe, Recorder
 from .model import ModelConfig
@@ -102,6 +104,7 @@ CUMEM_MODES = ("off", "on")
 MOMENTS = ("fp32", "bf16")
 TEARDOWNS = ("background", "joined")
 CACHE_TRIMS = ("auto", "step", "offload")
+SYNC_FILLS = ("auto", "streamed", "after")
 # One CPU Adam step's bytes through host memory per parameter: fp32 master read + write (8), both moments read +
 # write (16 in fp32, 8 in bf16), the bf16 gradient read (2) and the bf16 parameter written back (2); the DMA
 # traffic of the gradient download and the parameter upload (another ~4) is not counted, so the floor is a lower
@@ -135,6 +138,7 @@ class _MegatronTrainer:
         self.cfg = ModelConfig(**spec["model"])
         self.rec, self.checks = Recorder(), {"verify": []}
         self.em = self.tms = self.backup = self.state = self.releasing = None
+        self.streamed_sync = False
         if self.variant == "ebbtide":
             import ebbtide.memory as em  # noqa: PLC0415
 
@@ -157,8 +161,10 @@ class _MegatronTrainer:
         self.setup: dict = {"variant": self.variant, "trainer": "megatron", "rank": rank, "world": world,
                             "tp": self.tp, "dp": self.dp, "ep": self.ep, "moe": self.moe,
                             "device_name": torch.cuda.get_device_name(self.dev), "torch": torch.__version__,
-                            "pid": os.getpid()}
+                            "pid": os.getpid(), "memory_history": bool(spec.get("memory_history"))}
         torch.zeros(1, device=self.dev)  # the CUDA context
+        if spec.get("memory_history"):  # a diagnostic: the offload's residual blocks get their frames (slower steps)
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         props = torch.cuda.get_device_properties(self.dev)
         self.nvml = NvmlProbe(uuid=str(getattr(props, "uuid", "") or ""), index=self.dev.index)
         self.setup["nvml"] = self.nvml.why or "ok"
@@ -257,6 +263,16 @@ class _MegatronTrainer:
             if trim == "step":  # the activations' cached blocks go back while the host steps, not in the offload
                 self.opt.update_start_hooks.append(lambda: self.state.trim_cache(background=True))
             self.setup["cache_trim"] = trim
+            fill = s.get("sync_fill", "auto")
+            if fill not in SYNC_FILLS:
+                raise RuntimeError(f"sync_fill must be one of {SYNC_FILLS}, not {fill!r}")
+            # streamed: needs the non-sharded optimizer's bucket hook and a sender without TP/EP gathers
+            can_stream = not sharded and self.tp == 1
+            if fill == "streamed" and not can_stream:
+                raise RuntimeError("sync_fill 'streamed' needs one rank per model replica without the distributed "
+                                   "optimizer (TP = EP = DP = 1): the gathers pair up in plan order")
+            self.streamed_sync = fill == "streamed"  # "auto" = after: streamed measured slower (docs/colocate.md)
+            self.setup["sync_fill"] = "streamed" if self.streamed_sync else "after"
             inner = getattr(self.opt, "optimizer", None)
             self.setup["optimizer"] = (f"{type(self.opt).__name__}({type(inner).__name__}, "
                                        f"isa={getattr(inner, 'isa', '?')})")
@@ -448,13 +464,20 @@ class _MegatronTrainer:
             info["loss"] = self._train(step)
         self._sample(step, "train")
         early = self.em is not None and self.sync.mode == "ebbtide"
+        hook = None
         if early:  # the rollout resumes and the update opens beside the CPU step (the GPU is idle meanwhile)
             R.send("resume")
             R.send("load", version=version)
-            self.sync.open(version)  # joined (its failure raised) by the push
+            opened = self.sync.open(version, streamed=self.streamed_sync)  # joined (its failure raised) by the push
+            if self.streamed_sync:  # each tensor filled into the rollout's staging as the CPU step uploads it
+                hook = self.opt.add_bucket_hook(opened)
         try:
             with rec.phase(step, "optimizer") as info:
-                info.update(self._step_optimizer())
+                try:
+                    info.update(self._step_optimizer())
+                finally:
+                    if hook is not None:
+                        hook.remove()
             self._sample(step, "optimizer")
             ref = self._reference() if verify else None  # untimed
             if verify:  # the ranks' untimed work differs: the next timed phases start together
@@ -473,6 +496,7 @@ class _MegatronTrainer:
             info["bytes"] = self.sync.push(version)
             info.update(self.sync.last_push)
             load = R.reply(timeout=tmo)
+            info.update(_only(load, "apply_s"))  # the rollout's apply of the committed version
             if not early:  # after an early open the rollout's load began beside the optimizer step
                 info.update(_only(load, "inside_s"))
         self._sample(step, "sync")
@@ -484,14 +508,15 @@ class _MegatronTrainer:
                 previous = self.releasing
                 # release() joins the previous teardown itself: a failure there raises on every rank (its agreement)
                 self.releasing = self.ebt.release_groups(include_world=True, wait=False)
-                self._note_release(info, previous)
+                note_release(info, previous)
                 info["report"] = "teardown in the background (its report: comm_reload's release_report)"
             else:
                 info["report"] = self.ebt.release_groups(include_world=True).summary()
         self._sample(step, "comm_release")
         with rec.phase(step, "offload") as info:
             info.update(self._offload())
-        self._note_residual()
+        if self.em is not None:
+            note_residual(self.rec.phases[-1])
         self._sample(step, "offload")
         clock = self.nvml.sm_clock_mhz()  # the clock the prefill starts at (read outside the timed phase)
         with rec.phase(step, "generate") as info:
@@ -521,7 +546,7 @@ class _MegatronTrainer:
             info["release_teardown_running"] = self.releasing is not None and not self.releasing.done()
             info["report"] = self.ebt.reload_groups(eager=self.reload_eager).summary()
             if self.releasing is not None and self.releasing.done():
-                self._note_release(info, self.releasing)
+                note_release(info, self.releasing)
                 self.releasing = None
         if self.releasing is not None:
             # (a generate shorter than the teardown) the step's memory must not count the old communicators beside
@@ -531,35 +556,9 @@ class _MegatronTrainer:
             ph = self.rec.phases[-1]
             ph.update(teardown_wait_s=time.perf_counter() - t0, teardown_wait_timed_out=not done)
             if done:
-                self._note_release(ph, self.releasing)
+                note_release(ph, self.releasing)
                 self.releasing = None
         self._sample(step, "comm_reload")
-
-    def _note_residual(self) -> None:
-        """After the offload, outside the timed phases: where more than 64 MiB of torch's default pool is still
-        live, its largest blocks go into the phase's record (a diagnostic: a failure is recorded, never raised)."""
-        ph = self.rec.phases[-1]
-        if self.em is None or ph.get("residual_reserved", 0) <= 64 << 20:
-            return
-        try:
-            ph["residual_blocks"] = self.state.residual_blocks(top=6)
-        except Exception as e:  # noqa: BLE001
-            ph["residual_blocks_error"] = f"{type(e).__name__}: {e}"
-
-    def _note_release(self, info: dict, fut) -> None:
-        """A finished background release's report into ``info``. A failure is only recorded here: it raises at the
-        next release_groups() on every rank, not on this rank alone (its peers would wait in their next
-        collective)."""
-        if fut is None or not fut.done():
-            return
-        err = fut.exception()
-        if err is not None:
-            info["release_failed"] = f"{type(err).__name__}: {err}"
-            return
-        bg = fut.result()
-        slow = sorted(bg.groups, key=lambda g: -g.seconds)[:3]
-        info.update(release_report=bg.summary(), release_background_s=bg.seconds,
-                    release_slowest={g.name: round(g.seconds, 4) for g in slow})
 
     def _note_decode(self, gen: dict):
         ro = self.setup.setdefault("rollout", {})
@@ -577,7 +576,7 @@ class _MegatronTrainer:
         if self.releasing is not None:  # the last step's teardown: joined before the process ends, its report kept
             self.releasing.exception()
             last_release: dict = {}
-            self._note_release(last_release, self.releasing)
+            note_release(last_release, self.releasing)
             self.setup["last_release"], self.releasing = last_release, None
 
     def close(self):

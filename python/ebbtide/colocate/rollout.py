@@ -205,7 +205,11 @@ class _Rollout:
         return {}
 
     def load(self, version: int):
-        return {"bytes": self.sync.load(version), "version": version}
+        out = {"bytes": self.sync.load(version), "version": version}
+        ipc = getattr(self.sync, "ipc", None)  # the ebbtide IPC receiver: its commit's apply (the wait included)
+        if getattr(ipc, "last_apply_s", None) is not None:
+            out["apply_s"] = ipc.last_apply_s
+        return out
 
     def verify_load(self):
         """Untimed (the trainer calls it between phases): logits on the verification prompts and weight digests."""

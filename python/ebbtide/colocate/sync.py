@@ -205,6 +205,7 @@ class IpcTrainerSync:
             raise InvalidArgumentError("ep_sources needs full (the whole model, experts gathered)")
         self.full = full
         self.last_push: dict = {}  # the ebbtide sender's time split of the latest push (see push)
+        self._streamed = None  # the StreamedPush that open(streamed=True) began
         local = weights()
         tp = 1
         if self.tp_dims:
@@ -236,15 +237,26 @@ class IpcTrainerSync:
         local = self.weights()
         return _Gathered(local, self.tp_dims, self.tp_group) if self.tp_dims else local
 
-    def open(self, version: int):
-        """Mode "ebbtide": begin update ``version`` on the sender's thread (``Sender.open(wait=False)``; the rollout
-        must be in its ``load``); returns the Future, None in the slime-style mode (nothing to begin)."""
-        return self.sender.open(version, wait=False) if self.mode == "ebbtide" else None
+    def open(self, version: int, *, streamed: bool = False):
+        """Mode "ebbtide": begin update ``version`` on the sender's thread (the rollout must be in its ``load``):
+        ``Sender.open(wait=False)``, returning its Future, or with ``streamed`` ``Sender.streamed``, returning the
+        ``StreamedPush`` (the optimizer's bucket hook: each tensor filled as the step uploads it; refused with TP or
+        EP gathers). None in the slime-style mode (nothing to begin)."""
+        if self.mode != "ebbtide":
+            return None
+        if streamed:
+            self._streamed = self.sender.streamed(version)
+            return self._streamed
+        return self.sender.open(version, wait=False)
 
     def abort(self) -> None:
         """Give up an opened update: the rollout's ``load`` raises and it keeps its weights."""
         if self.mode == "ebbtide":
-            self.sender.abort()
+            st, self._streamed = self._streamed, None
+            if st is not None:
+                st.abort()
+            else:
+                self.sender.abort()
 
     @torch.no_grad()
     def push(self, version: int) -> int:
@@ -252,10 +264,15 @@ class IpcTrainerSync:
         ``last_push`` then holds the ebbtide sender's time split (its ``PushReport`` parts and ``close_s``, the
         unmapping of the rollout's staging)."""
         if self.mode == "ebbtide":
-            rep = self.sender.push(version)
+            st, self._streamed = self._streamed, None
+            if st is not None and st.version != version:
+                st.abort()
+                raise InvalidArgumentError(f"push({version}) while streamed update {st.version} is open")
+            rep = st.finish() if st is not None else self.sender.push(version)
             t0 = time.perf_counter()
             self.ipc.close()  # the imported staging is unmapped (re-shared at the next push)
-            self.last_push = {k: rep[k] for k in ("begin_s", "open_s", "fill_s", "commit_s") if k in rep}
+            self.last_push = {k: rep[k] for k in ("begin_s", "open_s", "fill_s", "commit_s", "streamed",
+                                                  "stream_fill_s") if k in rep}
             self.last_push["close_s"] = time.perf_counter() - t0
         else:
             from ..anchors.sync import slime_update  # noqa: PLC0415

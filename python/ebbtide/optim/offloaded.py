@@ -42,6 +42,13 @@ Policies:
   backup and the flat gradient discarded; ``rebind_buffers(factory)`` moves them after construction (content
   copied, every param and grad view re-pointed). ``flat_params``, ``flat_grad``, ``param_offsets`` and
   ``grad_view``/``param_view`` expose the layout.
+- Bucket hooks (``add_bucket_hook(fn)``): after each bucket's new params are queued for upload, the stepping
+  thread calls ``fn(begin, end, event)``: the byte addresses ``[begin, end)`` of the flat param buffer hold the
+  new values once ``event`` (a ``torch.cuda.Event`` on the upload stream; None for CPU params: already there) has
+  completed. Buckets come in address order, each once per step. A hook must return fast (it runs between CPU
+  kernel calls; hand real work to another thread) and must not raise: an exception ends the step there, its later
+  buckets not stepped (the master, moments and params of the stepped ones hold the new values).
+  ``add_bucket_hook`` returns a handle whose ``remove()`` takes the hook out.
 - Gradients. ``attach_grads=True`` (default): each param's ``.grad`` is its view of the flat gradient, kept so
   by the hooks above. ``attach_grads=False``: no ``.grad`` is touched and no hook installed; the caller writes the
   gradient into ``flat_grad`` (or ``grad_view(p)``) before ``step`` -- how a trainer with its own gradient
@@ -50,13 +57,13 @@ Policies:
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InvalidArgumentError, StateError
 from ._validate import check_distinct, check_grad_scale, check_group, check_groups, check_state_dict, param_list
+from ._pipeline import _HookHandle, _Transport
 from .cpu_adam import _check_hyper, _check_threads_isa, check_moments_dtype, make_hyper, shared_engine
 
 __all__ = ["OffloadedAdam"]
@@ -70,67 +77,6 @@ class _Bucket:
     start: int  # flat element range [start, end)
     end: int
     n_params: int  # params overlapping this bucket (the hook's readiness target)
-
-
-class _Transport:
-    """D2H / H2D copies on runtime-owned CUDA streams with events, or synchronous copies for CPU params. It also
-    keeps where one step's time went (``times``: the host's waits on copies, the CPU kernel, the whole pipeline),
-    so a slow step says whether the copies or the host's memory bound it."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.times = {}
-        self._t0, self._wait_s, self._kernel_s = time.perf_counter(), 0.0, 0.0  # waits may come before a begin()
-        if self.cuda:
-            self.d2h = torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
-
-    def begin(self):
-        """Order both streams after everything already queued on the caller's current stream."""
-        self._t0, self._wait_s, self._kernel_s = time.perf_counter(), 0.0, 0.0
-        if self.cuda:
-            ev = torch.cuda.current_stream(self.device).record_event()
-            self.d2h.wait_event(ev)
-            self.h2d.wait_event(ev)
-
-    def download(self, dst: torch.Tensor, src: torch.Tensor, after_current: bool = False):
-        if not self.cuda:
-            dst.copy_(src)
-            return None
-        if after_current:  # launched from a grad hook: after the accumulation on the hook's stream
-            self.d2h.wait_event(torch.cuda.current_stream(self.device).record_event())
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-            return self.d2h.record_event()
-
-    def upload(self, dst: torch.Tensor, src: torch.Tensor):
-        if not self.cuda:
-            dst.copy_(src)
-            return None
-        with torch.cuda.stream(self.h2d):
-            dst.copy_(src, non_blocking=True)
-            return self.h2d.record_event()
-
-    def wait(self, event):
-        if event is not None:
-            t0 = time.perf_counter()
-            event.synchronize()
-            self._wait_s += time.perf_counter() - t0
-
-    def kernel(self, step, *args):
-        """One CPU kernel call (``step(*args)``), timed."""
-        t0 = time.perf_counter()
-        step(*args)
-        self._kernel_s += time.perf_counter() - t0
-
-    def end(self, elements: int | None = None):
-        """Order the caller's current stream after the uploads; a step (``elements`` stepped) books its times."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
-        if elements is not None:
-            self.times = {"seconds": time.perf_counter() - self._t0, "kernel_s": self._kernel_s,
-                          "wait_s": self._wait_s, "elements": elements}
 
 
 def _zeros(kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -185,6 +131,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
                        if self.attach_grads else [])
         self.last_step_applied = True
+        self._bucket_hooks: dict = {}  # handle id -> fn(begin, end, event), called per uploaded bucket
+
+    def add_bucket_hook(self, fn) -> "_HookHandle":
+        """Call ``fn(begin, end, event)`` after each bucket's upload is queued (see the module policies)."""
+        if not callable(fn):
+            raise InvalidArgumentError(f"a bucket hook must be callable, got {fn!r}")
+        handle = _HookHandle(self._bucket_hooks)
+        self._bucket_hooks[handle.id] = fn
+        return handle
 
     # ---- construction ------------------------------------------------------------------------------------------
     def _build_layout(self):
@@ -529,6 +484,10 @@ class OffloadedAdam(torch.optim.Optimizer):
                     [vmax_ptr + off4] if vmax_ptr else [], [self._gslots[slot].data_ptr()], [True],
                     [out.data_ptr()], [n], [], [step_no], mom_bf16)
                 up[b] = t.upload(self._pflat[bk.start:bk.end], out)
+                if self._bucket_hooks:
+                    base, size = self._pflat.data_ptr(), self._pflat.element_size()
+                    for fn in list(self._bucket_hooks.values()):
+                        fn(base + bk.start * size, base + bk.end * size, up[b])
                 if b + K < nb:
                     down[b + K] = self._download(b + K)
         finally:

@@ -11,22 +11,26 @@ from __future__ import annotations
 import torch
 
 from .. import quant as Q
+from ..quant.layout import Fp8BucketLayout
 from ..quant.prepared import Fp8BucketQuant
-from .plan import BucketPlan, Plan
+from .plan import BucketPlan, Plan, fp8_entries
 
 __all__ = ["BucketFill", "fill_bucket", "load_bucket", "expected"]
 
 
 class BucketFill:
-    """One bucket's fill, prepared once per sender (see the module docstring)."""
+    """One bucket's fill, prepared once per sender (see the module docstring); with ``items`` (some of the bucket's
+    items, placed as the plan placed them) only theirs: a streamed push fills a bucket in parts."""
 
-    def __init__(self, plan: Plan, bucket: BucketPlan):
+    def __init__(self, plan: Plan, bucket: BucketPlan, items=None):
         self.plan, self.bucket = plan, bucket
-        fp8 = [it for it in bucket.items if it.kind == "fp8"]
+        items = bucket.items if items is None else tuple(items)
+        fp8 = [it for it in items if it.kind == "fp8"]
         self.fp8_names = [it.source for it in fp8]
         self.stacked = [len(it.shape) == 3 for it in fp8]  # 3-D weights: one layout entry per expert
-        self.quant = Fp8BucketQuant(bucket.fp8, plan.scale, plan.eps) if bucket.fp8 is not None else None
-        self.others = [it for it in bucket.items if it.kind != "fp8"]
+        layout = bucket.fp8 if items is bucket.items else (Fp8BucketLayout.at(fp8_entries(fp8)) if fp8 else None)
+        self.quant = Fp8BucketQuant(layout, plan.scale, plan.eps) if layout is not None else None
+        self.others = [it for it in items if it.kind != "fp8"]
 
     def fp8_sources(self, sources) -> list:
         """The tensors of the bucket's FP8 layout entries, in order (``sources``: name -> full tensor)."""

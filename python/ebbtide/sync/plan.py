@@ -232,13 +232,21 @@ def _place(index: int, items: list) -> BucketPlan:
         it_i, o_i, o = outs[j]
         placed[(it_i, o_i)] = dataclasses.replace(o, offset=off)
         off += o.nbytes
-    new_items, fp8 = [], []
-    for it_i, it in enumerate(items):
-        po = tuple(placed[(it_i, o_i)] for o_i in range(len(it.outputs)))
-        new_items.append(dataclasses.replace(it, outputs=po))
+    new_items = [dataclasses.replace(it, outputs=tuple(placed[(it_i, o_i)] for o_i in range(len(it.outputs))))
+                 for it_i, it in enumerate(items)]
+    fp8 = fp8_entries(new_items)
+    return BucketPlan(index, tuple(new_items), off, Fp8BucketLayout.at(fp8) if fp8 else None)
+
+
+def fp8_entries(items) -> list:
+    """The FP8 layout entries ``(q_offset, scale_offset, N, K)`` of the placed ``items``' FP8 weights, in order (a
+    stacked MoE weight one entry per expert): a bucket's layout, or a part of it."""
+    fp8 = []
+    for it in items:
         if it.kind == "fp8":
+            po = it.outputs
             *lead, N, K = it.shape
             nb, kb = block_grid(N, K)
-            for e in range(lead[0] if lead else 1):  # a stacked MoE weight: one entry per expert
+            for e in range(lead[0] if lead else 1):
                 fp8.append((po[0].offset + e * N * K, po[1].offset + 4 * e * nb * kb, N, K))
-    return BucketPlan(index, tuple(new_items), off, Fp8BucketLayout.at(fp8) if fp8 else None)
+    return fp8

@@ -38,6 +38,9 @@ Policies:
   The receiver must be ready to answer (for IPC: serving its ``receive``). A push of another version than the open
   one raises ``InvalidArgumentError`` and leaves the update open; a failed open raises from the push; ``abort()``
   gives an open update up (a failed or skipped step): the transport is closed, the receiver keeps its version.
+- ``streamed(version)`` fills the update while its producer still writes the weights (``_stream.py``): each source
+  as soon as its bytes are reported done, the commit at ``finish()``; for CUDA IPC and the host transport on CPU
+  tensors, without gathers.
 - ``push(version)`` returns when the receiver holds the new version (the transport's commit), or raises; the
   receiver then still holds its previous version. A TP gather that raises (a peer rank died, seen by Gloo within
   its timeout) becomes PartialUpdateError before the commit; with NCCL a dead peer usually ends in torch's
@@ -114,6 +117,7 @@ class Sender:
         self._fills = [BucketFill(plan, b) for b in plan.buckets]
         self._open = None  # (version, Future of the begin's seconds) of an update opened ahead of its push
         self._pool = None  # the thread open(wait=False) begins on, made at its first use
+        self._streaming = None  # the StreamedPush in progress (streamed)
 
     def _init_experts(self, ep_group, ep_sources, local: dict) -> None:
         """Check and index the expert-parallel sources (see the module policies)."""
@@ -241,6 +245,8 @@ class Sender:
         _check_version(version)
         if self._open is not None:
             raise StateError(f"update {self._open[0]} is already open: push it before opening another")
+        if self._streaming is not None:
+            raise StateError(f"streamed update {self._streaming.version} is in progress: finish or abort it first")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if wait:
             fut.set_result(self._begin(version))
@@ -251,10 +257,34 @@ class Sender:
         self._open = (version, fut)
         return fut
 
+    def streamed(self, version: int):
+        """Begin update ``version`` and return a ``StreamedPush``: its ``ready(begin, end, event)`` fills each source
+        as its producer finishes writing it, its ``finish()`` commits (``_stream.py`` has the policies). Refused
+        (InvalidArgumentError) with tensor- or expert-parallel gathers, and for a transport that cannot take the
+        buckets out of plan order (``streams(device)``)."""
+        from ._stream import StreamedPush  # noqa: PLC0415
+
+        _check_version(version)
+        if (self.tp_size > 1 and self.tp_dims) or self.ep_sources:
+            raise InvalidArgumentError("a streamed push cannot gather: tensor- and expert-parallel gathers are "
+                                       "collectives in plan order (use open + push)")
+        if not self.is_source:
+            raise InvalidArgumentError("a streamed push needs a sending rank (this TP rank does not send)")
+        streams = getattr(self.transport, "streams", None)
+        if streams is None or not streams(self.device):
+            raise InvalidArgumentError(f"{type(self.transport).__name__} on {self.device} cannot take a streamed "
+                                       f"push (its buckets must come in plan order): use open + push")
+        fut = self.open(version, wait=False)
+        self._open = None  # the stream owns the begin now
+        self._streaming = StreamedPush(self, version, fut)
+        return self._streaming
+
     @torch.no_grad()
     def push(self, version: int) -> PushReport:
         """Send every bucket of the current weights as ``version`` (an int that grows with every update)."""
         _check_version(version)
+        if self._streaming is not None:
+            raise StateError(f"streamed update {self._streaming.version} is in progress: its finish() commits it")
         if self._open is not None and self._open[0] != version:
             raise InvalidArgumentError(f"push({version}) while update {self._open[0]} is open: push that version")
         tensors = self._tensors()
@@ -300,6 +330,8 @@ class Sender:
             self.transport.close()
 
     def close(self) -> None:
+        if self._streaming is not None:
+            self._streaming.abort()
         if self._pool is not None:
             self._pool.shutdown(wait=True)  # an open still running ends first
             self._pool = None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 
 import numpy as np
 import torch
@@ -118,6 +119,12 @@ class HostSender:
     def __init__(self, buffer: SharedHostBuffer, *, keep_slots: bool = True):
         self.buf, self.header, self.keep_slots = buffer, _Header(buffer), keep_slots
         self._slots, self._copied, self._copy_stream = [], [], None
+
+    @staticmethod
+    def streams(device) -> bool:
+        """Whether buckets may come out of plan order (``Sender.stream``): on the CPU (written straight into the
+        shared buffer); not from a GPU (two device slots recycled in plan order)."""
+        return torch.device(device).type != "cuda"
 
     def begin(self, version, plan, device) -> None:
         _check_buffer(self.buf, plan)
@@ -251,6 +258,11 @@ class IpcSender:
             raise StateError(f"protocol error: expected {want!r} from the receiver, got {reply[0]!r}")
         return reply
 
+    @staticmethod
+    def streams(device) -> bool:
+        """Buckets may come in any order (``Sender.stream``): each is written in place in the receiver's staging."""
+        return True
+
     def begin(self, version, plan, device) -> None:
         device = torch.device(device)
         if device.type != "cuda":
@@ -326,6 +338,7 @@ class IpcReceiver:
 
         self.conn, self.timeout = conn, timeout
         self.gen, self._shared, self._ready = 0, None, None
+        self.last_apply_s = None  # the last commit's seconds from its arrival to the apply done on the device
 
     def _begun(self, staging, sender_gen) -> None:
         """Answer "begin", sharing ``staging`` where the sender does not hold it: by torch's CUDA IPC handle (plain
@@ -396,9 +409,11 @@ class IpcReceiver:
                 if v != pending or filled != len(receiver.plan.buckets):
                     self._fail(PartialUpdateError(f"commit of version {v} with {filled} of "
                                                   f"{len(receiver.plan.buckets)} buckets written (update {pending})"))
+                t0 = time.perf_counter()
                 if receiver.stream is not None:
                     receiver.stream.wait_event(self._ready)  # the sender's writes into staging are complete
                 receiver.apply(v)
+                self.last_apply_s = time.perf_counter() - t0
                 self.conn.send(("committed", v))
                 return v
             else:

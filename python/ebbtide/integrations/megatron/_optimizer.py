@@ -251,6 +251,12 @@ class EbbtideOptimizer(MegatronOptimizer):
                                 "update_s": time.perf_counter() - t3}
         return ok, grad_norm, num_zeros
 
+    def add_bucket_hook(self, fn):
+        """``OffloadedAdam.add_bucket_hook`` of the inner optimizer: ``fn(begin, end, event)`` per bucket of new
+        params queued for upload during ``step()`` (byte addresses of the model's params, which are views of its
+        flat buffer), e.g. a ``Sender.streamed`` update. Returns the handle (``remove()``)."""
+        return self.optimizer.add_bucket_hook(fn)
+
     def reload_model_params(self, state_dict=None):
         """Masters from the model's current params (after loading weights without the optimizer)."""
         if state_dict is not None:

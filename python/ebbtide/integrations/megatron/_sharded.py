@@ -40,7 +40,7 @@ import torch
 from ...errors import InvalidArgumentError, StateError
 from ...optim._validate import check_grad_scale, check_groups
 from ...optim.cpu_adam import check_moments_dtype, make_hyper, shared_engine
-from ...optim.offloaded import _Transport
+from ...optim._pipeline import _Transport
 
 try:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
