@@ -36,7 +36,15 @@ import torch
 from ..errors import InvalidArgumentError, StateError
 from ._fill import BucketFill
 
-__all__ = ["StreamedPush"]
+__all__ = ["StreamedPush", "PushReport"]
+
+
+class PushReport(dict):
+    """``{"version", "seconds", "buckets", "wire_bytes", "source_bytes", "begin_s", "fill_s", "commit_s"}`` of one
+    push (and ``open_s`` after an ``open``): ``begin_s`` the transport's begin (e.g. the IPC round trip that maps
+    the receiver's staging) or, after an ``open``, the push's wait for it; ``open_s`` the begin's own time; ``fill_s``
+    the host time queueing the gathers, fills and sends of every bucket, ``commit_s`` the commit (the receiver's
+    apply included where the transport waits for it)."""
 
 # Note [Streamed parts]
 # The fills run on a Python thread beside the producer's (an optimizer stepping on the CPU between short GIL-free
@@ -196,8 +204,6 @@ class StreamedPush:
     @torch.no_grad()
     def finish(self):
         """Fill what is left, commit and return the ``PushReport`` (see the module policies)."""
-        from .sender import PushReport  # noqa: PLC0415
-
         s = self.sender
         if self._done:
             raise StateError(f"streamed update {self.version} already finished or aborted")

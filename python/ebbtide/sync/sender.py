@@ -57,18 +57,11 @@ import torch
 
 from ..errors import InvalidArgumentError, StateError
 from ._fill import BucketFill
+from ._stream import PushReport, StreamedPush
 from .errors import PartialUpdateError
 from .plan import Plan
 
 __all__ = ["Sender", "PushReport"]
-
-
-class PushReport(dict):
-    """``{"version", "seconds", "buckets", "wire_bytes", "source_bytes", "begin_s", "fill_s", "commit_s"}`` of one
-    push (and ``open_s`` after an ``open``): ``begin_s`` the transport's begin (e.g. the IPC round trip that maps
-    the receiver's staging) or, after an ``open``, the push's wait for it; ``open_s`` the begin's own time; ``fill_s``
-    the host time queueing the gathers, fills and sends of every bucket, ``commit_s`` the commit (the receiver's
-    apply included where the transport waits for it)."""
 
 
 class Sender:
@@ -262,8 +255,6 @@ class Sender:
         as its producer finishes writing it, its ``finish()`` commits (``_stream.py`` has the policies). Refused
         (InvalidArgumentError) with tensor- or expert-parallel gathers, and for a transport that cannot take the
         buckets out of plan order (``streams(device)``)."""
-        from ._stream import StreamedPush  # noqa: PLC0415
-
         _check_version(version)
         if (self.tp_size > 1 and self.tp_dims) or self.ep_sources:
             raise InvalidArgumentError("a streamed push cannot gather: tensor- and expert-parallel gathers are "
