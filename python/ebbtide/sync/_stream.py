@@ -44,7 +44,10 @@ class PushReport(dict):
     push (and ``open_s`` after an ``open``): ``begin_s`` the transport's begin (e.g. the IPC round trip that maps
     the receiver's staging) or, after an ``open``, the push's wait for it; ``open_s`` the begin's own time; ``fill_s``
     the host time queueing the gathers, fills and sends of every bucket, ``commit_s`` the commit (the receiver's
-    apply included where the transport waits for it)."""
+    apply included where the transport waits for it). A streamed push's adds ``streamed`` (sources filled before its
+    finish), ``stream_fill_s`` (its thread's host time) and ``stream_s`` (from its start to its finish); its
+    ``fill_s`` is the finish's."""
+
 
 # Note [Streamed parts]
 # The fills run on a Python thread beside the producer's (an optimizer stepping on the CPU between short GIL-free
@@ -220,6 +223,8 @@ class StreamedPush:
             if rest:
                 if s.cuda:
                     s.stream.wait_stream(torch.cuda.current_stream(s.device))
+                    for ev in self._events:  # the last part's producer events (not always on the caller's stream)
+                        s.stream.wait_event(ev)
                     with torch.cuda.stream(s.stream):
                         self._fill(rest)
                 else:

@@ -21,7 +21,7 @@ Policies:
   32 MiB and more get one copy each, the smaller ones (scales, norms, experts of an MoE layer: thousands) go in one
   ``ebbtide.quant.SegmentCopy`` launch, so an update's host time hardly grows with its tensor count. The dequant
   form's launches are prepared the same way (``_DequantLaunches``: one native dequant per FP8 weight at kept
-  addresses, one SegmentCopy for the raw tensors); INT4 weights, non-contiguous or tied parameters take
+  addresses, the raw tensors copied as the served outputs are); INT4 weights, non-contiguous or tied parameters take
   ``load_bucket`` instead.
 - ``prepare(version)`` runs that address check ahead: the transports call it while the sender is still filling
   (IPC: when the update begins; host and NCCL: while the bytes travel), and ``apply(version)`` right after only
@@ -131,7 +131,7 @@ class Receiver:
         ptrs = list(map(torch.Tensor.data_ptr, self._outs))
         if self._copies is not None and self._copies[0] == ptrs:
             return self._copies[1]
-        big, small_dst, small_src = [], [], []
+        pairs = []
         for b in self.plan.buckets:
             region = self.region(b)
             for o in b.outputs:
@@ -139,20 +139,8 @@ class Receiver:
                 if not p.is_contiguous() or p.device != region.device:
                     self._copies = (ptrs, None)
                     return None
-                dst, src = p.detach().reshape(-1).view(torch.uint8), region[o.offset:o.offset + o.nbytes]
-                if o.nbytes >= _BIG_COPY:
-                    big.append((dst, src))
-                else:
-                    small_dst.append(dst)
-                    small_src.append(src)
-        small = None
-        if small_dst:
-            try:
-                small = SegmentCopy(small_dst, small_src)
-            except InvalidArgumentError:  # parameters sharing storage (tied names): one copy each, in order
-                self._copies = (ptrs, None)
-                return None
-        self._copies = (ptrs, (big, small))
+                pairs.append((p.detach().reshape(-1).view(torch.uint8), region[o.offset:o.offset + o.nbytes]))
+        self._copies = (ptrs, _byte_copies(pairs))
         return self._copies[1]
 
     def _dequant_launches(self):
@@ -182,11 +170,7 @@ class Receiver:
             for b in self.plan.buckets:
                 load_bucket(b, self.region(b), self.params, served=self.served)
             return
-        big, small = copies
-        for d, s in big:
-            d.copy_(s)
-        if small is not None:  # many small outputs (scales, norms, experts): one launch
-            small()
+        _run_copies(copies)
 
     @torch.no_grad()
     def apply(self, version: int) -> None:
@@ -213,8 +197,8 @@ class Receiver:
 class _DequantLaunches:
     """The dequant form's apply prepared once (CUDA): one native FP8 block dequant per FP8 weight straight into its
     parameter, addresses kept (no views, no per-call checks: ~170 launches of a 1.34 B GPT took 6-14 ms of host time
-    through the checked API), and one ``SegmentCopy`` launch for every raw tensor. The same kernel and arguments as
-    ``load_bucket``'s, so the same bits."""
+    through the checked API), and the raw tensors copied as the served form's outputs are (``_byte_copies``). The
+    same kernel and arguments as ``load_bucket``'s, so the same bits."""
 
     def __init__(self, fp8: list, raw):
         self.fp8, self.raw = fp8, raw
@@ -223,7 +207,7 @@ class _DequantLaunches:
     def build(cls, rx: "Receiver") -> "_DequantLaunches | None":
         """None where a parameter is not contiguous on the staging's device, an FP8 one is not bf16, a weight is
         INT4, or raw parameters share storage: ``load_bucket`` handles those."""
-        fp8, dst, src = [], [], []
+        fp8, pairs = [], []
         for b in rx.plan.buckets:
             region = rx.region(b)
             base = region.data_ptr()
@@ -239,15 +223,9 @@ class _DequantLaunches:
                                 N, K, p.data_ptr()))
                 else:
                     o = it.outputs[0]
-                    dst.append(p.detach().reshape(-1).view(torch.uint8))
-                    src.append(region[o.offset:o.offset + o.nbytes])
-        raw = None
-        if dst:
-            try:
-                raw = SegmentCopy(dst, src)
-            except InvalidArgumentError:  # parameters sharing storage (tied names): one copy each, in order
-                return None
-        return cls(fp8, raw)
+                    pairs.append((p.detach().reshape(-1).view(torch.uint8), region[o.offset:o.offset + o.nbytes]))
+        raw = _byte_copies(pairs)
+        return None if raw is None else cls(fp8, raw)
 
     def __call__(self, device) -> None:
         from ..quant._cuda import _q  # noqa: PLC0415
@@ -256,5 +234,25 @@ class _DequantLaunches:
         with torch.cuda.device(device):
             for q, s, E, N, K, out in self.fp8:
                 Q.fp8_block_dequant(q=q, scale=s, experts=E, rows=N, cols=K, out=out, stream=stream)
-        if self.raw is not None:
-            self.raw()
+        _run_copies(self.raw)
+
+
+def _byte_copies(pairs) -> tuple | None:
+    """(the big (destination, source) byte views, one ``SegmentCopy`` of the small ones or None) for ``pairs``;
+    None where destinations share storage (tied names: SegmentCopy refuses overlaps; one copy each, in order)."""
+    big = [(d, s) for d, s in pairs if s.numel() >= _BIG_COPY]
+    small = [(d, s) for d, s in pairs if s.numel() < _BIG_COPY]
+    if not small:
+        return big, None
+    try:
+        return big, SegmentCopy([d for d, _ in small], [s for _, s in small])
+    except InvalidArgumentError:
+        return None
+
+
+def _run_copies(copies: tuple) -> None:
+    big, small = copies
+    for d, s in big:
+        d.copy_(s)
+    if small is not None:  # many small tensors (scales, norms, experts): one launch
+        small()

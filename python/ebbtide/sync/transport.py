@@ -122,7 +122,7 @@ class HostSender:
 
     @staticmethod
     def streams(device) -> bool:
-        """Whether buckets may come out of plan order (``Sender.stream``): on the CPU (written straight into the
+        """Whether buckets may come out of plan order (``Sender.streamed``): on the CPU (written straight into the
         shared buffer); not from a GPU (two device slots recycled in plan order)."""
         return torch.device(device).type != "cuda"
 
@@ -260,7 +260,7 @@ class IpcSender:
 
     @staticmethod
     def streams(device) -> bool:
-        """Buckets may come in any order (``Sender.stream``): each is written in place in the receiver's staging."""
+        """Buckets may come in any order (``Sender.streamed``): each is written in place in the receiver's staging."""
         return True
 
     def begin(self, version, plan, device) -> None:
