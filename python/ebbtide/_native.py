@@ -28,7 +28,7 @@ def load():
         from . import _C  # noqa: PLC0415
     except ImportError as e:
         raise ImportError(
-            f"ebbtide's native extension could not be loaded ({e}). Build it with "
+            f"ebbtide's native extension could not be loaded ({e}). {_where()} Build it with "
             "`pip install .` (or `pip install --no-build-isolation -e .` for development) from the source tree."
         ) from e
     expected = _code(__version__)
@@ -38,6 +38,18 @@ def load():
             f"library {_C.runtime_version()}: reinstall ebbtide so all three come from one build"
         )
     return _C
+
+
+def _where() -> str:
+    """Where the package was imported from and which native files sit there: what a failed import of ``_C`` needs
+    to be diagnosed (another copy of the package earlier on sys.path, a build that did not finish)."""
+    import sys  # noqa: PLC0415
+
+    pkg = sys.modules.get(__package__)
+    dirs = list(getattr(pkg, "__path__", []) or [])
+    found = sorted(f.name for d in dirs for f in Path(d).glob("*.so")) if dirs else []
+    return (f"The package {__package__!r} was imported from {dirs or '?'} (native files there: {found or 'none'}; "
+            f"cwd {os.getcwd()}; sys.path {sys.path[:6]}).")
 
 
 def runtime_library_path() -> str:

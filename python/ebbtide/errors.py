@@ -27,6 +27,7 @@ __all__ = [
     "CudaRuntimeError",
     "VersionMismatchError",
     "WaitTimeoutError",
+    "StepError",
     "check",
     "error_for",
 ]
@@ -166,6 +167,17 @@ class WaitTimeoutError(EbbtideError, TimeoutError):
     """A wait ran past its deadline; the message says who did not arrive."""
 
     status = Status.TIMEOUT
+
+
+class StepError(EbbtideError):
+    """An optimizer step was interrupted in the middle (a CPU kernel, a copy or a bucket hook raised). ``completed``
+    True: the step was finished without the part that failed, so master, moments and params all hold the new
+    version (``step`` is its number); False: it could not be finished, the optimizer refuses further use until a
+    checkpoint is loaded. ``bucket`` is where it failed, of ``buckets``. The original error is ``__cause__``."""
+
+    def __init__(self, message: str, *, completed: bool, step: int, bucket: int, buckets: int):
+        super().__init__(message)
+        self.completed, self.step, self.bucket, self.buckets = completed, step, bucket, buckets
 
 
 _BY_STATUS: dict[Status, type[EbbtideError]] = {

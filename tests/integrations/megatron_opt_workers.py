@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import types
 import warnings
 
 import torch
@@ -258,6 +259,18 @@ def bad_configs(rank, world, init):
         msgs["use_distributed_optimizer"] = str(e)
     else:
         raise AssertionError("use_distributed_optimizer=True with a plain model was accepted")
+    fp8 = _model()
+    fp8.config = types.SimpleNamespace(fp8="hybrid", fp8_param=True, virtual_pipeline_model_parallel_size=None)
+    for key, chunks in (("pipeline interleaving", [_model(), _model()]), ("fp8='hybrid'", [fp8])):
+        ptrs = [p.data_ptr() for c in chunks for p in c.parameters()]
+        try:
+            ebt.get_optimizer(_config(), chunks)
+        except UnsupportedError as e:
+            assert key in str(e), (key, str(e))
+            msgs[key] = str(e)
+        else:
+            raise AssertionError(f"{key} was accepted")
+        assert ptrs == [p.data_ptr() for c in chunks for p in c.parameters()]  # params untouched
     fp32 = _model().float()
     try:
         ebt.get_optimizer(_config(), [fp32])

@@ -37,6 +37,29 @@ def test_moe_expert_parallel_2_exact_matches_megatron():
         assert all(n <= 1000 and whole for n, whole, _ in r["chunks"]) and max(g for *_, g in r["chunks"]) == 2, r
 
 
+@pytest.mark.parametrize("bf16_moments", [False, True], ids=["fp32-moments", "bf16-moments"])
+def test_a_step_interrupted_on_one_rank_is_made_whole(bf16_moments):
+    res = _spawn.run("dp_interrupted", 2, module="megatron_dist_workers", timeout=240, bf16_moments=bf16_moments)
+    assert len(res[0]["errors"]) == 1 and "finished on the plain path" in res[0]["errors"][0], res[0]
+    assert res[1]["errors"] == []
+    for r in res:
+        assert r["host_bytes"] == (8 if bf16_moments else 12) * r["owned"], r
+
+
+@pytest.mark.parametrize("bf16_moments", [False, True], ids=["fp32-moments", "bf16-moments"])
+def test_host_memory_per_rank_is_the_shards_bytes_measured(bf16_moments):
+    """Resident memory each rank gains building the optimizer is its shard's 12 B per owned element (8 with bf16
+    moments) within 5%, plus its transfer slots: not the whole model's."""
+    res = _spawn.run("dp_host_memory", 2, module="megatron_dist_workers", timeout=300, bf16_moments=bf16_moments)
+    for r in res:
+        print({k: round(v / 2**20, 2) for k, v in r.items()})
+        assert r["host_bytes"] == (8 if bf16_moments else 12) * r["owned"], r
+        assert abs(r["owned"] - r["total"] / 2) <= 0.05 * r["total"] / 2, r
+        assert abs(r["built"] - r["slots"] - r["host_bytes"]) <= 0.05 * r["host_bytes"], r
+        # a second step allocates no optimizer state (what grows, ~4% here, is the training's own allocations)
+        assert r["growth"] <= 0.1 * r["host_bytes"], r
+
+
 def test_mismatched_forms_are_refused():
     res = _spawn.run("refusals", 2, module="megatron_dist_workers", timeout=120)
     for r in res:

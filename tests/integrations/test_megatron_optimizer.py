@@ -36,4 +36,6 @@ def test_refused_configs():
     assert "both moments fp32 or both bf16" in r["exp_avg_dtype"]
     assert "fp32 master weights" in r["main_params_dtype"]
     assert "bf16" in r["fp32 params"]
+    assert "2 model chunk(s)" in r["pipeline interleaving"]
+    assert "fp8_param=True" in r["fp8='hybrid'"]  # every refused field named at once
     assert "GPU" in r["training_state"] or "DistributedDataParallel" in r["training_state"]

@@ -235,16 +235,21 @@ def ep_split(full: dict, ep: int, rank: int) -> tuple[dict, dict]:
     return local, sources
 
 
-def ep_rank(rank: int, port: int, buf_path: str, nbytes: int, q) -> None:
+def ep_rank(rank: int, port: int, buf_path: str, nbytes: int, q, die: bool = False) -> None:
     """One of two EP ranks on the CPU (Gloo), each holding half the experts: pushes version 1 of the whole model
     into its own host buffer (``buf_path`` % rank); reports (rank, plan signature, implicit plan signature,
-    the refusals of bad expert arguments)."""
+    the refusals of bad expert arguments). ``die``: then rank 1 exits without a word and rank 0 pushes version 2,
+    reporting the error and how long it took."""
+    import time
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from ebbtide.errors import InvalidArgumentError
     from ebbtide.sync import HostSender, Plan, Sender, SharedHostBuffer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20 if die else 300))
     try:
         full = moe_checkpoint()
         local, sources = ep_split(full, 2, rank)
@@ -266,5 +271,21 @@ def ep_rank(rank: int, port: int, buf_path: str, nbytes: int, q) -> None:
                 refused.append(str(e))
         q.put((rank, plan.signature, implicit, refused))
         dist.barrier()
+        if die:
+            if rank == 1:  # gone between two updates, no destroy, no goodbye
+                q.close()
+                q.join_thread()
+                time.sleep(0.5)
+                os._exit(0)
+            time.sleep(2.0)
+            t0 = time.monotonic()
+            try:
+                s.push(2)
+                q.put(("push", None, "", time.monotonic() - t0))
+            except Exception as e:  # noqa: BLE001 (reported to the test)
+                q.put(("push", type(e).__name__, str(e), time.monotonic() - t0))
+            q.close()
+            q.join_thread()
+            os._exit(0)  # the group is broken: skip its teardown
     finally:
         dist.destroy_process_group()

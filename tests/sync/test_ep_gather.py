@@ -58,6 +58,47 @@ def test_experts_are_gathered_per_bucket_and_every_rank_sends_the_whole_model(tm
             b.close()
 
 
+def test_an_ep_rank_dying_fails_the_next_push_within_seconds_and_the_receiver_keeps_its_version(tmp_path):
+    from ebbtide.sync import HostReceiver, PartialUpdateError, Plan, Receiver, SharedHostBuffer
+
+    full = sync_workers.moe_checkpoint()
+    plan = Plan.of(dict(sorted(full.items())), rules=[(r"linear_fc1\.weight$", "fp8")], bucket_bytes=100_000)
+    buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    os.symlink(f"/proc/{os.getpid()}/fd/{buf.fd}", tmp_path / "buf0")
+    other = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
+    os.symlink(f"/proc/{os.getpid()}/fd/{other.fd}", tmp_path / "buf1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=sync_workers.ep_rank, args=(k, port, str(tmp_path / "buf%d"), buf.nbytes, q, True))
+             for k in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        first = [q.get(timeout=120) for _ in range(2)]
+        assert sorted(f[0] for f in first) == [0, 1]
+        _, err, msg, took = q.get(timeout=120)
+        assert err == "PartialUpdateError" and "expert-parallel gather" in msg, (err, msg)
+        assert took < 60, took  # bounded by the group's timeout (20 s here), often at once
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0]
+        dst = {n: torch.full_like(t, 3) for n, t in full.items()}
+        receiver = Receiver(dst, plan)
+        before = {n: t.clone() for n, t in dst.items()}
+        with pytest.raises(PartialUpdateError, match="incomplete"):  # version 2 never completed in the buffer
+            HostReceiver(buf).receive(receiver, 2)
+        assert all(torch.equal(before[n], dst[n]) for n in dst)  # the receiver took nothing of it
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        buf.close()
+        other.close()
+
+
 def test_expert_arguments_come_together():
     from ebbtide.errors import InvalidArgumentError
     from ebbtide.sync import HostSender, Plan, Sender, SharedHostBuffer

@@ -1,10 +1,28 @@
 """The device side of OffloadedAdam's pipeline: the copies between the GPU buffers and the host slots on
-runtime-owned streams (``_Transport``) and the handles of its bucket hooks (``_HookHandle``)."""
+runtime-owned streams (``_Transport``), the step's loop over its units with what happens when it is interrupted
+(``run_step``, Note [A step is whole]), and the handles of its bucket hooks (``_HookHandle``).
+
+Note [A step is whole]: a step changes the master, the moments and the GPU params from version k to k+1 unit by
+unit (a unit: one bucket or shard run; its CPU kernel call is atomic, since the native kernel validates and
+allocates before it writes an element). Whatever interrupts the loop after the first unit was stepped (a kernel or
+copy error, a bucket hook raising, KeyboardInterrupt) must not leave units of both versions, and nothing can roll
+a unit back bit for bit (the previous master and moments are overwritten in place: keeping them would cost a
+second full copy of the host state), so the step is finished instead: the loop stops calling hooks, waits for its
+copies in flight, uploads what was stepped but not uploaded, and steps every remaining unit on a plain synchronous
+path from the gradients still in the device buffer (its inputs: nothing of the step's input is consumed). Then the
+caller counts the step and raises ``StepError(completed=True)`` (KeyboardInterrupt and other non-``Exception``
+errors are raised as they are, after the step is whole). A bucket hook's error is recovered without the plain
+path: the pipeline goes on without hooks. If the finishing itself fails (the same kernel error again, a lost
+device), the state is a mix that cannot be repaired here: ``StepError(completed=False)`` is raised and the
+optimizer refuses every further step and state read until a checkpoint is loaded. A failure before the first unit
+was stepped changes nothing and is raised as it is."""
 from __future__ import annotations
 
 import time
 
 import torch
+
+from ..errors import StepError
 
 
 class _Transport:
@@ -66,6 +84,87 @@ class _Transport:
         if elements is not None:
             self.times = {"seconds": time.perf_counter() - self._t0, "kernel_s": self._kernel_s,
                           "wait_s": self._wait_s, "elements": elements}
+
+
+def run_step(t: _Transport, n: int, slots: int, *, download, compute, upload, notify=None, first=None,
+             elements: int, step: int):
+    """One pipelined step over ``n`` units with ``slots`` in flight (Note [A step is whole]). Callbacks:
+    ``download(i, slot)`` -> event of unit i's gradient copy into ``slot``; ``compute(i, slot, up)`` -> the host
+    tensor holding unit i's new bf16 params (it runs the CPU kernel last, after any wait for ``up[i - slots]``);
+    ``upload(i, out)`` -> event; ``notify(i, event)`` the bucket hooks (their ``Exception`` is recovered);
+    ``first(i)`` -> an already started download of unit i or None. Returns None, or the error to raise once the
+    caller has counted the step; raises ``StepError(completed=False)`` when the step could not be made whole."""
+    down, up, outs = [None] * n, [None] * n, [None] * n
+    stepped, uploaded, failure, hook_failure = 0, 0, None, None
+    t.begin()
+    try:
+        for i in range(min(slots, n)):
+            ev = first(i) if first is not None else None
+            down[i] = ev if ev is not None else download(i, i % slots)
+        for i in range(n):
+            t.wait(down[i])
+            outs[i] = compute(i, i % slots, up)
+            stepped = i + 1
+            up[i] = upload(i, outs[i])
+            uploaded = i + 1
+            if notify is not None and hook_failure is None:
+                try:
+                    notify(i, up[i])
+                except Exception as e:  # noqa: BLE001  (raised after the step, wrapped)
+                    hook_failure = (i, e)
+            if i + slots < n:
+                down[i + slots] = download(i + slots, (i + slots) % slots)
+        t.end(elements)
+    except BaseException as e:  # noqa: BLE001  (raised after the step is made whole)
+        failure = e
+    if failure is None:
+        if hook_failure is None:
+            return None
+        i, e = hook_failure
+        err = StepError(f"step {step}: a bucket hook raised at unit {i} of {n} ({type(e).__name__}: {e}); the step "
+                        f"was finished without hooks (master, moments and params hold step {step}; the hooks saw "
+                        f"units 0-{i})", completed=True, step=step, bucket=i, buckets=n)
+        err.__cause__ = e
+        return err
+    if stepped == 0:
+        _drain(t, down + up)
+        raise failure
+    try:
+        _drain(t, down + up, strict=True)
+        for i in range(uploaded, stepped):  # stepped, its new params still in its slot: not uploaded yet
+            t.wait(upload(i, outs[i]))
+        for i in range(stepped, n):
+            t.wait(download(i, 0))
+            t.wait(upload(i, compute(i, 0, up)))
+        t.end(elements)
+    except BaseException as e2:  # noqa: BLE001
+        err = StepError(f"step {step} was interrupted at unit {stepped} of {n} ({type(failure).__name__}: "
+                        f"{failure}) and could not be finished ({type(e2).__name__}: {e2}): units 0-{stepped - 1} "
+                        f"hold step {step}, the rest step {step - 1}; load a checkpoint to go on",
+                        completed=False, step=step, bucket=stepped, buckets=n)
+        raise err from failure
+    if not isinstance(failure, Exception):
+        return failure  # KeyboardInterrupt and the like: raised as they are, after the step is whole
+    err = StepError(f"step {step} was interrupted at unit {stepped} of {n} ({type(failure).__name__}: {failure}); "
+                    f"it was finished on the plain path (master, moments and params hold step {step})",
+                    completed=True, step=step, bucket=stepped, buckets=n)
+    err.__cause__ = failure
+    return err
+
+
+def _drain(t: _Transport, events, strict: bool = False) -> None:
+    """Wait for every copy in flight; ``strict=False`` swallows their errors (the first failure is raised)."""
+    for ev in events:
+        try:
+            t.wait(ev)
+        except BaseException:  # noqa: BLE001
+            if strict:
+                raise
+    try:
+        t.end()
+    except BaseException:  # noqa: BLE001
+        if strict:
+            raise
 
 
 class _HookHandle:

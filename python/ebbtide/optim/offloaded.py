@@ -46,8 +46,13 @@ Policies:
   thread calls ``fn(begin, end, event)``: the byte addresses ``[begin, end)`` of the flat param buffer hold the
   new values once ``event`` (a ``torch.cuda.Event`` on the upload stream; None for CPU params: already there) has
   completed. Buckets come in address order, each once per step. A hook must return fast (it runs between CPU
-  kernel calls; hand real work to another thread) and must not raise: an exception ends the step there, its later
-  buckets not stepped (the master, moments and params of the stepped ones hold the new values).
+  kernel calls; hand real work to another thread); if it raises, the step goes on without hooks and then raises
+  ``StepError(completed=True)`` (the hooks saw the buckets up to the failing one).
+- Interrupted steps (``_pipeline`` Note [A step is whole]): whatever fails after the first bucket was stepped (a
+  kernel or copy error, a hook, KeyboardInterrupt), the step is finished on a plain path, counted, and then
+  ``StepError(completed=True)`` is raised (KeyboardInterrupt as it is): master, moments and params never hold two
+  versions. If it cannot be finished, ``StepError(completed=False)``, and ``step``/``state_dict`` raise StateError
+  until ``load_state_dict`` loads a checkpoint.
   ``add_bucket_hook`` returns a handle whose ``remove()`` takes the hook out.
 - Gradients. ``attach_grads=True`` (default): each param's ``.grad`` is its view of the flat gradient, kept so
   by the hooks above. ``attach_grads=False``: no ``.grad`` is touched and no hook installed; the caller writes the
@@ -61,9 +66,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidArgumentError, StateError
+from ..errors import InvalidArgumentError, StateError, StepError
 from ._validate import check_distinct, check_grad_scale, check_group, check_groups, check_state_dict, param_list
-from ._pipeline import _HookHandle, _Transport
+from ._pipeline import _HookHandle, _Transport, run_step
 from .cpu_adam import _check_hyper, _check_threads_isa, check_moments_dtype, make_hyper, shared_engine
 
 __all__ = ["OffloadedAdam"]
@@ -131,6 +136,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
                        if self.attach_grads else [])
         self.last_step_applied = True
+        self._torn = None  # why the state mixes two versions (a step that could not be finished), else None
         self._bucket_hooks: dict = {}  # handle id -> fn(begin, end, event), called per uploaded bucket
 
     def add_bucket_hook(self, fn) -> "_HookHandle":
@@ -402,10 +408,11 @@ class OffloadedAdam(torch.optim.Optimizer):
             if self._ready[b] % self._buckets[b].n_params == 0 and b < self._slots:  # again per micro-batch
                 self._pending[b] = self._download(b, after_current=True)
 
-    def _download(self, b: int, after_current: bool = False):
+    def _download(self, b: int, slot: int | None = None, after_current: bool = False):
         bk = self._buckets[b]
         n = bk.end - bk.start
-        return self._transport.download(self._gslots[b % self._slots][:n], self._gflat[bk.start:bk.end],
+        slot = b % self._slots if slot is None else slot
+        return self._transport.download(self._gslots[slot][:n], self._gflat[bk.start:bk.end],
                                         after_current=after_current)
 
     # ---- the step ----------------------------------------------------------------------------------------------
@@ -417,6 +424,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_whole()
         scale = check_grad_scale(grad_scale)
         check_groups(self.param_groups)  # every group before any bucket is stepped
         hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
@@ -429,10 +437,13 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self.last_step_applied = False
                 return loss
         self._settle_mirror_upload()
-        # Native validation fails on the first bucket, before any change, so the count moves only on success.
-        self._run_pipeline(hypers, float(self._step_count + 1))
+        # Native validation fails on the first bucket, before any change, so the count moves only once a bucket is
+        # stepped; after that the step is made whole whatever interrupts it (Note [A step is whole]).
+        error = self._run_pipeline(hypers, float(self._step_count + 1))
         self._step_count += 1
         self.last_step_applied = True
+        if error is not None:
+            raise error
         return loss
 
     def _repair_grad_views(self) -> bool:
@@ -458,44 +469,56 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._ready = [0] * len(self._buckets)
 
     def _run_pipeline(self, hypers, step_no: float):
-        t, K, nb = self._transport, self._slots, len(self._buckets)
-        t.begin()
-        down = [None] * nb
-        up = [None] * nb
-        for b in range(min(K, nb)):
-            down[b] = self._pending.pop(b) if b in self._pending else self._download(b)
-        self._pending.clear()
+        """The step's units are the buckets (``run_step``); returns the error to raise once the step is counted."""
+        t, K = self._transport, self._slots
         vmax_ptr = self._vmax.data_ptr() if self._vmax is not None else 0
         msize = self._m.element_size()
         mom_bf16 = [True] if self._moments_dtype == torch.bfloat16 else []
+        pending, self._pending = self._pending, {}
+
+        def compute(b, slot, up):
+            bk = self._buckets[b]
+            n = bk.end - bk.start
+            # The new bf16 params go to the mirror (its own range per bucket) or to a reused upload slot.
+            out = self._mirror[bk.start:bk.end] if self._mirror is not None else self._oslots[slot][:n]
+            if b >= K and self._mirror is None:
+                t.wait(up[b - K])  # its upload slot is free again
+            off4, offm = bk.start * 4, bk.start * msize
+            t.kernel(
+                self._engine.step, hypers[bk.group],
+                [self._master.data_ptr() + off4], [self._m.data_ptr() + offm], [self._v.data_ptr() + offm],
+                [vmax_ptr + off4] if vmax_ptr else [], [self._gslots[slot].data_ptr()], [True],
+                [out.data_ptr()], [n], [], [step_no], mom_bf16)
+            return out
+
+        def upload(b, out):
+            bk = self._buckets[b]
+            return t.upload(self._pflat[bk.start:bk.end], out)
+
+        def notify(b, event):
+            bk = self._buckets[b]
+            base, size = self._pflat.data_ptr(), self._pflat.element_size()
+            for fn in list(self._bucket_hooks.values()):
+                fn(base + bk.start * size, base + bk.end * size, event)
+
         try:
-            for b, bk in enumerate(self._buckets):
-                n = bk.end - bk.start
-                slot = b % K
-                t.wait(down[b])
-                # The new bf16 params go to the mirror (its own range per bucket) or to a reused upload slot.
-                out = self._mirror[bk.start:bk.end] if self._mirror is not None else self._oslots[slot][:n]
-                if b >= K and self._mirror is None:
-                    t.wait(up[b - K])  # its upload slot is free again
-                off4, offm = bk.start * 4, bk.start * msize
-                t.kernel(
-                    self._engine.step, hypers[bk.group],
-                    [self._master.data_ptr() + off4], [self._m.data_ptr() + offm], [self._v.data_ptr() + offm],
-                    [vmax_ptr + off4] if vmax_ptr else [], [self._gslots[slot].data_ptr()], [True],
-                    [out.data_ptr()], [n], [], [step_no], mom_bf16)
-                up[b] = t.upload(self._pflat[bk.start:bk.end], out)
-                if self._bucket_hooks:
-                    base, size = self._pflat.data_ptr(), self._pflat.element_size()
-                    for fn in list(self._bucket_hooks.values()):
-                        fn(base + bk.start * size, base + bk.end * size, up[b])
-                if b + K < nb:
-                    down[b + K] = self._download(b + K)
+            return run_step(t, len(self._buckets), K, download=self._download, compute=compute, upload=upload,
+                            notify=notify if self._bucket_hooks else None, first=pending.get,
+                            elements=self._total, step=int(step_no))
+        except StepError as e:
+            self._torn = str(e)
+            raise
         finally:
-            t.end(self._total)
-            self._ready = [0] * nb
+            self._ready = [0] * len(self._buckets)
+
+    def _check_whole(self) -> None:
+        if self._torn is not None:
+            raise StateError(f"OffloadedAdam: an earlier step could not be finished, the state mixes two versions "
+                             f"({self._torn}); load_state_dict() a checkpoint first")
 
     # ---- state -------------------------------------------------------------------------------------------------
     def state_dict(self):
+        self._check_whole()
         for st in self.state.values():
             st["step"].fill_(float(self._step_count))
         return super().state_dict()
@@ -548,4 +571,5 @@ class OffloadedAdam(torch.optim.Optimizer):
             if "master_param" in s:
                 self._master[sl].copy_(s["master_param"].reshape(-1))
         self._step_count = int(steps.pop()) if steps else 0
+        self._torn = None
         self._publish_state()

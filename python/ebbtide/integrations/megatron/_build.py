@@ -18,7 +18,32 @@ try:
 except ImportError as e:  # the package is usable without Megatron; this module is not
     raise ImportError(f"ebbtide.integrations.megatron needs megatron-core (tested with 0.16.1): {e}") from e
 
-__all__ = ["get_optimizer"]
+__all__ = ["check_model_chunks", "get_optimizer"]
+
+_FP8_FIELDS = ("fp8", "fp8_param", "fp4", "fp4_param")  # TransformerConfig: FP8/FP4 training or low-precision params
+
+
+def check_model_chunks(model_chunks) -> None:
+    """Raise UnsupportedError naming every model-side setting this optimizer cannot honour, before anything is
+    built: Megatron-FSDP, pipeline interleaving (a virtual pipeline: several model chunks per rank, whose buffers
+    and param-gather order the optimizer does not follow), and FP8/FP4 training or params (their quantized param
+    buffers and scaling state are not the bf16 params the CPU step writes)."""
+    bad = []
+    configs = [getattr(chunk, "config", None) for chunk in model_chunks]  # a MegatronModule's TransformerConfig
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    vpp = vpp or max((getattr(c, "virtual_pipeline_model_parallel_size", None) or 1 for c in configs), default=1)
+    if len(model_chunks) > 1 or vpp > 1:
+        bad.append(f"pipeline interleaving ({len(model_chunks)} model chunk(s) per rank, "
+                   f"virtual_pipeline_model_parallel_size={vpp})")
+    for name in _FP8_FIELDS:
+        values = {repr(getattr(c, name, None)) for c in configs if getattr(c, name, None)}
+        if values:
+            bad.append(f"{name}={', '.join(sorted(values))} in the TransformerConfig (FP8/FP4 training or params: the "
+                       "CPU step writes bf16 params)")
+    if any(getattr(getattr(c, "ddp_config", None), "use_megatron_fsdp", False) for c in model_chunks):
+        bad.append("use_megatron_fsdp=True in the model's DDP config (Megatron-FSDP)")
+    if bad:
+        raise UnsupportedError("ebbtide's Megatron optimizer does not support: " + "; ".join(bad))
 
 
 def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "fast", threads: int | None = None,
@@ -42,10 +67,8 @@ def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "f
         model_chunks = [model_chunks]
     if not model_chunks:
         raise InvalidArgumentError("model_chunks is empty")
+    check_model_chunks(model_chunks)
     ddp_configs = [getattr(chunk, "ddp_config", None) for chunk in model_chunks]  # None: a plain module
-    if any(getattr(d, "use_megatron_fsdp", False) for d in ddp_configs):
-        raise UnsupportedError("the model's DDP was built with use_megatron_fsdp=True (Megatron-FSDP): not "
-                               "supported by ebbtide's Megatron optimizer")
     forms = {bool(getattr(d, "use_distributed_optimizer", False)) for d in ddp_configs}
     if len(forms) > 1:
         raise InvalidArgumentError("the model chunks' DDP configs differ in use_distributed_optimizer")

@@ -9,7 +9,9 @@ What holds:
 - Gradients are never copied on the GPU: the step reads the reduce-scattered slices of DDP's ``grad_data``. A loss
   scaler skips the step on non-finite gradients (found on any rank of the distributed-optimizer group).
 - After the step the params are all-gathered as Megatron's DistributedOptimizer does (``start_param_sync`` per
-  model chunk without ``overlap_param_gather``; with it, DDP's forward pre-hooks).
+  model chunk without ``overlap_param_gather``; with it, DDP's forward pre-hooks); after a step that was
+  interrupted and made whole too (``StepError(completed=True)`` is raised after the gather), so every rank's
+  params hold the new version and the ranks' collectives stay paired.
 - Checkpoints: ``state_dict`` is Megatron's DistributedOptimizer form (param groups without params, the step in
   each group, the grad scaler; each loads the other's); the parameter state goes
   through ``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero`` (Megatron's layout and names,
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...errors import InvalidArgumentError, UnsupportedError
+from ...errors import InvalidArgumentError, StepError, UnsupportedError
 from ._optimizer import EbbtideOptimizer
 from ._sharded import ShardAdam
 
@@ -74,13 +76,21 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        scale = self._loss_unscale() * self._clip_coeff
-        self.optimizer.step(grad_scale=None if scale == 1.0 else scale)
-        self._clip_coeff = 1.0
+        scale, self._clip_coeff = self._loss_unscale() * self._clip_coeff, 1.0
+        try:
+            self.optimizer.step(grad_scale=None if scale == 1.0 else scale)
+        except StepError as e:
+            if not e.completed:
+                raise
+            self._start_param_sync()  # the step was made whole: its params are gathered as after any step
+            raise
+        self._start_param_sync()
+        return True
+
+    def _start_param_sync(self) -> None:
         for chunk in self.model_chunks:  # Megatron's DistributedOptimizer.step_with_ready_grads
             if not chunk.ddp_config.overlap_param_gather:
                 chunk.start_param_sync()
-        return True
 
     def reload_model_params(self, state_dict=None):
         if state_dict is not None:

@@ -35,7 +35,9 @@ Policies:
   fp32 moments loaded here are rounded to bf16.
 - Refused (UnsupportedError, before anything is built): Megatron-FSDP, fp16, fp32 params, SGD/Muon, Megatron's own
   CPU offload flags, expert-parallel params without the distributed optimizer, ``main_params_dtype`` other than
-  fp32, moment dtypes other than both fp32 or both bf16, ``overlap_param_gather_with_optimizer_step``, FP8 params.
+  fp32, moment dtypes other than both fp32 or both bf16, ``overlap_param_gather_with_optimizer_step``, FP8 params;
+  on the model side (``_build.check_model_chunks``) pipeline interleaving (a virtual pipeline) and the
+  TransformerConfig's ``fp8``/``fp8_param``/``fp4``/``fp4_param``.
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ What holds:
   owned slice of ``param_data``; ``slots`` runs in flight. The caller's stream then waits for the uploads, and the
   params are all-gathered as Megatron's DistributedOptimizer does: synchronously here without
   ``overlap_param_gather``; with it, by DDP's forward pre-hooks (bucket by bucket, overlapped with the forward).
+  Whatever interrupts the step after its first run was stepped, the step is finished and ``StepError`` raised, or
+  the optimizer refuses further use until a checkpoint is loaded (``_pipeline`` Note [A step is whole]).
 - Numerics: ``mode="exact"`` gives torch's CPU AdamW (for-loop) on fp32 masters, the master initialised as
   ``param.float()`` -- what Megatron's DistributedOptimizer with HybridDeviceOptimizer (offload fraction 1.0)
   computes, so losses match it bit for bit (GPU test). Unscale and clip go into the kernel's ``grad_scale``.
@@ -37,10 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...errors import InvalidArgumentError, StateError
+from ...errors import InvalidArgumentError, StateError, StepError
 from ...optim._validate import check_grad_scale, check_groups
 from ...optim.cpu_adam import check_moments_dtype, make_hyper, shared_engine
-from ...optim._pipeline import _Transport
+from ...optim._pipeline import _Transport, run_step
 
 try:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -109,6 +111,7 @@ class ShardAdam(torch.optim.Optimizer):
         self._tp_group = tp_group
         self._mirror = None  # pinned bf16 copy of the owned elements (enable_param_mirror)
         self._mirror_up: list = []  # per run: the last upload that reads its mirror range (an event, or None)
+        self._torn = None  # why the state mixes two versions (a step that could not be finished), else None
         self._build(run_numel)
         self._transport = _Transport(self._device)
 
@@ -258,6 +261,9 @@ class ShardAdam(torch.optim.Optimizer):
     # ---- the step ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: float | None = None):
+        """One pipelined step over the owned runs (units of ``run_step``: an interrupted step is made whole or
+        refused, as OffloadedAdam's; see ``_pipeline`` Note [A step is whole])."""
+        self._check_whole()
         if closure is not None:
             raise InvalidArgumentError("ShardAdam.step takes no closure (Megatron computes the loss)")
         scale = check_grad_scale(grad_scale)
@@ -268,47 +274,59 @@ class ShardAdam(torch.optim.Optimizer):
         mom_bf16 = [True] if self._moments_dtype == torch.bfloat16 else []
         msize = self._m.element_size()
         master, m, v = self._master.data_ptr(), self._m.data_ptr(), self._v.data_ptr()
-        t.begin()
-        down, up = [None] * len(chunks), [None] * len(chunks)
+        mirror_up = self._mirror_up
 
-        def download(i):
+        def download(i, slot):
             c = chunks[i]
             buf = self.buffers[c.buffer]
-            return t.download(self._gslots[buf.grad_dtype][i % K][:c.hi - c.lo], buf.grad_data[c.lo:c.hi])
+            return t.download(self._gslots[buf.grad_dtype][slot][:c.hi - c.lo], buf.grad_data[c.lo:c.hi])
+
+        def compute(i, slot, up):
+            c = chunks[i]
+            n, buf = c.hi - c.lo, self.buffers[c.buffer]
+            # the new bf16 params go to the mirror (its own range per chunk, once the last upload reading that
+            # range is done: usually long since, on any stream) or to a reused upload slot
+            if self._mirror is not None:
+                out = self._mirror[c.host:c.host + n]
+                if i < len(mirror_up):
+                    t.wait(mirror_up[i])
+            else:
+                out = self._oslots[slot][:n]
+                if i >= K:
+                    t.wait(up[i - K])
+            grad, outp = self._gslots[buf.grad_dtype][slot].data_ptr(), out.data_ptr()
+            gsize, bf16 = buf.grad_data.element_size(), buf.grad_dtype == torch.bfloat16
+            for gi, hosts, rel, numels in c.spans:  # one kernel call per param group
+                k = len(hosts)
+                t.kernel(self._engine.step, hypers[gi], [master + h * 4 for h in hosts],
+                         [m + h * msize for h in hosts], [v + h * msize for h in hosts], [],
+                         [grad + x * gsize for x in rel], [bf16] * k, [outp + x * 2 for x in rel], numels, [],
+                         [step_no] * k, mom_bf16 * k)
+            return out
+
+        ups = [None] * len(chunks)
+
+        def upload(i, out):
+            c = chunks[i]
+            ups[i] = t.upload(self.buffers[c.buffer].param_data[c.lo:c.hi], out)
+            return ups[i]
 
         try:
-            for i in range(min(K, len(chunks))):
-                down[i] = download(i)
-            for i, c in enumerate(chunks):
-                n, slot = c.hi - c.lo, i % K
-                buf = self.buffers[c.buffer]
-                t.wait(down[i])
-                # the new bf16 params go to the mirror (its own range per chunk, once the last upload reading that
-                # range is done: usually long since, on any stream) or to a reused upload slot
-                if self._mirror is not None:
-                    out = self._mirror[c.host:c.host + n]
-                    if i < len(self._mirror_up):
-                        t.wait(self._mirror_up[i])
-                else:
-                    out = self._oslots[slot][:n]
-                    if i >= K:
-                        t.wait(up[i - K])
-                grad, outp = self._gslots[buf.grad_dtype][slot].data_ptr(), out.data_ptr()
-                gsize, bf16 = buf.grad_data.element_size(), buf.grad_dtype == torch.bfloat16
-                for gi, hosts, rel, numels in c.spans:  # one kernel call per param group
-                    k = len(hosts)
-                    t.kernel(self._engine.step, hypers[gi], [master + h * 4 for h in hosts],
-                             [m + h * msize for h in hosts], [v + h * msize for h in hosts], [],
-                             [grad + x * gsize for x in rel], [bf16] * k, [outp + x * 2 for x in rel], numels, [],
-                             [step_no] * k, mom_bf16 * k)
-                up[i] = t.upload(buf.param_data[c.lo:c.hi], out)
-                if i + K < len(chunks):
-                    down[i + K] = download(i + K)
-        finally:
-            t.end(self._numel)
+            error = run_step(t, len(chunks), K, download=download, compute=compute, upload=upload,
+                             elements=self._numel, step=int(step_no))
+        except StepError as e:
+            self._torn = str(e)
+            raise
         if self._mirror is not None:
-            self._mirror_up = up
+            self._mirror_up = ups
         self._step_count += 1
+        if error is not None:
+            raise error
+
+    def _check_whole(self) -> None:
+        if self._torn is not None:
+            raise StateError(f"ShardAdam: an earlier step could not be finished, the state mixes two versions "
+                             f"({self._torn}); load the parameter state from a checkpoint first")
 
     # ---- state -------------------------------------------------------------------------------------------------
     @property
@@ -326,6 +344,7 @@ class ShardAdam(torch.optim.Optimizer):
     def local_shard(self, bi: int, k: int, key: str) -> torch.Tensor:
         """This rank's slice of bucket ``k`` of buffer ``bi`` for ``key`` ("param", "exp_avg", "exp_avg_sq") as
         Megatron's checkpoint code lays it out: fp32, zeros where no param is."""
+        self._check_whole()
         src = {"param": self._master, "exp_avg": self._m, "exp_avg_sq": self._v}[key]
         s0, s1 = shard_ranges(self.buffers[bi])[k]
         out = torch.zeros(self.buffers[bi].buckets[k].grad_data.numel() // self.buffers[bi].data_parallel_group.size(),
@@ -344,7 +363,8 @@ class ShardAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def upload_params_from_master(self) -> None:
         """The owned slices of the bf16 params (and the mirror, if enabled) from the masters (after loading a
-        checkpoint)."""
+        checkpoint: the state is whole again)."""
+        self._torn = None
         for r in self._runs:
             dst = self.buffers[r.buffer].param_data[r.lo:r.hi]
             dst.copy_(self._master[r.host:r.host + r.hi - r.lo])
