@@ -117,6 +117,26 @@ def test_arguments_pick_the_megatron_loop_and_its_sizes():
     assert "slime-ebbtide" not in launcher.NEEDS_TMS and {"slime", "gpu-tms", "anchor"} <= set(launcher.NEEDS_TMS)
     with pytest.raises(InvalidArgumentError, match="groups must be one of"):
         RunConfig(trainer="megatron", groups="sometimes").validate()
+    # slime's anchors run with --use-precision-aware-optimizer unless told not to
+    assert cfg.worker_spec("slime")["anchor_precision_aware"] is True
+    off = parse_args(["--trainer", "megatron", "--anchor-precision-aware", "off"])
+    assert off.worker_spec("slime")["anchor_precision_aware"] is False
+    with pytest.raises(InvalidArgumentError, match="option of --trainer megatron"):
+        RunConfig(anchor_precision_aware="off").validate()
+
+
+def test_slime_offload_config_carries_the_precision_aware_fields_without_transformer_engine():
+    pytest.importorskip("megatron.core.optimizer")
+    from ebbtide.anchors.megatron import slime_offload_config
+
+    cfg = slime_offload_config(lr=1e-4)
+    assert cfg.use_distributed_optimizer and cfg.optimizer_cpu_offload and cfg.overlap_cpu_optimizer_d2h_h2d
+    assert cfg.optimizer_offload_fraction == 1.0 and cfg.lr == 1e-4
+    # what Megatron's __post_init__ derives with CPU offload: the optimizer, not the DistributedOptimizer, owns the
+    # fp32 master (no fp32 main-param shard on the GPU)
+    assert cfg.use_precision_aware_optimizer and cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    plain = slime_offload_config(precision_aware=False)
+    assert not plain.use_precision_aware_optimizer and not plain.use_precision_aware_optimizer_no_fp8_or_ds_fp8
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["build_gpt", "opt_config", "hdo", "moe_fields"]
+__all__ = ["build_gpt", "opt_config", "hdo", "moe_fields", "slime_offload_config"]
 
 
 def moe_fields(experts: int, topk: int) -> dict:
@@ -72,6 +72,30 @@ def opt_config(**kw):
                 bf16=True, clip_grad=0.0)
     base.update(kw)
     return OptimizerConfig(**base)
+
+
+def slime_offload_config(*, precision_aware: bool = True, **kw):
+    """The ``OptimizerConfig`` of slime's model scripts: ``--use-distributed-optimizer --optimizer-cpu-offload
+    --overlap-cpu-optimizer-d2h-h2d`` (offload fraction 1.0) and ``--use-precision-aware-optimizer``. With CPU
+    offload the precision-aware flag changes what the DistributedOptimizer keeps on the GPU: no fp32 main-param
+    shard (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``), the HybridDeviceOptimizer's fp32 CPU copy is the
+    master, its CPU AdamW keeps fp32 moments. megatron-core 0.16.1's ``__post_init__`` compares Transformer
+    Engine's version before it returns for CPU offload and fails without TE, so where TE is absent the fields are
+    set after construction to what ``__post_init__`` derives with TE (``store_param_remainders`` off, as for TE
+    below 2.1: it only concerns TE's FusedAdam, which this path never builds)."""
+    base = dict(use_distributed_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+                overlap_cpu_optimizer_d2h_h2d=True)
+    base.update(kw)
+    if not precision_aware:
+        return opt_config(**base)
+    try:
+        return opt_config(use_precision_aware_optimizer=True, **base)
+    except TypeError:  # is_te_min_version(...) without Transformer Engine: None >= Version
+        cfg = opt_config(**base)
+    cfg.use_precision_aware_optimizer = True
+    cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True  # the __post_init__ formula with CPU offload
+    cfg.store_param_remainders = False
+    return cfg
 
 
 def hdo(model, clip: float = 0.0, fused: bool = True):

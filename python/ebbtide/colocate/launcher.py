@@ -122,6 +122,8 @@ class RunConfig:
     # megatron, ebbtide variant: the update filled while the CPU step uploads the weights ("streamed", one GPU,
     # dense) or after the step ("after"; "auto" = after: docs/colocate.md has the measured reason)
     sync_fill: str = "auto"
+    # megatron, slime anchors: --use-precision-aware-optimizer as slime's model scripts pass it ("on") or not ("off")
+    anchor_precision_aware: str = "on"
 
     def validate(self) -> "RunConfig":
         if self.trainer not in TRAINERS:
@@ -212,6 +214,11 @@ class RunConfig:
             raise InvalidArgumentError(f"memory_history must be a bool, got {self.memory_history!r}")
         if self.memory_history and self.trainer != "megatron":
             raise InvalidArgumentError("--memory-history is an option of --trainer megatron")
+        if self.anchor_precision_aware not in ("on", "off"):
+            raise InvalidArgumentError(f"anchor_precision_aware must be 'on' or 'off', got "
+                                       f"{self.anchor_precision_aware!r}")
+        if self.anchor_precision_aware != "on" and self.trainer != "megatron":
+            raise InvalidArgumentError("--anchor-precision-aware is an option of --trainer megatron")
         if self.moments != "fp32" and self.trainer != "megatron":
             raise InvalidArgumentError("--moments bf16 is an option of --trainer megatron (the toy trainer's "
                                        "optimizer keeps fp32 moments)")
@@ -249,7 +256,7 @@ class RunConfig:
                 "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
                 "nccl_cumem": self.nccl_cumem, "comm_teardown": self.comm_teardown, "cache_trim": self.cache_trim,
                 "moments": self.moments, "memory_history": self.memory_history, "sync_fill": self.sync_fill,
-                "verify_batch": self.verify_batch,
+                "anchor_precision_aware": self.anchor_precision_aware == "on", "verify_batch": self.verify_batch,
                 "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
 
 
@@ -328,6 +335,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="megatron, ebbtide variant: the weight update filled while the CPU step uploads each bucket "
                         "(streamed; one GPU, dense) or after the step (after; auto, the default, is after: streamed "
                         "measured slower, its fills' Python contending with the CPU step for the GIL)")
+    p.add_argument("--anchor-precision-aware", default=d.anchor_precision_aware, choices=("on", "off"),
+                   help="megatron, slime anchors: Megatron's --use-precision-aware-optimizer as slime's model scripts "
+                        "pass it (on, default: the DistributedOptimizer keeps no fp32 main params on the GPU, "
+                        "HybridDeviceOptimizer's CPU copy is the master) or not (off)")
     p.add_argument("--memory-history", action="store_true",
                    help="megatron, a diagnostic: each trainer records its allocations' frames, so the offload "
                         "phase's residual_blocks name what keeps torch's pool reserved (the steps run slower)")
@@ -356,7 +367,8 @@ def parse_args(argv=None) -> RunConfig:
     kw = {k: getattr(a, k) for k in ("gpus", "tp", "ep", "moe_experts", "moe_topk", "steps", "warmup", "batch",
                                      "seq", "gen_batch", "prompt_len", "new_tokens", "kv_reserve_gb", "lr", "seed",
                                      "scratch_backup", "decode", "groups", "nccl_cumem", "comm_teardown", "cache_trim",
-                                     "moments", "memory_history", "sync_fill", "steady_guard", "steady_tolerance",
+                                     "moments", "memory_history", "sync_fill", "anchor_precision_aware",
+                                     "steady_guard", "steady_tolerance",
                                      "timeout_s", "verify_batch", "verify_len", "out", "device", "store_bind")}
     if a.quick:
         q = quick_overrides()

@@ -42,11 +42,12 @@ Policies:
   so nothing of the trainer's runs beside the generate) / ``reload_groups()``;
   weights by ``ebbtide.sync`` (``Sender`` + ``IpcSender``); the rollout on ebbtide.memory (preload shim).
 - Variant "slime", the configuration slime runs colocated: Megatron's DistributedOptimizer + HybridDeviceOptimizer
-  (offload fraction 1.0, D2H/H2D overlap); torch_memory_saver (torch hook mode, ``retain_cpu_backup``) with the
-  optimizer in a region with CPU backup, the DDP param and grad buffers allocated in a region without backup and
-  the weights kept in a pinned per-parameter CPU copy, refreshed before the pause and copied back after the resume
-  (slime's ``--offload-train`` patch and ``TensorBackuper``); the slime-style weight update; the rollout on
-  torch_memory_saver (discard).
+  (offload fraction 1.0, D2H/H2D overlap, precision-aware as slime's scripts pass it unless
+  ``spec["anchor_precision_aware"]`` is False: ``anchors.megatron.slime_offload_config``); torch_memory_saver
+  (torch hook mode, ``retain_cpu_backup``) with the optimizer in a region with CPU backup, the DDP param and grad
+  buffers allocated in a region without backup and the weights kept in a pinned per-parameter CPU copy, refreshed
+  before the pause and copied back after the resume (slime's ``--offload-train`` patch and ``TensorBackuper``);
+  the slime-style weight update; the rollout on torch_memory_saver (discard).
 - Variant "slime-ebbtide": "slime" with one import swapped, ``ebbtide.compat.torch_memory_saver`` for the
   ``torch_memory_saver`` package in the trainer and the rollout (ebbtide as a plain drop-in; nothing else changes).
 - Variant "gpu-tms": Megatron's GPU-resident DistributedOptimizer, the DDP buffers and the optimizer state in one
@@ -230,7 +231,7 @@ class _MegatronTrainer:
     def _build(self):
         from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
 
-        from ..anchors.megatron import build_gpt, opt_config  # noqa: PLC0415
+        from ..anchors.megatron import build_gpt, opt_config, slime_offload_config  # noqa: PLC0415
 
         c, s = self.cfg, self.spec
         dims = (c.n_layers, c.d_model, c.n_heads, c.d_ff, c.vocab, c.max_seq)
@@ -280,15 +281,17 @@ class _MegatronTrainer:
             self.setup["onload_overlaps_train"] = True  # restore(overlap_forward=True) in _onload
         else:
             slime = self.variant.startswith("slime")
-            extra = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
-                         overlap_cpu_optimizer_d2h_h2d=True) if slime else {}
             # the DDP param and grad buffers: without backup for slime (--offload-train), else with the rest
             buffers = ("ddp_buffers", False) if slime else ("train", True)
             self.model = build_gpt(*dims, dist_opt=True, seed=seed, ddp_region=lambda: self._region(*buffers),
                                    moe=moe)
+            # slime's model scripts: distributed optimizer + HDO (offload 1.0, overlap) + precision-aware
+            pa = bool(s.get("anchor_precision_aware", True))
+            cfg = (slime_offload_config(precision_aware=pa, lr=s["lr"], clip_grad=1.0) if slime
+                   else opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=True))
             with self._region("train", True):
-                self.opt = get_megatron_optimizer(opt_config(lr=s["lr"], clip_grad=1.0, use_distributed_optimizer=True,
-                                                             **extra), [self.model])
+                self.opt = get_megatron_optimizer(cfg, [self.model])
+            self.setup["precision_aware"] = bool(cfg.use_precision_aware_optimizer)
             if slime:  # slime's TensorBackuper: the weights survive the pause in a pinned per-parameter copy
                 self.params = list(self.model.parameters())
                 self.backup = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self.params]
