@@ -273,10 +273,16 @@ def dp_host_memory(rank, world, init, bf16_moments=False):
     """The host memory the sharded optimizer takes on each rank, measured (resident set before and after it is
     built; its growth over a second step), against the shard's bytes: 12 B per owned element, 8 with bf16
     moments."""
+    import ctypes  # noqa: PLC0415
     import gc  # noqa: PLC0415
 
     import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
 
+    # glibc's mmap threshold fixed at 64 KiB (M_MMAP_THRESHOLD = -3): every large block is its own mapping, unmapped
+    # when freed, so the resident set moves by exactly what is held (the default threshold adapts upwards and lets
+    # new blocks reuse memory freed earlier, which hides them from the difference)
+    if ctypes.CDLL(None).mallopt(-3, 1 << 16) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
     _setup(rank, world, init)
     model = _gpt(hidden=512, heads=8, vocab=32000, seq=16)
     cfg = opt_config()

@@ -56,8 +56,7 @@ def test_host_memory_per_rank_is_the_shards_bytes_measured(bf16_moments):
         assert r["host_bytes"] == (8 if bf16_moments else 12) * r["owned"], r
         assert abs(r["owned"] - r["total"] / 2) <= 0.05 * r["total"] / 2, r
         assert abs(r["built"] - r["slots"] - r["host_bytes"]) <= 0.05 * r["host_bytes"], r
-        # a second step allocates no optimizer state (what grows, ~4% here, is the training's own allocations)
-        assert r["growth"] <= 0.1 * r["host_bytes"], r
+        assert r["growth"] <= 0.05 * r["host_bytes"], r  # a second step holds nothing more
 
 
 def test_mismatched_forms_are_refused():
