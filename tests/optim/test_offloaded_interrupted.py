@@ -116,6 +116,32 @@ def test_keyboard_interrupt_is_raised_as_is_after_the_step_is_whole():
     assert_same(a, oa, b, ob)
 
 
+def test_ctrl_c_during_a_kernel_is_held_until_the_step_is_whole():
+    """A real SIGINT arriving while a kernel runs (here: sent from inside it) must not step its bucket twice: it is
+    held, the step runs to its end, then KeyboardInterrupt is raised and the handler is Python's again."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    (a, b), (oa, ob) = pair()
+    for m, o in ((a, oa), (b, ob)):
+        backward(m, o, 0)
+    kernel, calls = oa._transport.kernel, [0]
+
+    def kernel_then_sigint(step, *args):
+        kernel(step, *args)
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    oa._transport.kernel = kernel_then_sigint
+    with pytest.raises(KeyboardInterrupt):
+        oa.step()
+    ob.step()
+    assert calls[0] == len(oa.buckets)  # every bucket once
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_same(a, oa, b, ob)
+
+
 def test_a_failure_at_the_first_bucket_changes_nothing():
     (a, b), (oa, ob) = pair()
     for m, o in ((a, oa), (b, ob)):

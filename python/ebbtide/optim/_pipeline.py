@@ -2,22 +2,27 @@
 runtime-owned streams (``_Transport``), the step's loop over its units with what happens when it is interrupted
 (``run_step``, Note [A step is whole]), and the handles of its bucket hooks (``_HookHandle``).
 
-Note [A step is whole]: a step changes the master, the moments and the GPU params from version k to k+1 unit by
-unit (a unit: one bucket or shard run; its CPU kernel call is atomic, since the native kernel validates and
-allocates before it writes an element). Whatever interrupts the loop after the first unit was stepped (a kernel or
-copy error, a bucket hook raising, KeyboardInterrupt) must not leave units of both versions, and nothing can roll
-a unit back bit for bit (the previous master and moments are overwritten in place: keeping them would cost a
-second full copy of the host state), so the step is finished instead: the loop stops calling hooks, waits for its
-copies in flight, uploads what was stepped but not uploaded, and steps every remaining unit on a plain synchronous
-path from the gradients still in the device buffer (its inputs: nothing of the step's input is consumed). Then the
-caller counts the step and raises ``StepError(completed=True)`` (KeyboardInterrupt and other non-``Exception``
-errors are raised as they are, after the step is whole). A bucket hook's error is recovered without the plain
-path: the pipeline goes on without hooks. If the finishing itself fails (the same kernel error again, a lost
-device), the state is a mix that cannot be repaired here: ``StepError(completed=False)`` is raised and the
-optimizer refuses every further step and state read until a checkpoint is loaded. A failure before the first unit
-was stepped changes nothing and is raised as it is."""
+Note [A step is whole]: a step changes the master, the moments and the GPU params from version k to k+1 unit by unit
+(a unit: one bucket or shard run; its CPU kernel call is atomic, since the native kernel validates and allocates
+before it writes an element). Whatever interrupts the loop after the first unit was stepped (a kernel or copy error,
+a bucket hook raising, KeyboardInterrupt) must not leave units of both versions, and nothing can roll a unit back
+bit for bit (the previous master and moments are overwritten in place: keeping them would cost a second full copy of
+the host state), so the step is finished instead: the loop stops calling hooks, waits for its copies in flight,
+uploads what was stepped but not uploaded, and steps every remaining unit on a plain synchronous path from the
+gradients still in the device buffer (its inputs: nothing of the step's input is consumed). Then the caller counts
+the step and raises ``StepError(completed=True)`` (KeyboardInterrupt and other non-``Exception`` errors are raised
+as they are, after the step is whole). A unit of several kernel calls (a shard run over param groups) records how
+many ran and the finishing resumes it in its own slots, so no call runs twice; Ctrl-C is held for the step's length
+(``_HeldInterrupt``: Python's default handler, main thread) because a KeyboardInterrupt raised just after a kernel
+returned, before its progress is recorded, would make the finishing run it again. A bucket hook's error is recovered
+without the plain path: the pipeline goes on without hooks. If the finishing itself fails (the same kernel error
+again, a lost device), the state is a mix that cannot be repaired here: ``StepError(completed=False)`` is raised and
+the optimizer refuses every further step and state read until a checkpoint is loaded. A failure before any kernel
+call ran changes nothing and is raised as it is."""
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import torch
@@ -86,70 +91,105 @@ class _Transport:
                           "wait_s": self._wait_s, "elements": elements}
 
 
+class _HeldInterrupt:
+    """Ctrl-C held while a step changes state: in the main thread, where Python's default SIGINT handler is
+    installed, a SIGINT only records itself until the block ends (otherwise KeyboardInterrupt could land between a
+    unit's native kernel returning and its progress being recorded, and the unit would be stepped twice). Another
+    handler the user installed is left alone."""
+
+    def __enter__(self):
+        self.interrupted, self._old = False, None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._old = signal.signal(signal.SIGINT, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.interrupted = True
+
+    def __exit__(self, *exc) -> bool:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
 def run_step(t: _Transport, n: int, slots: int, *, download, compute, upload, notify=None, first=None,
-             elements: int, step: int):
+             changed=None, elements: int, step: int):
     """One pipelined step over ``n`` units with ``slots`` in flight (Note [A step is whole]). Callbacks:
     ``download(i, slot)`` -> event of unit i's gradient copy into ``slot``; ``compute(i, slot, up)`` -> the host
-    tensor holding unit i's new bf16 params (it runs the CPU kernel last, after any wait for ``up[i - slots]``);
-    ``upload(i, out)`` -> event; ``notify(i, event)`` the bucket hooks (their ``Exception`` is recovered);
-    ``first(i)`` -> an already started download of unit i or None. Returns None, or the error to raise once the
-    caller has counted the step; raises ``StepError(completed=False)`` when the step could not be made whole."""
+    tensor holding unit i's new bf16 params (it runs the CPU kernel last, after any wait for ``up[i - slots]``; a
+    unit of several kernel calls records its own progress and, called again for the same unit and slot, resumes
+    after the calls that ran); ``upload(i, out)`` -> event; ``notify(i, event)`` the bucket hooks (their
+    ``Exception`` is recovered); ``first(i)`` -> an already started download of unit i or None; ``changed()`` ->
+    whether any kernel call ran (default: a whole unit was stepped). Returns None, or the error to raise once the
+    caller has counted the step (a Ctrl-C held during the step: KeyboardInterrupt); raises
+    ``StepError(completed=False)`` when the step could not be made whole."""
     down, up, outs = [None] * n, [None] * n, [None] * n
-    stepped, uploaded, failure, hook_failure = 0, 0, None, None
-    t.begin()
-    try:
-        for i in range(min(slots, n)):
-            ev = first(i) if first is not None else None
-            down[i] = ev if ev is not None else download(i, i % slots)
-        for i in range(n):
-            t.wait(down[i])
-            outs[i] = compute(i, i % slots, up)
-            stepped = i + 1
-            up[i] = upload(i, outs[i])
-            uploaded = i + 1
-            if notify is not None and hook_failure is None:
-                try:
-                    notify(i, up[i])
-                except Exception as e:  # noqa: BLE001  (raised after the step, wrapped)
-                    hook_failure = (i, e)
-            if i + slots < n:
-                down[i + slots] = download(i + slots, (i + slots) % slots)
-        t.end(elements)
-    except BaseException as e:  # noqa: BLE001  (raised after the step is made whole)
-        failure = e
-    if failure is None:
-        if hook_failure is None:
-            return None
+    stepped, uploaded, started, failure, hook_failure = 0, 0, -1, None, None
+    with _HeldInterrupt() as held:
+        t.begin()
+        try:
+            for i in range(min(slots, n)):
+                ev = first(i) if first is not None else None
+                down[i] = ev if ev is not None else download(i, i % slots)
+            for i in range(n):
+                t.wait(down[i])
+                started = i  # its gradient is in slot i % slots from here on
+                outs[i] = compute(i, i % slots, up)
+                stepped = i + 1
+                up[i] = upload(i, outs[i])
+                uploaded = i + 1
+                if notify is not None and hook_failure is None:
+                    try:
+                        notify(i, up[i])
+                    except Exception as e:  # noqa: BLE001  (raised after the step, wrapped)
+                        hook_failure = (i, e)
+                if i + slots < n:
+                    down[i + slots] = download(i + slots, (i + slots) % slots)
+            t.end(elements)
+        except BaseException as e:  # noqa: BLE001  (raised after the step is made whole)
+            failure = e
+        if failure is not None:
+            if not (stepped > 0 or (changed is not None and changed())):
+                _drain(t, down + up)
+                raise failure
+            try:
+                _drain(t, down + up, strict=True)
+                for i in range(uploaded, stepped):  # stepped, its new params still in its slot: not uploaded yet
+                    t.wait(upload(i, outs[i]))
+                for i in range(stepped, n):
+                    if i == started:  # interrupted inside: its gradient and any finished part are in its slot
+                        out = compute(i, i % slots, up)
+                    else:
+                        t.wait(download(i, 0))
+                        out = compute(i, 0, up)
+                    t.wait(upload(i, out))
+                t.end(elements)
+            except BaseException as e2:  # noqa: BLE001
+                err = StepError(f"step {step} was interrupted at unit {stepped} of {n} ({type(failure).__name__}: "
+                                f"{failure}) and could not be finished ({type(e2).__name__}: {e2}): units before "
+                                f"{stepped} hold step {step}, the rest step {step - 1} or a part of it; load a "
+                                "checkpoint to go on", completed=False, step=step, bucket=stepped, buckets=n)
+                raise err from failure
+    result = None
+    if failure is not None and not isinstance(failure, Exception):
+        result = failure  # KeyboardInterrupt and the like: raised as they are, after the step is whole
+    elif failure is not None:
+        result = StepError(f"step {step} was interrupted at unit {stepped} of {n} ({type(failure).__name__}: "
+                           f"{failure}); it was finished on the plain path (master, moments and params hold step "
+                           f"{step})", completed=True, step=step, bucket=stepped, buckets=n)
+        result.__cause__ = failure
+    elif hook_failure is not None:
         i, e = hook_failure
-        err = StepError(f"step {step}: a bucket hook raised at unit {i} of {n} ({type(e).__name__}: {e}); the step "
-                        f"was finished without hooks (master, moments and params hold step {step}; the hooks saw "
-                        f"units 0-{i})", completed=True, step=step, bucket=i, buckets=n)
-        err.__cause__ = e
-        return err
-    if stepped == 0:
-        _drain(t, down + up)
-        raise failure
-    try:
-        _drain(t, down + up, strict=True)
-        for i in range(uploaded, stepped):  # stepped, its new params still in its slot: not uploaded yet
-            t.wait(upload(i, outs[i]))
-        for i in range(stepped, n):
-            t.wait(download(i, 0))
-            t.wait(upload(i, compute(i, 0, up)))
-        t.end(elements)
-    except BaseException as e2:  # noqa: BLE001
-        err = StepError(f"step {step} was interrupted at unit {stepped} of {n} ({type(failure).__name__}: "
-                        f"{failure}) and could not be finished ({type(e2).__name__}: {e2}): units 0-{stepped - 1} "
-                        f"hold step {step}, the rest step {step - 1}; load a checkpoint to go on",
-                        completed=False, step=step, bucket=stepped, buckets=n)
-        raise err from failure
-    if not isinstance(failure, Exception):
-        return failure  # KeyboardInterrupt and the like: raised as they are, after the step is whole
-    err = StepError(f"step {step} was interrupted at unit {stepped} of {n} ({type(failure).__name__}: {failure}); "
-                    f"it was finished on the plain path (master, moments and params hold step {step})",
-                    completed=True, step=step, bucket=stepped, buckets=n)
-    err.__cause__ = failure
-    return err
+        result = StepError(f"step {step}: a bucket hook raised at unit {i} of {n} ({type(e).__name__}: {e}); the "
+                           f"step was finished without hooks (master, moments and params hold step {step}; the "
+                           f"hooks saw units 0-{i})", completed=True, step=step, bucket=i, buckets=n)
+        result.__cause__ = e
+    if held.interrupted and not isinstance(result, KeyboardInterrupt):
+        interrupt = KeyboardInterrupt()
+        interrupt.__context__ = result
+        return interrupt
+    return result
 
 
 def _drain(t: _Transport, events, strict: bool = False) -> None:

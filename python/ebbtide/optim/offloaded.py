@@ -49,7 +49,8 @@ Policies:
   kernel calls; hand real work to another thread); if it raises, the step goes on without hooks and then raises
   ``StepError(completed=True)`` (the hooks saw the buckets up to the failing one).
 - Interrupted steps (``_pipeline`` Note [A step is whole]): whatever fails after the first bucket was stepped (a
-  kernel or copy error, a hook, KeyboardInterrupt), the step is finished on a plain path, counted, and then
+  kernel or copy error, a hook, KeyboardInterrupt; Ctrl-C is held until the step is whole), the step is finished
+  on a plain path, counted, and then
   ``StepError(completed=True)`` is raised (KeyboardInterrupt as it is): master, moments and params never hold two
   versions. If it cannot be finished, ``StepError(completed=False)``, and ``step``/``state_dict`` raise StateError
   until ``load_state_dict`` loads a checkpoint.
@@ -420,11 +421,11 @@ class OffloadedAdam(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float | None = None, skip_non_finite: bool = False):
         """One pipelined step over every bucket. Returns the closure's loss. With ``skip_non_finite``, a
         non-finite scaled gradient anywhere skips the step (``last_step_applied`` is then False)."""
+        self._check_whole()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_whole()
         scale = check_grad_scale(grad_scale)
         check_groups(self.param_groups)  # every group before any bucket is stepped
         hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]

@@ -275,6 +275,7 @@ class ShardAdam(torch.optim.Optimizer):
         msize = self._m.element_size()
         master, m, v = self._master.data_ptr(), self._m.data_ptr(), self._v.data_ptr()
         mirror_up = self._mirror_up
+        done = [0] * len(chunks)  # per chunk: its kernel calls that ran this step (a chunk is several calls)
 
         def download(i, slot):
             c = chunks[i]
@@ -296,12 +297,15 @@ class ShardAdam(torch.optim.Optimizer):
                     t.wait(up[i - K])
             grad, outp = self._gslots[buf.grad_dtype][slot].data_ptr(), out.data_ptr()
             gsize, bf16 = buf.grad_data.element_size(), buf.grad_dtype == torch.bfloat16
-            for gi, hosts, rel, numels in c.spans:  # one kernel call per param group
+            for j, (gi, hosts, rel, numels) in enumerate(c.spans):  # one kernel call per param group
+                if j < done[i]:  # ran before an interruption: its new params are in this slot already
+                    continue
                 k = len(hosts)
                 t.kernel(self._engine.step, hypers[gi], [master + h * 4 for h in hosts],
                          [m + h * msize for h in hosts], [v + h * msize for h in hosts], [],
                          [grad + x * gsize for x in rel], [bf16] * k, [outp + x * 2 for x in rel], numels, [],
                          [step_no] * k, mom_bf16 * k)
+                done[i] = j + 1
             return out
 
         ups = [None] * len(chunks)
@@ -313,7 +317,7 @@ class ShardAdam(torch.optim.Optimizer):
 
         try:
             error = run_step(t, len(chunks), K, download=download, compute=compute, upload=upload,
-                             elements=self._numel, step=int(step_no))
+                             changed=lambda: any(done), elements=self._numel, step=int(step_no))
         except StepError as e:
             self._torn = str(e)
             raise
