@@ -84,11 +84,31 @@ def nccl_rank(rank: int, port: int, plan_kw: dict, versions: int, results) -> No
         dist.destroy_process_group()
 
 
+def rank1_dies_rank0_pushes(rank: int, sender, q) -> None:
+    """After a barrier: rank 1 exits without a word (no destroy, no goodbye, once the barrier's last bytes reached
+    rank 0); rank 0 pushes version 2 and reports ("push", error type or None, message, seconds). Neither returns."""
+    import time
+
+    if rank == 1:
+        q.close()
+        q.join_thread()  # the queue's feeder thread has written the report (os._exit skips it)
+        time.sleep(0.5)
+        os._exit(0)
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    try:
+        sender.push(2)
+        q.put(("push", None, "", time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        q.put(("push", type(e).__name__, str(e), time.monotonic() - t0))
+    q.close()
+    q.join_thread()
+    os._exit(0)  # the group is broken: skip its teardown
+
+
 def tp_rank(rank: int, port: int, buf_path: str, nbytes: int, q, die: bool = False) -> None:
     """One of two TP ranks on the CPU (Gloo): shards two weights, pushes version 1 into the host buffer. ``die``:
     then rank 1 exits without a word and rank 0 pushes version 2, reporting the error and how long it took."""
-    import time
-
     import torch.distributed as dist
 
     from ebbtide.sync import HostSender, Sender, SharedHostBuffer
@@ -109,21 +129,7 @@ def tp_rank(rank: int, port: int, buf_path: str, nbytes: int, q, die: bool = Fal
         q.put((rank, s.is_source, s.plan.signature))
         if die:
             dist.barrier()
-            if rank == 1:  # gone mid-training, no destroy, no goodbye (once the barrier's last bytes reached rank 0)
-                q.close()
-                q.join_thread()  # the queue's feeder thread has written the report (os._exit skips it)
-                time.sleep(0.5)
-                os._exit(0)
-            time.sleep(2.0)
-            t0 = time.monotonic()
-            try:
-                s.push(2)
-                q.put(("push", None, "", time.monotonic() - t0))
-            except Exception as e:  # noqa: BLE001 (reported to the test)
-                q.put(("push", type(e).__name__, str(e), time.monotonic() - t0))
-            q.close()
-            q.join_thread()
-            os._exit(0)  # the group is broken: skip its teardown
+            rank1_dies_rank0_pushes(rank, s, q)
     finally:
         dist.destroy_process_group()
 
@@ -240,7 +246,6 @@ def ep_rank(rank: int, port: int, buf_path: str, nbytes: int, q, die: bool = Fal
     into its own host buffer (``buf_path`` % rank); reports (rank, plan signature, implicit plan signature,
     the refusals of bad expert arguments). ``die``: then rank 1 exits without a word and rank 0 pushes version 2,
     reporting the error and how long it took."""
-    import time
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -272,20 +277,6 @@ def ep_rank(rank: int, port: int, buf_path: str, nbytes: int, q, die: bool = Fal
         q.put((rank, plan.signature, implicit, refused))
         dist.barrier()
         if die:
-            if rank == 1:  # gone between two updates, no destroy, no goodbye
-                q.close()
-                q.join_thread()
-                time.sleep(0.5)
-                os._exit(0)
-            time.sleep(2.0)
-            t0 = time.monotonic()
-            try:
-                s.push(2)
-                q.put(("push", None, "", time.monotonic() - t0))
-            except Exception as e:  # noqa: BLE001 (reported to the test)
-                q.put(("push", type(e).__name__, str(e), time.monotonic() - t0))
-            q.close()
-            q.join_thread()
-            os._exit(0)  # the group is broken: skip its teardown
+            rank1_dies_rank0_pushes(rank, s, q)
     finally:
         dist.destroy_process_group()
