@@ -1,6 +1,7 @@
 """The device side of OffloadedAdam's pipeline: the copies between the GPU buffers and the host slots on
 runtime-owned streams (``_Transport``), the step's loop over its units with what happens when it is interrupted
-(``run_step``, Note [A step is whole]), and the handles of its bucket hooks (``_HookHandle``).
+(``run_step``, Note [A step is whole]; ``Whole`` keeps the verdict), and the handles of its bucket hooks
+(``_HookHandle``). OffloadedAdam and ShardedAdam both step through it.
 
 Note [A step is whole]: a step changes the master, the moments and the GPU params from version k to k+1 unit by unit
 (a unit: one bucket or shard run; its CPU kernel call is atomic, since the native kernel validates and allocates
@@ -11,8 +12,9 @@ the host state), so the step is finished instead: the loop stops calling hooks, 
 uploads what was stepped but not uploaded, and steps every remaining unit on a plain synchronous path from the
 gradients still in the device buffer (its inputs: nothing of the step's input is consumed). Then the caller counts
 the step and raises ``StepError(completed=True)`` (KeyboardInterrupt and other non-``Exception`` errors are raised
-as they are, after the step is whole). A unit of several kernel calls (a shard run over param groups) records how
-many ran and the finishing resumes it in its own slots, so no call runs twice; Ctrl-C is held for the step's length
+as they are, after the step is whole). A unit of several kernel calls (a ShardedAdam bucket over param groups)
+records how many ran and the finishing resumes it in its own slots, so no call runs twice; Ctrl-C is held for the
+step's length
 (``_HeldInterrupt``: Python's default handler, main thread) because a KeyboardInterrupt raised just after a kernel
 returned, before its progress is recorded, would make the finishing run it again. A bucket hook's error is recovered
 without the plain path: the pipeline goes on without hooks. If the finishing itself fails (the same kernel error
@@ -27,7 +29,24 @@ import time
 
 import torch
 
-from ..errors import StepError
+from ..errors import StateError, StepError
+from ._validate import check_grad_scale, check_groups
+from .cpu_adam import make_hyper
+
+
+class Whole:
+    """Whether an optimizer's host state and params hold one version (Note [A step is whole]): ``torn`` says why
+    not (set by ``run_step`` when a step could not be finished; cleared by the owner once a checkpoint loads)."""
+
+    def __init__(self, owner: str, remedy: str):
+        self.owner, self.remedy = owner, remedy  # the class name; what the user does to go on
+        self.torn: str | None = None
+
+    def check(self) -> None:
+        """StateError while the state mixes two versions."""
+        if self.torn is not None:
+            raise StateError(f"{self.owner}: an earlier step could not be finished, the state mixes two versions "
+                             f"({self.torn}); {self.remedy}")
 
 
 class _Transport:
@@ -91,6 +110,67 @@ class _Transport:
                           "wait_s": self._wait_s, "elements": elements}
 
 
+class Pipelined:
+    """What OffloadedAdam and ShardedAdam share above the pipeline: a step's start, their buckets (``_buckets``
+    with ``start``/``end``), timings (``_transport``), host mirror (``_mirror``, ``numel``, ``_device``;
+    ``_copy_params_to(host)`` fills it) and state in torch's format (``_host``: a ``HostState``, ``_positions()``:
+    each param and its offset in it, ``_step_count``, ``sync_master_from_params``)."""
+
+    def state_dict(self):
+        """torch's format (``step``, ``exp_avg``, ``exp_avg_sq`` per param, plus ``master_param``)."""
+        self._whole.check()
+        self._host.fill_steps(self.state, self._step_count)
+        return super().state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        """This optimizer's state dict, torch AdamW's over the same params, or one with an empty ``state``
+        (masters from the params, moments zeroed); validated before anything changes."""
+        positions = self._positions()
+        self._step_count = self._host.load(state_dict, self.param_groups, positions, self.sync_master_from_params,
+                                           type(self).__name__, self.defaults)
+        self._whole.torn = None
+        self._host.publish(self.state, positions, self._step_count)
+
+    def _begin_step(self, closure, grad_scale) -> tuple:
+        """Refused while the state is torn; the closure run; every group checked before any bucket is stepped.
+        Returns ``(loss, the gradient scale, the native hyper-parameters of each group)``."""
+        self._whole.check()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = check_grad_scale(grad_scale)
+        check_groups(self.param_groups)
+        return loss, scale, [make_hyper(g, grad_scale=scale) for g in self.param_groups]
+
+    @torch.no_grad()
+    def enable_param_mirror(self) -> torch.Tensor:
+        """Keep a pinned bf16 host copy of the params this optimizer steps that every step writes in place of its
+        upload slots (see the class's module doc); filled from the params now. Idempotent; returns it."""
+        if self._mirror is None:
+            mirror = torch.empty(self.numel, dtype=torch.bfloat16, pin_memory=self._device.type == "cuda")
+            self._copy_params_to(mirror)
+            self._mirror = mirror
+        return self._mirror
+
+    @property
+    def param_mirror(self) -> torch.Tensor | None:
+        """The pinned host copy (None unless enabled)."""
+        return self._mirror
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Element ranges of the buckets (of the flat buffers, of the host state), in pipeline order."""
+        return [(b.start, b.end) for b in self._buckets]
+
+    @property
+    def last_step_times(self) -> dict:
+        """Where the last step's time went: ``seconds`` (the whole pipeline), ``kernel_s`` (the CPU kernel),
+        ``wait_s`` (the host waiting for copies), ``elements`` stepped; ``{}`` before the first step."""
+        return dict(self._transport.times)
+
+
 class _HeldInterrupt:
     """Ctrl-C held while a step changes state: in the main thread, where Python's default SIGINT handler is
     installed, a SIGINT only records itself until the block ends (otherwise KeyboardInterrupt could land between a
@@ -114,7 +194,7 @@ class _HeldInterrupt:
 
 
 def run_step(t: _Transport, n: int, slots: int, *, download, compute, upload, notify=None, first=None,
-             changed=None, elements: int, step: int):
+             changed=None, elements: int, step: int, whole: Whole | None = None):
     """One pipelined step over ``n`` units with ``slots`` in flight (Note [A step is whole]). Callbacks:
     ``download(i, slot)`` -> event of unit i's gradient copy into ``slot``; ``compute(i, slot, up)`` -> the host
     tensor holding unit i's new bf16 params (it runs the CPU kernel last, after any wait for ``up[i - slots]``; a
@@ -123,7 +203,7 @@ def run_step(t: _Transport, n: int, slots: int, *, download, compute, upload, no
     ``Exception`` is recovered); ``first(i)`` -> an already started download of unit i or None; ``changed()`` ->
     whether any kernel call ran (default: a whole unit was stepped). Returns None, or the error to raise once the
     caller has counted the step (a Ctrl-C held during the step: KeyboardInterrupt); raises
-    ``StepError(completed=False)`` when the step could not be made whole."""
+    ``StepError(completed=False)`` when the step could not be made whole, recording why in ``whole``."""
     down, up, outs = [None] * n, [None] * n, [None] * n
     stepped, uploaded, started, failure, hook_failure = 0, 0, -1, None, None
     with _HeldInterrupt() as held:
@@ -170,6 +250,8 @@ def run_step(t: _Transport, n: int, slots: int, *, download, compute, upload, no
                                 f"{failure}) and could not be finished ({type(e2).__name__}: {e2}): units before "
                                 f"{stepped} hold step {step}, the rest step {step - 1} or a part of it; load a "
                                 "checkpoint to go on", completed=False, step=step, bucket=stepped, buckets=n)
+                if whole is not None:
+                    whole.torn = str(err)
                 raise err from failure
     result = None
     if failure is not None and not isinstance(failure, Exception):

@@ -29,7 +29,7 @@ from .._messages import shown
 from ..errors import InvalidArgumentError
 
 __all__ = ["MODES", "STATE_TENSORS", "check_group", "check_groups", "check_distinct", "check_grad_scale",
-           "check_state_dict", "scalar_value"]
+           "check_state_dict", "check_bucketing", "scalar_value"]
 
 MODES = ("fast", "exact")
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
@@ -138,6 +138,14 @@ def check_distinct(params: Iterable, existing: Iterable = ()) -> None:
         if dev_a == dev_b and lo_b <= hi_a:
             raise InvalidArgumentError(f"{name_b} overlaps {name_a} in memory (views of one storage): each param "
                                        f"needs memory of its own")
+
+
+def check_bucketing(bucket_numel, slots, minimum: int) -> None:
+    """The pipeline's ``bucket_numel`` (an int >= ``minimum``) and ``slots`` (an int >= 1)."""
+    if not isinstance(bucket_numel, int) or isinstance(bucket_numel, bool) or bucket_numel < minimum:
+        raise InvalidArgumentError(f"bucket_numel must be an int >= {minimum} (got {bucket_numel!r})")
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise InvalidArgumentError(f"slots must be an int >= 1 (got {slots!r})")
 
 
 def check_grad_scale(grad_scale) -> float:

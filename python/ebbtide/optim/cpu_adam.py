@@ -42,7 +42,7 @@ from ..errors import InvalidArgumentError
 from ._validate import (MODES, STATE_TENSORS, check_distinct, check_grad_scale, check_group, check_groups,
                         check_state_dict, param_list, scalar_value)
 
-__all__ = ["CPUAdam", "available_isas", "torch_sqrt_flavor", "probe_torch_sqrt_flavor"]
+__all__ = ["CPUAdam", "KernelViews", "available_isas", "torch_sqrt_flavor", "probe_torch_sqrt_flavor"]
 
 MOMENTS_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -198,7 +198,32 @@ def make_hyper(group: dict, *, grad_scale: float = 1.0, skip_non_finite: bool = 
     return h
 
 
-class CPUAdam(torch.optim.Optimizer):
+class KernelViews:
+    """What CPUAdam, OffloadedAdam and ShardedAdam show of their kernel: the engine (``_engine``, made on first use
+    from ``_threads``/``_isa`` where construction left it None), its threads and ISA, and the moments' dtype."""
+
+    @property
+    def moments_dtype(self) -> torch.dtype:
+        """dtype of ``exp_avg`` and ``exp_avg_sq`` (float32 or bfloat16)."""
+        return self._moments_dtype
+
+    @property
+    def engine(self):
+        """The native kernel and its thread pool (``.threads``, ``.isa``)."""
+        if self._engine is None:
+            self._engine = shared_engine(self._threads, self._isa)
+        return self._engine
+
+    @property
+    def threads(self) -> int:
+        return self.engine.threads
+
+    @property
+    def isa(self) -> str:
+        return self.engine.isa
+
+
+class CPUAdam(KernelViews, torch.optim.Optimizer):
     """Adam/AdamW with fp32 master weights and state in host memory, stepped by ebbtide's SIMD kernel."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
@@ -266,26 +291,6 @@ class CPUAdam(torch.optim.Optimizer):
                 t = state.get(key)
                 if isinstance(t, torch.Tensor) and t.dtype != self._moments_dtype:
                     state[key] = t.to(self._moments_dtype)
-
-    @property
-    def moments_dtype(self) -> torch.dtype:
-        """dtype of ``exp_avg`` and ``exp_avg_sq`` (float32 or bfloat16)."""
-        return self._moments_dtype
-
-    @property
-    def engine(self):
-        """The native kernel and its thread pool (``.threads``, ``.isa``)."""
-        if self._engine is None:
-            self._engine = shared_engine(self._threads, self._isa)
-        return self._engine
-
-    @property
-    def threads(self) -> int:
-        return self.engine.threads
-
-    @property
-    def isa(self) -> str:
-        return self.engine.isa
 
     def attach_bf16_copy(self, param: torch.Tensor, target: torch.Tensor | None) -> None:
         """Write each step's new ``param`` as bf16 into ``target`` (CPU, contiguous, bf16, same shape; e.g. a

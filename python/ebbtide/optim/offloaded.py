@@ -67,10 +67,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidArgumentError, StateError, StepError
-from ._validate import check_distinct, check_grad_scale, check_group, check_groups, check_state_dict, param_list
-from ._pipeline import _HookHandle, _Transport, run_step
-from .cpu_adam import _check_hyper, _check_threads_isa, check_moments_dtype, make_hyper, shared_engine
+from ..errors import InvalidArgumentError, StateError
+from ._host_state import HostState
+from ._validate import check_bucketing, check_distinct, check_group, param_list
+from ._pipeline import Pipelined, Whole, _HookHandle, _Transport, run_step
+from .cpu_adam import KernelViews, _check_hyper, _check_threads_isa, check_moments_dtype, shared_engine
 
 __all__ = ["OffloadedAdam"]
 
@@ -99,7 +100,7 @@ def _allocate(factory, kind: str, numel: int, device: torch.device) -> torch.Ten
     return t
 
 
-class OffloadedAdam(torch.optim.Optimizer):
+class OffloadedAdam(Pipelined, KernelViews, torch.optim.Optimizer):
     """Adam/AdamW for bf16 params on one device with fp32 master weights and state in host memory."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw=True,
@@ -110,10 +111,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                      decoupled_weight_decay=adamw)
         _check_threads_isa(threads, isa)
         self._moments_dtype = check_moments_dtype(moments_dtype, amsgrad, "OffloadedAdam")
-        if not isinstance(bucket_numel, int) or bucket_numel < _ALIGN:
-            raise InvalidArgumentError(f"bucket_numel must be an int >= {_ALIGN} (got {bucket_numel!r})")
-        if not isinstance(slots, int) or slots < 1:
-            raise InvalidArgumentError(f"slots must be an int >= 1 (got {slots!r})")
+        check_bucketing(bucket_numel, slots, _ALIGN)
         if buffer_factory is not None and not callable(buffer_factory):
             raise InvalidArgumentError(f"buffer_factory must be callable or None (got {buffer_factory!r})")
         if not attach_grads and overlap_with_backward:
@@ -137,7 +135,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
                        if self.attach_grads else [])
         self.last_step_applied = True
-        self._torn = None  # why the state mixes two versions (a step that could not be finished), else None
+        self._whole = Whole("OffloadedAdam", "load_state_dict() a checkpoint first")
         self._bucket_hooks: dict = {}  # handle id -> fn(begin, end, event), called per uploaded bucket
 
     def add_bucket_hook(self, fn) -> "_HookHandle":
@@ -196,14 +194,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._gflat = _allocate(factory, "grads", total, dev)
         self._pflat.zero_()
         self._gflat.zero_()
-        self._master = torch.zeros(total, dtype=torch.float32)
-        self._m = torch.zeros(total, dtype=self._moments_dtype)
-        self._v = torch.zeros(total, dtype=self._moments_dtype)
         amsgrad = any(g["amsgrad"] for g in self.param_groups)
         if amsgrad and self._moments_dtype != torch.float32:
             raise InvalidArgumentError("OffloadedAdam: amsgrad needs fp32 moments (moments_dtype=torch.bfloat16 "
                                        "given)")
-        self._vmax = torch.zeros(total, dtype=torch.float32) if amsgrad else None
+        self._host = HostState(total, self._moments_dtype, amsgrad)
         slot = min(self._bucket_numel, total)
         self._gslots = [torch.empty(slot, dtype=torch.bfloat16, pin_memory=pin) for _ in range(self._slots)]
         self._oslots = [torch.empty(slot, dtype=torch.bfloat16, pin_memory=pin) for _ in range(self._slots)]
@@ -215,7 +210,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._bind_views()
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self.sync_master_from_params()
-        self._publish_state()
+        self._host.publish(self.state, self._positions(), self._step_count)
 
     def _bind_views(self):
         """Point every param (and, with attach_grads, its .grad) at its range of the flat buffers."""
@@ -230,37 +225,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self._pviews.append(pv)
                 self._gviews.append(gv)
 
-    def _publish_state(self):
-        """self.state[p] holds views of the flat host buffers (torch's keys, plus master_param)."""
-        self.state.clear()
-        for p, o in zip(self._params, self._offsets):
-            sl = slice(o, o + p.numel())
-            st = {"step": torch.tensor(float(self._step_count), dtype=torch.float32),
-                  "exp_avg": self._m[sl].view(p.shape), "exp_avg_sq": self._v[sl].view(p.shape),
-                  "master_param": self._master[sl].view(p.shape)}
-            if self._vmax is not None:
-                st["max_exp_avg_sq"] = self._vmax[sl].view(p.shape)
-            self.state[p] = st
-
-    # ---- public API --------------------------------------------------------------------------------------------
-    @property
-    def threads(self) -> int:
-        return self._engine.threads
-
-    @property
-    def isa(self) -> str:
-        return self._engine.isa
-
-    @property
-    def moments_dtype(self) -> torch.dtype:
-        """dtype of the host exp_avg and exp_avg_sq (float32 or bfloat16)."""
-        return self._moments_dtype
-
-    @property
-    def buckets(self) -> list[tuple[int, int]]:
-        """Flat element ranges of the buckets, in pipeline order."""
-        return [(b.start, b.end) for b in self._buckets]
-
+    # ---- public API (also: buckets, last_step_times, moments_dtype, threads, isa, engine) ----------------------
     @property
     def flat_params(self) -> torch.Tensor:
         """The flat bf16 param buffer on the params' device (every param is a view of it; padding between)."""
@@ -270,12 +235,6 @@ class OffloadedAdam(torch.optim.Optimizer):
     def flat_grad(self) -> torch.Tensor:
         """The flat bf16 gradient buffer ``step`` reads (same layout as ``flat_params``)."""
         return self._gflat
-
-    @property
-    def last_step_times(self) -> dict:
-        """Where the last step's time went: ``seconds`` (the whole pipeline), ``kernel_s`` (the CPU kernel),
-        ``wait_s`` (the host waiting for copies), ``elements`` stepped; ``{}`` before the first step."""
-        return dict(self._transport.times)
 
     @property
     def numel(self) -> int:
@@ -324,7 +283,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._settle_mirror_upload()
         for b in self._buckets:  # bucket by bucket: no full-size fp32 temporary on the device
             host = self._pflat[b.start:b.end].cpu()
-            self._master[b.start:b.end].copy_(host)
+            self._host.master[b.start:b.end].copy_(host)
             if self._mirror is not None:
                 self._mirror[b.start:b.end].copy_(host)
 
@@ -337,20 +296,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._transport.end()
             self._mirror_upload = None
 
-    @torch.no_grad()
-    def enable_param_mirror(self) -> torch.Tensor:
-        """Keep a pinned host copy of the flat bf16 params that every step writes (see the module doc); filled
-        from the params now. Idempotent; returns the mirror."""
-        if self._mirror is None:
-            mirror = torch.empty(self._total, dtype=torch.bfloat16, pin_memory=self._device.type == "cuda")
-            mirror.copy_(self._pflat)
-            self._mirror = mirror
-        return self._mirror
-
-    @property
-    def param_mirror(self) -> torch.Tensor | None:
-        """The pinned host copy of ``flat_params`` (None unless enabled)."""
-        return self._mirror
+    def _copy_params_to(self, host: torch.Tensor) -> None:
+        host.copy_(self._pflat)  # the mirror of the flat params (enable_param_mirror)
 
     @torch.no_grad()
     def upload_params_from_mirror(self, *, wait: bool = True) -> list:
@@ -421,14 +368,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float | None = None, skip_non_finite: bool = False):
         """One pipelined step over every bucket. Returns the closure's loss. With ``skip_non_finite``, a
         non-finite scaled gradient anywhere skips the step (``last_step_applied`` is then False)."""
-        self._check_whole()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        scale = check_grad_scale(grad_scale)
-        check_groups(self.param_groups)  # every group before any bucket is stepped
-        hypers = [make_hyper(g, grad_scale=scale) for g in self.param_groups]
+        loss, scale, hypers = self._begin_step(closure, grad_scale)
         if self._repair_grad_views():
             self._reset_overlap()  # a hook-started download may predate the repaired gradient: download again
         if skip_non_finite:
@@ -472,8 +412,9 @@ class OffloadedAdam(torch.optim.Optimizer):
     def _run_pipeline(self, hypers, step_no: float):
         """The step's units are the buckets (``run_step``); returns the error to raise once the step is counted."""
         t, K = self._transport, self._slots
-        vmax_ptr = self._vmax.data_ptr() if self._vmax is not None else 0
-        msize = self._m.element_size()
+        h = self._host
+        vmax_ptr = h.vmax.data_ptr() if h.vmax is not None else 0
+        msize = h.m.element_size()
         mom_bf16 = [True] if self._moments_dtype == torch.bfloat16 else []
         pending, self._pending = self._pending, {}
 
@@ -487,7 +428,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             off4, offm = bk.start * 4, bk.start * msize
             t.kernel(
                 self._engine.step, hypers[bk.group],
-                [self._master.data_ptr() + off4], [self._m.data_ptr() + offm], [self._v.data_ptr() + offm],
+                [h.master.data_ptr() + off4], [h.m.data_ptr() + offm], [h.v.data_ptr() + offm],
                 [vmax_ptr + off4] if vmax_ptr else [], [self._gslots[slot].data_ptr()], [True],
                 [out.data_ptr()], [n], [], [step_no], mom_bf16)
             return out
@@ -505,72 +446,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         try:
             return run_step(t, len(self._buckets), K, download=self._download, compute=compute, upload=upload,
                             notify=notify if self._bucket_hooks else None, first=pending.get,
-                            elements=self._total, step=int(step_no))
-        except StepError as e:
-            self._torn = str(e)
-            raise
+                            elements=self._total, step=int(step_no), whole=self._whole)
         finally:
             self._ready = [0] * len(self._buckets)
 
-    def _check_whole(self) -> None:
-        if self._torn is not None:
-            raise StateError(f"OffloadedAdam: an earlier step could not be finished, the state mixes two versions "
-                             f"({self._torn}); load_state_dict() a checkpoint first")
-
-    # ---- state -------------------------------------------------------------------------------------------------
-    def state_dict(self):
-        self._check_whole()
-        for st in self.state.values():
-            st["step"].fill_(float(self._step_count))
-        return super().state_dict()
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict):
-        check_state_dict(state_dict, self.param_groups)  # hyper-parameters, sizes, exact state shapes
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise InvalidArgumentError("loaded state dict has a different number of parameter groups")
-        saved_ids = []
-        for mine, saved in zip(self.param_groups, groups):
-            if len(mine["params"]) != len(saved["params"]):
-                raise InvalidArgumentError("loaded state dict contains a parameter group that doesn't match the size "
-                                           "of optimizer's group")
-            saved_ids += list(zip(saved["params"], mine["params"]))
-        state = state_dict.get("state", {})
-        entries = {}
-        for sid, p in saved_ids:
-            if sid in state:
-                s = state[sid]
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key not in s or tuple(s[key].shape) != tuple(p.shape):
-                        raise InvalidArgumentError(f"state of a param lacks {key} of shape {tuple(p.shape)}")
-                entries[id(p)] = s
-        steps = {float(s["step"]) for s in entries.values()}
-        if len(steps) > 1:
-            raise InvalidArgumentError(f"per-param steps differ ({sorted(steps)}); OffloadedAdam keeps one step count")
-        # Validated: now apply.
-        for mine, saved in zip(self.param_groups, groups):
-            for k, val in saved.items():
-                if k != "params":
-                    mine[k] = val
-            mine.setdefault("mode", self.defaults["mode"])
-            mine.setdefault("decoupled_weight_decay", True)
-        self.sync_master_from_params()  # masters of params without saved masters come from the model
-        self._m.zero_()
-        self._v.zero_()
-        if self._vmax is not None:
-            self._vmax.zero_()
-        for p, o in zip(self._params, self._offsets):
-            s = entries.get(id(p))
-            if s is None:
-                continue
-            sl = slice(o, o + p.numel())
-            self._m[sl].copy_(s["exp_avg"].reshape(-1))
-            self._v[sl].copy_(s["exp_avg_sq"].reshape(-1))
-            if self._vmax is not None and "max_exp_avg_sq" in s:
-                self._vmax[sl].copy_(s["max_exp_avg_sq"].reshape(-1))
-            if "master_param" in s:
-                self._master[sl].copy_(s["master_param"].reshape(-1))
-        self._step_count = int(steps.pop()) if steps else 0
-        self._torn = None
-        self._publish_state()
+    # ---- state (state_dict, load_state_dict: Pipelined's) -------------------------------------------------------
+    def _positions(self) -> list:
+        return list(zip(self._params, self._offsets))
