@@ -23,6 +23,12 @@ Policies:
   tables are rebuilt each time (the host-work note below holds for the rest). A failure on one EP rank outside the
   collective (out of memory, a missing tensor) leaves its peers waiting in their next gather until the group's
   timeout.
+- Custom gathers: ``gather`` is an object for trainers whose shards are not split along one dimension per rank
+  (FSDP2's padded dim-0 shards: ``ebbtide.integrations.fsdp.ShardGather``). ``gather.spec(name, local)`` gives the
+  full ``(shape, dtype)`` the plan is built on; ``gather(names, tensors)`` returns ``({name: full tensor}, [new
+  allocations])`` for one bucket's sources, in plan order on every rank (one collective per bucket and dtype is
+  the point). Not with ``tp_dims`` or ``ep_sources``; a RuntimeError from it (a peer gone) is a
+  PartialUpdateError, nothing committed.
 - Host work: each bucket's FP8 launch table is built at the first push and kept while the tensors and the
   transport's buffer stay where they are (``ebbtide.quant.prepared``), and its FP8 source names are listed once, so
   a push reads each tensor's address, strides, size and dtype and does no other per-tensor work in Python (an MoE
@@ -67,8 +73,13 @@ __all__ = ["Sender", "PushReport"]
 class Sender:
     def __init__(self, tensors: Mapping | Callable[[], Mapping], transport, *, plan: Plan | None = None,
                  tp_group=None, tp_dims: Mapping[str, int] | None = None, each_rank_sends: bool = False, device=None,
-                 ep_group=None, ep_sources: Mapping[str, tuple[str, int]] | None = None, **plan_options):
+                 ep_group=None, ep_sources: Mapping[str, tuple[str, int]] | None = None, gather=None,
+                 **plan_options):
         self._tensors = tensors if callable(tensors) else (lambda: tensors)
+        self._custom = gather
+        if gather is not None and (tp_dims or ep_sources):
+            raise InvalidArgumentError("gather= replaces the tensor- and expert-parallel gathers: pass one or the "
+                                       "other")
         self.transport = transport
         self.tp_group, self.tp_dims = tp_group, dict(tp_dims or {})
         self.tp_size, self.tp_rank = 1, 0
@@ -87,8 +98,7 @@ class Sender:
         self._init_experts(ep_group, ep_sources, local)
         if plan is None:
             sources = [n for n in local if n not in self._ep_local] + list(self.ep_sources)
-            plan = Plan.build([(n, self._full_shape(n, self._local_of(n, local)), self._local_of(n, local).dtype)
-                               for n in sources], **plan_options)
+            plan = Plan.build([(n, *self._full_spec(n, self._local_of(n, local))) for n in sources], **plan_options)
         elif plan_options:
             raise InvalidArgumentError(f"pass either a plan or plan options, not both: {sorted(plan_options)}")
         self.plan = plan
@@ -150,7 +160,16 @@ class Sender:
         src = self.ep_sources.get(name)
         return local[src[0]] if src is not None else local[name]
 
+    def _full_spec(self, name: str, t: torch.Tensor) -> tuple:
+        """(full shape, dtype) of plan source ``name`` whose local tensor is ``t``."""
+        if self._custom is not None:
+            shape, dtype = self._custom.spec(name, t)
+            return tuple(shape), dtype
+        return self._full_shape(name, t), t.dtype
+
     def _full_shape(self, name: str, t: torch.Tensor) -> tuple:
+        if self._custom is not None:
+            return tuple(self._custom.spec(name, t)[0])
         shape = list(t.shape)
         if name in self.tp_dims:
             shape[self.tp_dims[name]] *= self.tp_size
@@ -160,6 +179,15 @@ class Sender:
         """Full tensors of ``bucket``'s items (all-gathered over the TP group where sharded, experts over the EP
         group), and the gathered ones (new allocations). Without either: ``tensors`` itself (read by name when
         filling). ``experts`` holds gathered experts of later buckets between calls."""
+        if self._custom is not None:
+            try:
+                return self._custom([it.source for it in bucket.items], tensors)
+            except RuntimeError as e:  # torch's DistBackendError and Gloo's errors are RuntimeErrors
+                raise PartialUpdateError(
+                    f"the gather of bucket {bucket.index} ({bucket.items[0].source!r} and {len(bucket.items) - 1} "
+                    f"more) failed (a rank of the group gone, or the group released?): {type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200]}. Nothing was committed: the receiver keeps its previous "
+                    "version") from e
         if self.ep_sources:
             self._gather_experts(bucket, tensors, experts)
         if (self.tp_size == 1 or not self.tp_dims) and not self.ep_sources:
@@ -256,7 +284,7 @@ class Sender:
         (InvalidArgumentError) with tensor- or expert-parallel gathers, and for a transport that cannot take the
         buckets out of plan order (``streams(device)``)."""
         _check_version(version)
-        if (self.tp_size > 1 and self.tp_dims) or self.ep_sources:
+        if (self.tp_size > 1 and self.tp_dims) or self.ep_sources or self._custom is not None:
             raise InvalidArgumentError("a streamed push cannot gather: tensor- and expert-parallel gathers are "
                                        "collectives in plan order (use open + push)")
         if not self.is_source:

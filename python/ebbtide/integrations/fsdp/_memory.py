@@ -1,0 +1,315 @@
+"""The GPU memory of an FSDP2 trainer, offloaded for the rollout and restored after it at the same addresses,
+through ebbtide.memory.
+
+Policies:
+- Adoption (``TrainingState(model, optimizer)``, once, outside forward and backward): every FSDPParam's padded
+  shard (``_sharded_param_data``) moves into one flat buffer per dtype inside the tag ``<prefix>_weights`` (CPU
+  backup), and the parameter's DTensor is pointed at its slice (``_local_tensor``, the unpadded front, as FSDP keeps
+  it). The module's parameters, their DTensors and FSDP's objects keep their identity; their addresses change once,
+  here, and never again. FSDP's own ``reset_sharded_param`` (lazy init, ``load_state_dict``) then finds the shard
+  and the local tensor in one storage and leaves them in place. The engine's bytes of the tag are checked against
+  what moved: a buffer that did not land in the engine is an error, never a silent partial offload.
+- Optimizer state: CUDA tensors of a torch optimizer's state (AdamW's ``exp_avg``/``exp_avg_sq``, DTensors or
+  plain) move the same way into ``<prefix>_optimizer`` (CPU backup) at the first ``offload`` that finds them (a
+  torch optimizer makes its state at its first step) and again when new ones appeared (a loaded checkpoint).
+- ``offload()``: refuses while a collective of the model is in flight (an ``unshard(async_op=True)`` not waited
+  for, a backward whose reduce-scatters are not done) or when a parameter was replaced since adoption; then
+  reshards every FSDP module (the unsharded parameters' all-gather outputs freed), drops FSDP's retained
+  collective buffers (the last all-gather's output, the reduce-scatter inputs, the all-reduce state), discards the
+  gradients (``.grad = None``: call it after the optimizer step), frees torch's cuBLAS workspaces, empties the
+  caching allocator and pauses the tags. It returns once the device memory is back with the driver: the report has
+  the driver's free bytes before and after, and torch's reserved bytes left outside the tags.
+- ``restore()``: the same refusals (a collective in flight: an ``unshard`` issued while offloaded; a replaced
+  parameter), then the tags resume at the same addresses with their content. Gradients stay None (the next backward
+  makes them).
+- While offloaded the model's forward raises StateError (a forward pre-hook on the root), instead of reading
+  unmapped memory.
+- ``buffer_factory(tag, backup, numel, dtype, device)`` replaces how the flat buffers are allocated (default: inside
+  ``ebbtide.memory.region(tag, backup=backup)``); it must allocate in that tag. No GPU and no factory:
+  UnsupportedError.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from ...errors import InvalidArgumentError, StateError, UnsupportedError
+from ._flat import pack
+from ._model import describe
+
+__all__ = ["TrainingState", "OffloadReport"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadReport:
+    """One offload or restore: ``tags`` {tag: {"bytes", "bytes_copied", "s"}}; ``driver_free_before`` /
+    ``driver_free_after`` (bytes free on the device, the driver's view, around the whole call); ``reserved_outside``
+    (torch's reserved bytes outside the tags after it); ``seconds``; ``parts`` (offload: ``prepare_s`` (checks,
+    reshard, state adoption, device drain), ``empty_cache_s``, ``pause_s``)."""
+
+    kind: str
+    seconds: float
+    tags: dict
+    driver_free_before: int
+    driver_free_after: int
+    reserved_outside: int
+    parts: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t["bytes"] for t in self.tags.values())
+
+    @property
+    def freed(self) -> int:
+        """Bytes the driver gained (offload) or lost (restore, negative) during the call."""
+        return self.driver_free_after - self.driver_free_before
+
+    def summary(self) -> str:
+        per = ", ".join(f"{k} {v['bytes'] / 2**20:.0f} MiB in {v['s'] * 1e3:.1f} ms" for k, v in self.tags.items())
+        return (f"{self.kind} {self.seconds * 1e3:.1f} ms: {per}; driver free {self.driver_free_before / 2**30:.2f}"
+                f" -> {self.driver_free_after / 2**30:.2f} GiB; torch reserved outside the tags "
+                f"{self.reserved_outside / 2**20:.0f} MiB")
+
+
+def _region_factory(tag: str, backup: str, numel: int, dtype, device):
+    import ebbtide.memory as em  # noqa: PLC0415
+
+    with em.region(tag, backup=backup, device=device.index):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+class TrainingState:
+    """Offload/restore of an FSDP2 trainer's GPU state (shards, gradients, FSDP's buffers, optimizer state)."""
+
+    def __init__(self, model, optimizer=None, *, tag_prefix: str = "fsdp", buffer_factory=None):
+        self.model = describe(model)
+        dev = self.model.device
+        if buffer_factory is None:
+            if dev.type != "cuda":
+                raise UnsupportedError(f"TrainingState pauses CUDA memory: the shards are on {dev}, not a GPU")
+            buffer_factory = _region_factory
+        if not callable(buffer_factory):
+            raise InvalidArgumentError("buffer_factory must be callable(tag, backup, numel, dtype, device)")
+        if not isinstance(tag_prefix, str) or not tag_prefix:
+            raise InvalidArgumentError(f"tag_prefix must be a non-empty str (got {tag_prefix!r})")
+        import ebbtide.memory as em  # noqa: PLC0415
+
+        self._em = em
+        self.optimizer = optimizer
+        self.tags = {k: f"{tag_prefix}_{k}" for k in ("weights", "optimizer")}
+        self._factory = buffer_factory
+        self._offloaded = False
+        self._check_idle("TrainingState()")
+        self._sync()
+        self.weights = pack([self._shard_entry(r) for r in self.model.params], buffer_factory,
+                            self.tags["weights"], "cpu")
+        self._state = None  # the optimizer state's Flat, once adopted
+        self._state_ids: set = set()  # id() of the state tensors it holds
+        self._sync()
+        self._empty_cache()
+        self._verify(self.weights)
+        # prepend: ahead of FSDP's own pre-forward hook, whose all-gather would read the unmapped shards
+        self._guard = model.register_forward_pre_hook(self._refuse_forward, prepend=True)
+
+    # ---- adoption --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _shard_entry(rec):
+        fp = rec.fsdp_param
+
+        def put(view, fp=fp):
+            fp._sharded_param_data = view
+            local = fp.sharded_param._local_tensor
+            rows = local.size(0) if local.dim() else 0
+            padded = view.view(fp.padded_sharded_param_size)
+            fp.sharded_param._local_tensor = padded.narrow(0, 0, rows) if local.dim() else padded
+
+        return (lambda fp=fp: fp._sharded_param_data), put
+
+    def _state_tensors(self) -> list:
+        """(owner dict, key, tensor) of every state tensor on the model's device; a DTensor's local tensor."""
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        opt = self.optimizer
+        if opt is None or not hasattr(opt, "state"):
+            return []
+        out = []
+        for st in opt.state.values():
+            for k, v in st.items():
+                local = v._local_tensor if isinstance(v, DTensor) else v
+                if isinstance(local, torch.Tensor) and local.device == self.model.device and local.numel():
+                    out.append((st, k, v))
+        return out
+
+    def _adopt_state(self) -> None:
+        """Pack the optimizer's device state into the optimizer tag when it holds tensors not packed yet."""
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        found = self._state_tensors()
+        ids = {id(v) for _, _, v in found}
+        if not found or (ids == self._state_ids and all(self._state.owns(self._local(v)) for _, _, v in found)):
+            return
+        entries = []
+        for st, k, v in found:
+            if isinstance(v, DTensor):
+                entries.append(((lambda v=v: v._local_tensor), (lambda view, v=v: setattr(v, "_local_tensor", view))))
+            else:
+                entries.append(((lambda v=v: v), (lambda view, st=st, k=k: st.__setitem__(k, view))))
+        self._state = None  # the previous buffers go once nothing views them
+        self._state = pack(entries, self._factory, self.tags["optimizer"], "cpu")
+        self._state_ids = {id(st[k]) for st, k, _ in found}
+        self._verify(self._state)
+
+    @staticmethod
+    def _local(v):
+        return getattr(v, "_local_tensor", v)
+
+    def _verify(self, flat) -> None:
+        held = sum(r["bytes_active"] for r in self._em.stats()["tags"] if r["tag"] == flat.tag)
+        if held < flat.nbytes:
+            raise InvalidArgumentError(f"the buffers of {flat.tag} ({flat.nbytes} bytes) are not ebbtide.memory "
+                                       f"allocations of that tag (the engine holds {held} bytes there): a "
+                                       "buffer_factory must allocate inside ebbtide.memory.region(tag, backup)")
+
+    # ---- checks ----------------------------------------------------------------------------------------------
+    def _check_idle(self, what: str) -> None:
+        for g in self.model.groups:
+            name = getattr(g, "_module_fqn", None) or "the root"
+            if getattr(g, "_all_gather_result", None) is not None:
+                raise StateError(f"{what}: an all-gather of {name} is in flight (unshard(async_op=True) not waited "
+                                 "for by a forward or its handle's wait()); nothing was changed")
+            if getattr(g, "_post_reduce_event", None) is not None:
+                raise StateError(f"{what}: the reduce-scatter of {name}'s gradients is in flight (a backward that "
+                                 "has not finished); nothing was changed")
+            state = getattr(g, "_training_state", None)
+            if state is not None and state.name != "IDLE":
+                raise StateError(f"{what}: {name} is in {state.name} (inside forward or backward); nothing was "
+                                 "changed")
+
+    def _check_same(self, what: str) -> None:
+        for r in self.model.params:
+            fp = r.fsdp_param
+            now = r.module._parameters.get(r.attr)
+            if fp.sharded_param is not r.sharded_param or now is not r.sharded_param:
+                raise StateError(f"{what}: parameter {r.fqn} was replaced since TrainingState was built (a new "
+                                 "Parameter object: load_state_dict(assign=True), model.to()/.cpu(), or a manual "
+                                 "swap); its shard is no longer the adopted one. Nothing was changed; build a new "
+                                 "TrainingState for the new parameters")
+            local = fp.sharded_param._local_tensor
+            if not self.weights.owns(fp._sharded_param_data) or (
+                    local.numel() and local.data_ptr() != fp._sharded_param_data.data_ptr()):
+                raise StateError(f"{what}: the shard of {r.fqn} was moved out of its adopted buffer (its storage "
+                                 "was replaced); nothing was changed")
+
+    def _refuse_forward(self, module, args):
+        if self._offloaded:
+            raise StateError("the model ran forward while its training state is offloaded: call restore() first")
+
+    # ---- offload / restore -----------------------------------------------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _empty_cache(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _driver_free(self) -> int:
+        if self.model.device.type != "cuda":
+            return 0
+        return torch.cuda.mem_get_info(self.model.device)[0]
+
+    def _reserved_outside(self) -> int:
+        if self.model.device.type != "cuda":
+            return 0
+        tagged = sum(r["bytes_active"] + r["bytes_paused"] for r in self._em.stats()["tags"]
+                     if r.get("device", self.model.device.index) == self.model.device.index)
+        return max(0, torch.cuda.memory_reserved(self.model.device) - tagged)
+
+    def _drop_transients(self) -> None:
+        """Reshard every FSDP module, drop FSDP's retained collective buffers and the gradients."""
+        for m in self.model.modules:
+            m.reshard()
+        for ctx in self.model.comm_contexts():
+            if hasattr(ctx, "all_gather_state"):
+                ctx.all_gather_state = None
+            if isinstance(getattr(ctx, "reduce_scatter_states", None), list):  # torch 2.13
+                ctx.reduce_scatter_states.clear()
+            if hasattr(ctx, "reduce_scatter_state"):  # torch 2.11
+                ctx.reduce_scatter_state = None
+        for g in self.model.groups:
+            for attr in ("_all_reduce_state", "_partial_reduce_output"):
+                if hasattr(g, attr):
+                    setattr(g, attr, None)
+        for r in self.model.params:
+            r.sharded_param.grad = None
+            fp = r.fsdp_param
+            fp.unsharded_accumulated_grad = None
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+    def offload(self) -> OffloadReport:
+        """Release the training state's device memory (see the module doc). StateError if already offloaded."""
+        if self._offloaded:
+            raise StateError("offload() called twice: the training state is already offloaded (call restore())")
+        t0 = time.perf_counter()
+        self._check_idle("offload()")
+        free0 = self._driver_free()
+        self._drop_transients()
+        self._check_same("offload()")  # after reshard: the modules hold their sharded parameters again
+        self._sync()
+        self._adopt_state()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # per handle and stream, kept for the process
+        if clear is not None and self.model.device.type == "cuda":
+            clear()
+        t1 = time.perf_counter()
+        self._empty_cache()
+        t2 = time.perf_counter()
+        tags = self._each_tag(self._em.pause)
+        self._offloaded = True
+        parts = {"prepare_s": t1 - t0, "empty_cache_s": t2 - t1, "pause_s": time.perf_counter() - t2}
+        return OffloadReport("offload", time.perf_counter() - t0, tags, free0, self._driver_free(),
+                             self._reserved_outside(), parts)
+
+    def restore(self) -> OffloadReport:
+        """Map the training state back at the same addresses with its content. StateError without offload()."""
+        if not self._offloaded:
+            raise StateError("restore() without offload(): the training state is resident")
+        self._check_idle("restore()")
+        self._check_same("restore()")
+        t0 = time.perf_counter()
+        free0 = self._driver_free()
+        tags = self._each_tag(self._em.resume)
+        self._offloaded = False
+        return OffloadReport("restore", time.perf_counter() - t0, tags, free0, self._driver_free(),
+                             self._reserved_outside())
+
+    def _each_tag(self, op) -> dict:
+        """``op`` (pause or resume) on every tag; a failure undoes the tags already done (a failed pause resumes
+        them, a failed resume pauses them again), so the state is wholly offloaded or wholly resident."""
+        out, done = {}, []
+        undo = self._em.resume if op is self._em.pause else self._em.pause
+        try:
+            for flat in (self.weights, self._state):
+                if flat is None:
+                    continue
+                rep = op(flat.tag)
+                done.append(flat.tag)
+                out[flat.tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
+        except BaseException:
+            for tag in reversed(done):
+                undo(tag)
+            raise
+        return out
+
+    def close(self) -> None:
+        """Remove the forward guard (the buffers stay where they are). Restores first if offloaded."""
+        if self._offloaded:
+            self.restore()
+        self._guard.remove()
