@@ -110,7 +110,8 @@ def _check_param(fp, fqn: str) -> None:
     if getattr(fp, "offload_to_cpu", False) or isinstance(getattr(fp, "offload_policy", None), CPUOffloadPolicy):
         raise UnsupportedError(f"{fqn}: fully_shard(offload_policy=CPUOffloadPolicy()) keeps the shards in host "
                                "memory already; there is nothing on the GPU to offload")
-    if getattr(fp, "post_forward_mesh_info", None) is not None:
+    post = getattr(fp, "post_forward_mesh_info", None)  # True: the mesh itself; an int: a smaller one
+    if post is not None and post is not info and getattr(post, "shard_mesh_size", None) != info.shard_mesh_size:
         raise UnsupportedError(f"{fqn}: reshard_after_forward as an int (a smaller shard kept after forward) is not "
                                "supported: use True or False")
     if getattr(fp, "is_dtensor", False):
@@ -133,7 +134,9 @@ def describe(model) -> FsdpModel:
         raise InvalidArgumentError(f"{type(model).__name__} is not wrapped with torch.distributed.fsdp.fully_shard "
                                    "(no FSDPModule in it): call fully_shard on its layers and on the model first")
     groups, params, seen = [], [], set()
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)  # a tied parameter goes by its first name, as named_parameters() gives it
     for m in modules:
         for g in _param_groups(m._get_fsdp_state()):
             if id(g) in seen:

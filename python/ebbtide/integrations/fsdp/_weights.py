@@ -71,6 +71,17 @@ class ShardGather:
             raise InvalidArgumentError(f"{name!r} is not a parameter of the model")
         return tuple(self._by_name[name].fsdp_param._orig_size), self.dtype_of(name)
 
+    def plan(self, **plan_options):
+        """The ``ebbtide.sync.Plan`` of the whole model (full shapes, gather dtypes, served names, model order):
+        the same on every rank and in the rollout, which builds it from the same specs."""
+        from ...sync import Plan  # noqa: PLC0415
+
+        return Plan.build(self.specs(), **plan_options)
+
+    def specs(self) -> list:
+        """``[(served name, full shape, dtype)]`` in model order (what a rollout builds the plan from)."""
+        return [(n, *self.spec(n)) for n in self._by_name]
+
     @torch.no_grad()
     def __call__(self, names: list, tensors=None) -> tuple[dict, list]:
         """``({name: full tensor}, [tensors allocated here])`` for ``names`` (collective over the FSDP group)."""
