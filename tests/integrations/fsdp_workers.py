@@ -197,7 +197,7 @@ def refusals(rank, world, addr):
     expect(StateError, state.offload, "called twice")
     attn = m.model.layers[0].self_attn.q_proj
     kept = attn._parameters["weight"]
-    attn._parameters["weight"] = torch.nn.Parameter(kept.detach().clone())  # replaced while offloaded
+    attn._parameters["weight"] = torch.nn.Parameter(torch.zeros_like(kept))  # replaced while offloaded (no read)
     expect(StateError, state.restore, "was replaced")
     assert state.offloaded and tag_rows()["fsdp_weights"]["state"] == "paused"
     attn._parameters["weight"] = kept
