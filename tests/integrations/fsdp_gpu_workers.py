@@ -1,0 +1,177 @@
+"""GPU rank bodies for the FSDP2 adapter tests (one GPU, NCCL, world 1): a transformers Qwen3 under fully_shard as
+verl builds it (fp32 shards, bf16 compute under MixedPrecisionPolicy, torch AdamW on the GPU), and the rollout's
+receiving process for the CUDA IPC weight sync."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from ebbtide.bench._spawn import join_store
+
+SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=32, max_position_embeddings=256)
+
+
+def init(rank, world, addr, install=True):
+    if install:
+        import ebbtide.integrations.fsdp as ebt
+
+        ebt.install_groups()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=join_store(addr), rank=rank, world_size=world,
+                            device_id=torch.device("cuda", 0), timeout=datetime.timedelta(seconds=120))
+
+
+def qwen3(seed=0, dtype=torch.float32, device="cuda", tie=False):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**SIZE, tie_word_embeddings=tie)).to(device=device, dtype=dtype)
+
+
+def shard(model, world, bf16_compute=True):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else \
+        MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def batch(step, n=4, seq=128):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, SIZE["vocab_size"], (n, seq), generator=g).cuda()
+
+
+def step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach().float().cpu()
+
+
+def digests(named: dict) -> dict:
+    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            for n, t in named.items()}
+
+
+def offload_cycles(rank, world, addr, steps=10):
+    """A twin trained without offload first (its memory gone before the other is built), then the same model
+    offloaded and restored after every step, its groups released and reloaded: the losses are bit-identical, every
+    shard keeps its identity and address, and each offload gives the tags' bytes back to the driver."""
+    import ebbtide.integrations.fsdp as ebt
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+    torch.use_deterministic_algorithms(True)
+    init(rank, world, addr)
+    twin = shard(qwen3(), world)
+    topt = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.1)
+    want = [step(twin, topt, batch(s)) for s in range(steps)]
+    del twin, topt
+    torch.cuda.empty_cache()
+    model = shard(qwen3(), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    state = ebt.TrainingState(model, opt)
+    ebt.check_groups(model)
+    ptrs = [(id(r.sharded_param), r.fsdp_param._sharded_param_data.data_ptr()) for r in ebt.describe(model).params]
+    got, reports = [], []
+    for s in range(steps):
+        got.append(step(model, opt, batch(s)))
+        off = state.offload()
+        ebt.release_groups()
+        free_released = torch.cuda.mem_get_info()[0]
+        ebt.reload_groups()
+        on = state.restore()
+        now = [(id(r.sharded_param), r.fsdp_param._sharded_param_data.data_ptr()) for r in ebt.describe(model).params]
+        assert now == ptrs, f"step {s}: a shard moved"
+        assert off.freed >= 0.9 * off.bytes, off.summary()
+        reports.append({"offload_s": off.seconds, "restore_s": on.seconds, "bytes": off.bytes,
+                        "freed": off.freed, "reserved_outside": off.reserved_outside, "free_released": free_released,
+                        "tags": list(off.tags)})
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want, got)), (want, got)
+    assert reports[-1]["tags"] == ["fsdp_weights", "fsdp_optimizer"], reports[-1]
+    dist.destroy_process_group()
+    return {"losses": [x.item() for x in got], "reports": reports}
+
+
+def rollout(conn, results, specs, plan_kw, versions):
+    """The rollout process on the same GPU: an HF Qwen3 (bf16, not sharded) receiving ``versions`` updates over
+    CUDA IPC, the digests of its weights sent after each."""
+    from ebbtide.sync import IpcReceiver, Plan, Receiver
+
+    torch.cuda.set_device(0)
+    model = qwen3(seed=1, dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    plan = Plan.build([(n, tuple(shape), getattr(torch, dt)) for n, shape, dt in specs], **plan_kw)
+    rx = IpcReceiver(conn, timeout=120)
+    held = {n: params[n] for n, _, _ in specs}
+    receiver = Receiver(held, plan)
+    for _ in range(versions):
+        try:
+            v = rx.receive(receiver)
+            results.send(("ok", v, digests(held)))
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            results.send(("error", type(e).__name__, str(e)))
+            return
+    try:
+        rx.receive(receiver)  # the sender's close
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def ipc_sync(rank, world, addr, versions=5, fp8=False):
+    """Trainer side: after every step push the model through Sender(gather=ShardGather) over CUDA IPC to the
+    rollout process; its weights must equal ``ebbtide.sync.expected`` of the trainer's gathered weights bit for
+    bit (bf16 raw, or FP8 block-quantized and dequantized)."""
+    import multiprocessing as mp
+
+    import ebbtide.integrations.fsdp as ebt
+    from ebbtide.sync import IpcSender, Sender, expected
+
+    init(rank, world, addr, install=False)
+    model = shard(qwen3(), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gather = ebt.ShardGather(model)  # bf16: the compute dtype, never the fp32 masters
+    plan_kw = {"default": "fp8" if fp8 else "raw", "bucket_bytes": 4 << 20}
+    plan = gather.plan(**plan_kw)
+    specs = [(n, list(shape), str(dt).replace("torch.", "")) for n, shape, dt in gather.specs()]
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    res_r, res_w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=rollout, args=(b, res_w, specs, plan_kw, versions))
+    p.start()
+    b.close()
+    sender = Sender(ebt.local_weights(model), IpcSender(a, timeout=120), plan=plan, gather=gather)
+    seconds = []
+    try:
+        for v in range(1, versions + 1):
+            step(model, opt, batch(v))
+            rep = sender.push(v)
+            seconds.append(rep.seconds)
+            got = res_r.recv()
+            assert got[0] == "ok" and got[1] == v, got
+            full = {n: t.cpu() for n, t in ebt.full_weights(model).items()}
+            own = {n: p.full_tensor().to(torch.bfloat16).cpu() for n, p in ebt.local_weights(model).items()}
+            assert all(torch.equal(full[n], own[n]) for n in own)  # the gather equals FSDP's own, cast to bf16
+            want = expected(plan, full)
+            assert got[2] == digests({n: want[n] for n in got[2]}), f"version {v}: the rollout's weights differ"
+        sender.close()
+    finally:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    dist.destroy_process_group()
+    return {"push_s": seconds, "buckets": len(plan.buckets), "exit": p.exitcode}
+
+
+if __name__ == "__main__":  # pragma: no cover - run by the test through the spawn helper
+    raise SystemExit(os.EX_USAGE)
