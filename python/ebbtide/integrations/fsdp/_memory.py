@@ -50,16 +50,20 @@ class OffloadReport:
     reshard, state adoption, device drain), ``empty_cache_s``, ``pause_s``)."""
 
     kind: str
-    seconds: float
     tags: dict
+    seconds: float
     driver_free_before: int
     driver_free_after: int
     reserved_outside: int
     parts: dict = dataclasses.field(default_factory=dict)
 
+    def total(self, key: str = "bytes") -> int:
+        """``key`` ("bytes" or "bytes_copied") summed over the tags."""
+        return sum(t[key] for t in self.tags.values())
+
     @property
     def bytes(self) -> int:
-        return sum(t["bytes"] for t in self.tags.values())
+        return self.total()
 
     @property
     def freed(self) -> int:
@@ -274,7 +278,7 @@ class TrainingState:
         tags = self._each_tag(self._em.pause)
         self._offloaded = True
         parts = {"prepare_s": t1 - t0, "empty_cache_s": t2 - t1, "pause_s": time.perf_counter() - t2}
-        return OffloadReport("offload", time.perf_counter() - t0, tags, free0, self._driver_free(),
+        return OffloadReport("offload", tags, time.perf_counter() - t0, free0, self._driver_free(),
                              self._reserved_outside(), parts)
 
     def restore(self) -> OffloadReport:
@@ -287,7 +291,7 @@ class TrainingState:
         free0 = self._driver_free()
         tags = self._each_tag(self._em.resume)
         self._offloaded = False
-        return OffloadReport("restore", time.perf_counter() - t0, tags, free0, self._driver_free(),
+        return OffloadReport("restore", tags, time.perf_counter() - t0, free0, self._driver_free(),
                              self._reserved_outside())
 
     def _each_tag(self, op) -> dict:
