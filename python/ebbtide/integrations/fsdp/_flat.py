@@ -1,15 +1,16 @@
-"""Flat homes for many small tensors: one buffer per dtype inside an ebbtide.memory tag, every tensor re-pointed at
-its slice.
+"""Flat homes for many small tensors: one buffer per dtype inside an ebbtide.memory tag, every tensor re-backed in
+place by its slice.
 
 What holds:
-- ``pack(entries, factory, tag, backup)``: ``entries`` are ``(get, put)`` pairs, ``get()`` returning the current
-  1-D-or-ND tensor and ``put(view)`` installing a view of the same shape, strides and dtype in the owner's place
-  (FSDP's ``_sharded_param_data`` / a DTensor's ``_local_tensor``). Per dtype, one buffer of the summed sizes
-  (each slice aligned to 256 bytes) comes from ``factory(tag, backup, numel, dtype, device)``; content is copied in,
-  then every ``put`` runs. The old storages lose their last reference there and go back to the caching allocator.
-  A factory that fails, or returns a tensor of the wrong size, dtype or device, changes nothing: no ``put`` ran.
-- Views are made with ``as_strided`` from the buffer (never ``set_`` on the old tensor: a view's ``_base`` would
-  keep the old storage alive), so a view's ``_base`` is the buffer and the buffer lives as long as any view.
+- ``pack(groups, factory, tag, backup)``: each group is a list of tensors over one storage, the first covering it
+  whole (FSDP's padded ``_sharded_param_data``, then the DTensor's ``_local_tensor`` viewing its front; an optimizer
+  state tensor alone). Per dtype, one buffer of the groups' summed sizes (each slot aligned to ``ALIGN_BYTES``, so
+  shards whose sizes are multiples of it lie back to back, one copy each way for an optimizer bucket) comes from
+  ``factory(tag, backup, numel, dtype, device)``; content is copied in, then every tensor is re-pointed at its slot
+  with ``set_`` (the tensor objects stay: a DTensor, an optimizer's param groups or anyone else holding them keeps
+  seeing the new address) and the old storage is released (``resize_(0)``). A factory that fails or returns a
+  tensor of the wrong size, dtype or device, or a group whose first tensor does not cover its storage, changes
+  nothing: no tensor is re-pointed before every buffer holds its content.
 - ``Flat.owns(t)``: whether ``t``'s bytes lie inside one of the buffers (the check that a tensor was not replaced).
 """
 from __future__ import annotations
@@ -28,17 +29,14 @@ ALIGN_BYTES = 256
 
 @dataclasses.dataclass
 class Flat:
-    """The buffers of one ``pack`` call (one per dtype) and the byte ranges they cover."""
+    """The buffers of one ``pack`` call (one per dtype) and the bytes they hold."""
     tag: str
     buffers: list  # 1-D tensors
     nbytes: int = 0
 
     def owns(self, t: torch.Tensor) -> bool:
-        if t.numel() == 0:
-            return any(t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in self.buffers)
-        lo = t.data_ptr()
-        hi = lo + t.numel() * t.element_size()
-        return any(b.data_ptr() <= lo and hi <= b.data_ptr() + b.numel() * b.element_size() for b in self.buffers)
+        st = t.untyped_storage()
+        return any(st.data_ptr() == b.untyped_storage().data_ptr() for b in self.buffers)
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> int:
@@ -46,19 +44,29 @@ def _aligned(numel: int, dtype: torch.dtype) -> int:
     return -(-numel // per) * per
 
 
+def _check_group(tensors: list) -> None:
+    first = tensors[0]
+    whole = first.untyped_storage().nbytes()
+    if first.storage_offset() != 0 or not first.is_contiguous() or first.numel() * first.element_size() != whole:
+        raise InvalidArgumentError(f"pack: a {tuple(first.shape)} {first.dtype} tensor does not cover its storage "
+                                   f"({whole} bytes, offset {first.storage_offset()}): it cannot be re-backed")
+    for t in tensors[1:]:
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.dtype != first.dtype:
+            raise InvalidArgumentError("pack: the tensors of a group must be views of its first tensor's storage")
+
+
 @torch.no_grad()
-def pack(entries: list, factory: Callable, tag: str, backup: str) -> Flat:
-    """Move every entry's tensor into flat buffers of ``tag`` (see the module doc)."""
+def pack(groups: list, factory: Callable, tag: str, backup: str) -> Flat:
+    """Re-back every group's storage by a slot of a flat buffer of ``tag`` (see the module doc)."""
     by_dtype: dict = {}
-    for get, put in entries:
-        t = get()
-        if not t.is_contiguous():
-            raise InvalidArgumentError(f"pack: a {tuple(t.shape)} tensor with strides {t.stride()} is not contiguous")
-        by_dtype.setdefault((t.dtype, t.device), []).append((t, put))
+    for tensors in groups:
+        _check_group(tensors)
+        first = tensors[0]
+        by_dtype.setdefault((first.dtype, first.device), []).append(tensors)
     flat = Flat(tag, [])
     staged = []
     for (dtype, device), items in by_dtype.items():
-        total = sum(_aligned(t.numel(), dtype) for t, _ in items)
+        total = sum(_aligned(ts[0].numel(), dtype) for ts in items)
         buf = factory(tag, backup, max(total, 1), dtype, device)
         if (not isinstance(buf, torch.Tensor) or buf.dim() != 1 or buf.numel() < total or buf.dtype != dtype
                 or buf.device != device or not buf.is_contiguous()):
@@ -69,11 +77,15 @@ def pack(entries: list, factory: Callable, tag: str, backup: str) -> Flat:
         flat.buffers.append(buf)
         flat.nbytes += buf.numel() * buf.element_size()
         at = 0
-        for t, put in items:
-            view = buf.as_strided(t.shape, t.stride(), at if t.numel() else 0)
-            view.copy_(t)
-            staged.append((put, view))
-            at += _aligned(t.numel(), dtype)
-    for put, view in staged:  # only once every buffer exists and holds its content
-        put(view)
+        for ts in items:
+            n = ts[0].numel()
+            buf.narrow(0, at, n).copy_(ts[0].reshape(-1))
+            staged.append((ts, buf, at))
+            at += _aligned(n, dtype)
+    for ts, buf, at in staged:  # only once every buffer exists and holds its content
+        old = ts[0].untyped_storage()
+        storage = buf.untyped_storage()
+        for t in ts:
+            t.set_(storage, buf.storage_offset() + at + t.storage_offset(), t.shape, t.stride())
+        old.resize_(0)  # the previous home goes back to its allocator
     return flat

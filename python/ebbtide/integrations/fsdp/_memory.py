@@ -3,15 +3,17 @@ through ebbtide.memory.
 
 Policies:
 - Adoption (``TrainingState(model, optimizer)``, once, outside forward and backward): every FSDPParam's padded
-  shard (``_sharded_param_data``) moves into one flat buffer per dtype inside the tag ``<prefix>_weights`` (CPU
-  backup), and the parameter's DTensor is pointed at its slice (``_local_tensor``, the unpadded front, as FSDP keeps
-  it). The module's parameters, their DTensors and FSDP's objects keep their identity; their addresses change once,
-  here, and never again. FSDP's own ``reset_sharded_param`` (lazy init, ``load_state_dict``) then finds the shard
-  and the local tensor in one storage and leaves them in place. The engine's bytes of the tag are checked against
-  what moved: a buffer that did not land in the engine is an error, never a silent partial offload.
-- Optimizer state: CUDA tensors of a torch optimizer's state (AdamW's ``exp_avg``/``exp_avg_sq``, DTensors or
-  plain) move the same way into ``<prefix>_optimizer`` (CPU backup) at the first ``offload`` that finds them (a
-  torch optimizer makes its state at its first step) and again when new ones appeared (a loaded checkpoint).
+  shard (``_sharded_param_data``) and the DTensor's ``_local_tensor`` viewing its front are re-backed in place by a
+  slot of one flat buffer per dtype inside the tag ``<prefix>_weights`` (CPU backup; ``_flat.pack``). Every object
+  keeps its identity -- the module's parameters, their DTensors, FSDP's shard and local tensors, whatever an
+  optimizer built before or after holds -- and their addresses change once, here, and never again. FSDP's own
+  ``reset_sharded_param`` (lazy init, ``load_state_dict``) then finds shard and local tensor in one storage and
+  leaves them. The engine's bytes of the tag are checked against what moved: a buffer that did not land in the
+  engine is an error, never a silent partial offload.
+- Optimizer state: device tensors of a torch optimizer's state (AdamW's ``exp_avg``/``exp_avg_sq``, a fused
+  ``step``; DTensors or plain) are re-backed the same way into ``<prefix>_optimizer`` (CPU backup) at the first
+  ``offload`` that finds them (a torch optimizer makes its state at its first step); tensors that appear later (a
+  loaded checkpoint) are packed at the next offload, beside the old slots.
 - ``offload()``: refuses while a collective of the model is in flight (an ``unshard(async_op=True)`` not waited
   for, a backward whose reduce-scatters are not done) or when a parameter was replaced since adoption; then
   reshards every FSDP module (the unsharded parameters' all-gather outputs freed), drops FSDP's retained
@@ -107,10 +109,9 @@ class TrainingState:
         self._offloaded = False
         self._check_idle("TrainingState()")
         self._sync()
-        self.weights = pack([self._shard_entry(r) for r in self.model.params], buffer_factory,
+        self.weights = pack([self._shard_group(r) for r in self.model.params], buffer_factory,
                             self.tags["weights"], "cpu")
-        self._state = None  # the optimizer state's Flat, once adopted
-        self._state_ids: set = set()  # id() of the state tensors it holds
+        self._state: list = []  # the optimizer state's Flats (one per adoption that found new state tensors)
         self._sync()
         self._empty_cache()
         self._verify(self.weights)
@@ -119,55 +120,37 @@ class TrainingState:
 
     # ---- adoption --------------------------------------------------------------------------------------------
     @staticmethod
-    def _shard_entry(rec):
+    def _shard_group(rec) -> list:
+        """The padded shard and the DTensor's local tensor (a view of its front): re-backed together."""
         fp = rec.fsdp_param
-
-        def put(view, fp=fp):
-            fp._sharded_param_data = view
-            local = fp.sharded_param._local_tensor
-            rows = local.size(0) if local.dim() else 0
-            padded = view.view(fp.padded_sharded_param_size)
-            fp.sharded_param._local_tensor = padded.narrow(0, 0, rows) if local.dim() else padded
-
-        return (lambda fp=fp: fp._sharded_param_data), put
+        return [fp._sharded_param_data, fp.sharded_param._local_tensor]
 
     def _state_tensors(self) -> list:
-        """(owner dict, key, tensor) of every state tensor on the model's device; a DTensor's local tensor."""
+        """Every state tensor of the optimizer on the model's device (a DTensor's local tensor), once each."""
         from torch.distributed.tensor import DTensor  # noqa: PLC0415
 
         opt = self.optimizer
         if opt is None or not hasattr(opt, "state"):
             return []
-        out = []
+        out, seen = [], set()
         for st in opt.state.values():
-            for k, v in st.items():
+            for v in st.values():
                 local = v._local_tensor if isinstance(v, DTensor) else v
-                if isinstance(local, torch.Tensor) and local.device == self.model.device and local.numel():
-                    out.append((st, k, v))
+                if (isinstance(local, torch.Tensor) and local.device == self.model.device and local.numel()
+                        and id(local) not in seen):
+                    seen.add(id(local))
+                    out.append(local)
         return out
 
     def _adopt_state(self) -> None:
-        """Pack the optimizer's device state into the optimizer tag when it holds tensors not packed yet."""
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-        found = self._state_tensors()
-        ids = {id(v) for _, _, v in found}
-        if not found or (ids == self._state_ids and all(self._state.owns(self._local(v)) for _, _, v in found)):
-            return
-        entries = []
-        for st, k, v in found:
-            if isinstance(v, DTensor):
-                entries.append(((lambda v=v: v._local_tensor), (lambda view, v=v: setattr(v, "_local_tensor", view))))
-            else:
-                entries.append(((lambda v=v: v), (lambda view, st=st, k=k: st.__setitem__(k, view))))
-        self._state = None  # the previous buffers go once nothing views them
-        self._state = pack(entries, self._factory, self.tags["optimizer"], "cpu")
-        self._state_ids = {id(st[k]) for st, k, _ in found}
-        self._verify(self._state)
-
-    @staticmethod
-    def _local(v):
-        return getattr(v, "_local_tensor", v)
+        """Pack the optimizer's device state tensors that no earlier adoption packed into the optimizer tag. A state
+        tensor replaced later (a loaded checkpoint) is packed anew; the slot of the one it replaced stays in the
+        tag, paused with it, until the TrainingState goes."""
+        new = [v for v in self._state_tensors() if not any(f.owns(v) for f in self._state)]
+        if new:
+            flat = pack([[v] for v in new], self._factory, self.tags["optimizer"], "cpu")
+            self._state.append(flat)
+            self._verify(flat)
 
     def _verify(self, flat) -> None:
         held = sum(r["bytes_active"] for r in self._em.stats()["tags"] if r["tag"] == flat.tag)
@@ -201,7 +184,7 @@ class TrainingState:
                                  "swap); its shard is no longer the adopted one. Nothing was changed; build a new "
                                  "TrainingState for the new parameters")
             local = fp.sharded_param._local_tensor
-            if not self.weights.owns(fp._sharded_param_data) or (
+            if not (self.weights.owns(fp._sharded_param_data) and self.weights.owns(local)) or (
                     local.numel() and local.data_ptr() != fp._sharded_param_data.data_ptr()):
                 raise StateError(f"{what}: the shard of {r.fqn} was moved out of its adopted buffer (its storage "
                                  "was replaced); nothing was changed")
@@ -300,17 +283,18 @@ class TrainingState:
         out, done = {}, []
         undo = self._em.resume if op is self._em.pause else self._em.pause
         try:
-            for flat in (self.weights, self._state):
-                if flat is None:
-                    continue
-                rep = op(flat.tag)
-                done.append(flat.tag)
-                out[flat.tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
+            for tag in self._tags():
+                rep = op(tag)
+                done.append(tag)
+                out[tag] = {"bytes": rep.bytes, "bytes_copied": rep.bytes_copied, "s": rep.total_s}
         except BaseException:
             for tag in reversed(done):
                 undo(tag)
             raise
         return out
+
+    def _tags(self) -> list:
+        return [self.weights.tag] + ([self.tags["optimizer"]] if self._state else [])
 
     def close(self) -> None:
         """Remove the forward guard (the buffers stay where they are). Restores first if offloaded."""
