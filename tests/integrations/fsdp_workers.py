@@ -291,3 +291,59 @@ def dying_rank(rank, world, port, where, q):
     q.close()
     q.join_thread()
     os._exit(0)  # the group is broken: skip its teardown
+
+
+def bf16_params(model):
+    """The model's parameters cast to bf16, its buffers (rotary frequencies) left fp32: what the fp32 model
+    under MixedPrecisionPolicy(param_dtype=bf16) computes with."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def exact_sharded_adam(rank, world, addr, steps=20, offload=True):
+    """ShardedAdam (exact mode) over a bf16 FSDP2 model trains bit for bit as torch's AdamW (for-loop) over the same
+    model kept in fp32 (starting from the same bf16 values) under MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16): the same forward, the same reduced gradients, the same master update. With ``offload``, the ShardedAdam model is offloaded and restored
+    after every step (the fake driver's tags)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import ebbtide.integrations.fsdp as ebt
+    from ebbtide.errors import InvalidArgumentError
+
+    init(rank, world, addr)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    ref = qwen3()
+    for p in ref.parameters():  # fp32 masters that start where ShardedAdam's start: the bf16 weights, exactly
+        p.data = p.data.to(torch.bfloat16).float()
+    ref = shard(ref, world, mp_policy=mp)
+    ours = shard(bf16_params(qwen3()), world)
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    decay = [p for n, p in ref.named_parameters() if n.endswith("proj.weight")]
+    rest = [p for n, p in ref.named_parameters() if not n.endswith("proj.weight")]
+    topt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], foreach=False, **hyper)
+    state = ebt.TrainingState(ours, buffer_factory=fake_factory) if offload else None
+    named = dict(ours.named_parameters())
+    groups = [{"params": [named[n] for n in named if n.endswith("proj.weight")]},
+              {"params": [named[n] for n in named if not n.endswith("proj.weight")], "weight_decay": 0.0}]
+    opt = ebt.sharded_adam(ours, groups, mode="exact", threads=1, **hyper)
+    try:
+        ebt.TrainingState(ours, buffer_factory=fake_factory)
+        raise AssertionError("a TrainingState after the ShardedAdam was not refused")
+    except InvalidArgumentError as e:
+        assert "first" in str(e)
+    want, got = [], []
+    for step in range(steps):
+        ids = batch(step, rank)
+        want.append(train_step(ref, topt, ids))
+        got.append(train_step(ours, opt, ids))
+        if state is not None:
+            rep = state.offload()
+            assert list(rep.tags) == ["fsdp_weights"], rep.tags  # ShardedAdam's state lives on the host
+            state.restore()
+    for a, b in zip(want, got):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (want, got)
+    for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(p._local_tensor.to(torch.bfloat16).view(torch.int16), q._local_tensor.view(torch.int16)), n
+    dist.destroy_process_group()
+    return {"losses": [x.item() for x in got]}

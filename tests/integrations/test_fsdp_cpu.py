@@ -79,3 +79,10 @@ def test_a_rank_dying_gives_the_other_a_typed_error_in_bounded_time(fake_driver,
         for p in procs:
             p.join(60)
         assert [p.exitcode for p in procs] == [0, 0]
+
+
+@needs_fake
+def test_sharded_adam_is_bit_identical_to_torch_adamw_over_20_steps_with_offload_every_step(fake_driver):
+    pytest.importorskip("ebbtide.optim.sharded")
+    res = megatron_spawn.run("exact_sharded_adam", 2, module="fsdp_workers", timeout=400, steps=20)
+    assert all(len(r["losses"]) == 20 for r in res), res

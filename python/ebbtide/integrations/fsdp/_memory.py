@@ -90,7 +90,13 @@ class TrainingState:
     """Offload/restore of an FSDP2 trainer's GPU state (shards, gradients, FSDP's buffers, optimizer state)."""
 
     def __init__(self, model, optimizer=None, *, tag_prefix: str = "fsdp", buffer_factory=None):
+        from ._optimizer import has_sharded_adam  # noqa: PLC0415
+
         self.model = describe(model)
+        if has_sharded_adam(model):
+            raise InvalidArgumentError("a ShardedAdam was built over this model before the TrainingState: it keeps "
+                                       "views of the shards' memory, which adoption re-backs. Build "
+                                       "TrainingState(model) first, then sharded_adam(model)")
         dev = self.model.device
         if buffer_factory is None:
             if dev.type != "cuda":

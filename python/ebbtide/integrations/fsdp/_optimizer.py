@@ -1,0 +1,100 @@
+"""ebbtide's CPU Adam over an FSDP2 model's local shards: ``ebbtide.optim.ShardedAdam`` with one ``Shard`` per
+trainable FSDPParam.
+
+What holds:
+- Shards: per trainable parameter in the model's FSDP order (after ``TrainingState``, the order they lie in its flat
+  buffer, so consecutive shards are one copy each way), the DTensor's ``_local_tensor`` (bf16, the rank's rows) as
+  the shard's param, and as its gradient this step's ``p.grad._local_tensor`` (FSDP's reduce-scatter output, a new
+  view every backward; None when the parameter got no gradient). fp32 master and moments (or bf16 moments) live in
+  host memory, 12 B (8 B) per local element.
+- The step writes the new bf16 values into the shards in place; FSDP's next forward all-gathers them. Nothing else
+  is collective, so ``after_step`` is not needed; ``all_reduce`` reduces over the FSDP group (``grad_norm``,
+  ``has_non_finite_grad``). Clip before the step as with any torch optimizer
+  (``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works on the DTensor gradients).
+- ``param_groups``: torch's form, ``[{"params": [model parameters], "weight_decay": 0.0, ...}, ...]``; every
+  trainable parameter in exactly one group (default: one group of all of them).
+- Order with ``TrainingState``: ShardedAdam keeps views of the shards' memory from its construction, so build
+  ``TrainingState(model)`` first (it re-backs the shards), then ``sharded_adam(model)``; a TrainingState built over a
+  model that already has one is refused (InvalidArgumentError). Shards must be bf16 (build the model in bf16:
+  ``param.data = param.data.to(torch.bfloat16)`` before ``fully_shard``, buffers left as they are).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ...errors import InvalidArgumentError
+from ._model import describe
+
+__all__ = ["sharded_adam", "has_sharded_adam"]
+
+_ATTR = "_ebbtide_sharded_adam"  # on the root module: a weak reference to the ShardedAdam built over it
+
+
+def has_sharded_adam(model) -> bool:
+    ref = getattr(model, _ATTR, None)
+    return ref is not None and ref() is not None
+
+
+def _group_index(model_params, param_groups) -> tuple[list, dict]:
+    """(hyper-parameter dicts without "params", {id(param): group index})."""
+    if param_groups is None:
+        return [{}], {id(p): 0 for p in model_params}
+    if not isinstance(param_groups, (list, tuple)) or not all(isinstance(g, dict) for g in param_groups):
+        raise InvalidArgumentError("param_groups must be a list of dicts with 'params', as for torch optimizers")
+    hypers, where = [], {}
+    for gi, g in enumerate(param_groups):
+        params = g.get("params")
+        if params is None:
+            raise InvalidArgumentError(f"param_groups[{gi}] has no 'params'")
+        for p in ([params] if isinstance(params, torch.Tensor) else list(params)):
+            if id(p) in where:
+                raise InvalidArgumentError(f"a parameter is in param_groups[{where[id(p)]}] and [{gi}]")
+            where[id(p)] = gi
+        hypers.append({k: v for k, v in g.items() if k != "params"})
+    return hypers, where
+
+
+def sharded_adam(model, param_groups=None, **adam_kwargs):
+    """``ebbtide.optim.ShardedAdam`` over ``model``'s local shards (see the module doc); ``adam_kwargs`` are
+    ShardedAdam's (``lr``, ``betas``, ``eps``, ``weight_decay``, ``adamw``, ``mode``, ``moments_dtype``,
+    ``threads``, ``bucket_numel``, ``slots``)."""
+    from ...optim import Shard, ShardedAdam  # noqa: PLC0415
+
+    fsdp = describe(model)
+    if has_sharded_adam(model):
+        raise InvalidArgumentError("the model already has a ShardedAdam (sharded_adam() called twice)")
+    trainable = [r for r in fsdp.params if r.sharded_param.requires_grad]
+    hypers, where = _group_index([r.sharded_param for r in trainable], param_groups)
+    shards = []
+    for r in trainable:
+        gi = where.get(id(r.sharded_param))
+        if gi is None:
+            raise InvalidArgumentError(f"{r.fqn} is trainable but in no param group")
+        local = r.fsdp_param.sharded_param._local_tensor
+        if local.dtype != torch.bfloat16:
+            raise InvalidArgumentError(f"{r.fqn}: its shard is {local.dtype}; ShardedAdam keeps bf16 params on the "
+                                       "GPU and fp32 masters on the host (cast the parameters to bf16 before "
+                                       "fully_shard)")
+
+        def grad(p=r.sharded_param):
+            g = p.grad
+            return None if g is None else g._local_tensor
+
+        shards.append(Shard(local, grad, group=gi, grad_dtype=local.dtype))
+    extra = set(where) - {id(r.sharded_param) for r in trainable}
+    if extra:
+        raise InvalidArgumentError(f"param_groups name {len(extra)} tensor(s) that are not trainable FSDP2 "
+                                   "parameters of the model")
+    group = fsdp.group if fsdp.world > 1 else None
+
+    def all_reduce(t, op, _group=group):
+        if _group is not None:
+            dist.all_reduce(t, op=op, group=_group)
+        return t
+
+    opt = ShardedAdam(shards, hypers, all_reduce=all_reduce, **adam_kwargs)
+    setattr(model, _ATTR, weakref.ref(opt))
+    return opt
