@@ -33,16 +33,16 @@ def qwen3(seed=0, dtype=torch.float32, device="cuda", tie=False):
     return Qwen3ForCausalLM(Qwen3Config(**SIZE, tie_word_embeddings=tie)).to(device=device, dtype=dtype)
 
 
-def shard(model, world, bf16_compute=True):
+def shard(model, world, bf16_compute=True, reduce_dtype=torch.float32, **kw):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cuda", (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else \
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if bf16_compute else \
         MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, **kw)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **kw)
     return model
 
 
@@ -171,6 +171,46 @@ def ipc_sync(rank, world, addr, versions=5, fp8=False):
             p.kill()
     dist.destroy_process_group()
     return {"push_s": seconds, "buckets": len(plan.buckets), "exit": p.exitcode}
+
+
+def exact_sharded_adam(rank, world, addr, steps=20):
+    """ebbtide's ShardedAdam (exact) over a bf16 FSDP2 model, offloaded with its groups released after every step,
+    against FSDP2's own CPU path (CPUOffloadPolicy, fp32 shards starting from the same bf16 values, bf16 compute and
+    reduction, torch's for-loop AdamW on the CPU): losses and weights bit-identical over ``steps`` steps."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    import ebbtide.integrations.fsdp as ebt
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    init(rank, world, addr)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = qwen3(device="cpu")
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+    ref = shard(ref, world, reduce_dtype=torch.bfloat16, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    topt = torch.optim.AdamW(ref.parameters(), foreach=False, **hyper)
+    want = [step(ref, topt, batch(s)) for s in range(steps)]
+    ref_weights = {n: p._local_tensor.to(torch.bfloat16) for n, p in ref.named_parameters()}
+    del ref, topt
+    model = qwen3()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model = shard(model, world, bf16_compute=False)
+    state = ebt.TrainingState(model)
+    opt = ebt.sharded_adam(model, mode="exact", **hyper)
+    got = []
+    for s in range(steps):
+        got.append(step(model, opt, batch(s)))
+        state.offload()
+        ebt.release_groups()
+        ebt.reload_groups()
+        state.restore()
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(want, got)), (want, got)
+    for n, p in model.named_parameters():
+        assert torch.equal(p._local_tensor.cpu().view(torch.int16), ref_weights[n].view(torch.int16)), n
+    dist.destroy_process_group()
+    return {"losses": [x.item() for x in got], "step_s": opt.last_step_times}
 
 
 if __name__ == "__main__":  # pragma: no cover - run by the test through the spawn helper

@@ -36,3 +36,10 @@ def test_weights_over_cuda_ipc_equal_the_gathered_weights_bit_for_bit(fp8):
     res = megatron_spawn.run("ipc_sync", 1, module="fsdp_gpu_workers", timeout=400, versions=5, fp8=fp8)
     _record(f"ipc-{'fp8' if fp8 else 'bf16'}", res)
     assert res[0]["exit"] == 0 and res[0]["buckets"] >= 2, res
+
+
+def test_sharded_adam_exact_equals_fsdp2s_cpu_adamw_over_20_steps_with_offload_and_groups_released():
+    pytest.importorskip("ebbtide.optim.sharded")
+    res = megatron_spawn.run("exact_sharded_adam", 1, module="fsdp_gpu_workers", timeout=400, steps=20)
+    _record("exact", res)
+    assert len(res[0]["losses"]) == 20, res
