@@ -301,11 +301,12 @@ def bf16_params(model):
     return model
 
 
-def exact_sharded_adam(rank, world, addr, steps=20, offload=True):
+def exact_sharded_adam(rank, world, addr, steps=20, offload=True, weights="copy"):
     """ShardedAdam (exact mode) over a bf16 FSDP2 model trains bit for bit as torch's AdamW (for-loop) over the same
     model kept in fp32 (starting from the same bf16 values) under MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=bf16): the same forward, the same reduced gradients, the same master update. With ``offload``, the ShardedAdam model is offloaded and restored
-    after every step (the fake driver's tags)."""
+    after every step (the fake driver's tags); with ``weights="discard"`` the offload copies nothing (the optimizer's
+    host mirror rebuilds the shards at restore)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import ebbtide.integrations.fsdp as ebt
@@ -322,7 +323,13 @@ def exact_sharded_adam(rank, world, addr, steps=20, offload=True):
     decay = [p for n, p in ref.named_parameters() if n.endswith("proj.weight")]
     rest = [p for n, p in ref.named_parameters() if not n.endswith("proj.weight")]
     topt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], foreach=False, **hyper)
-    state = ebt.TrainingState(ours, buffer_factory=fake_factory) if offload else None
+    state = ebt.TrainingState(ours, buffer_factory=fake_factory, weights=weights) if offload else None
+    if weights == "discard":
+        try:
+            state.offload()
+            raise AssertionError("a discard offload without the optimizer's mirror was not refused")
+        except EbbtideError as e:
+            assert "mirror" in str(e) and not state.offloaded
     named = dict(ours.named_parameters())
     groups = [{"params": [named[n] for n in named if n.endswith("proj.weight")]},
               {"params": [named[n] for n in named if not n.endswith("proj.weight")], "weight_decay": 0.0}]
@@ -340,7 +347,10 @@ def exact_sharded_adam(rank, world, addr, steps=20, offload=True):
         if state is not None:
             rep = state.offload()
             assert list(rep.tags) == ["fsdp_weights"], rep.tags  # ShardedAdam's state lives on the host
-            state.restore()
+            assert (rep.total("bytes_copied") == 0) == (weights == "discard"), rep.tags
+            back = state.restore()
+            if weights == "discard":
+                assert back.total("bytes_copied") == opt.param_mirror.nbytes, back.tags
     for a, b in zip(want, got):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (want, got)
     for (n, p), q in zip(ref.named_parameters(), ours.parameters()):

@@ -82,7 +82,9 @@ def test_a_rank_dying_gives_the_other_a_typed_error_in_bounded_time(fake_driver,
 
 
 @needs_fake
-def test_sharded_adam_is_bit_identical_to_torch_adamw_over_20_steps_with_offload_every_step(fake_driver):
+@pytest.mark.parametrize("weights, steps", [("copy", 20), ("discard", 6)])
+def test_sharded_adam_is_bit_identical_to_torch_adamw_with_offload_every_step(fake_driver, weights, steps):
     pytest.importorskip("ebbtide.optim.sharded")
-    res = megatron_spawn.run("exact_sharded_adam", 2, module="fsdp_workers", timeout=400, steps=20)
-    assert all(len(r["losses"]) == 20 for r in res), res
+    res = megatron_spawn.run("exact_sharded_adam", 2, module="fsdp_workers", timeout=400, steps=steps,
+                             weights=weights)
+    assert all(len(r["losses"]) == steps for r in res), res

@@ -26,6 +26,10 @@ Policies:
   makes them).
 - While offloaded the model's forward raises StateError (a forward pre-hook on the root), instead of reading
   unmapped memory.
+- ``weights="discard"`` (with ``sharded_adam(model)`` built after the TrainingState): the weights tag has no CPU
+  backup; the optimizer keeps a pinned bf16 host mirror of the shards that every step writes, so ``offload`` drops
+  the shards without a copy and ``restore`` maps fresh pages, zeroes them (FSDP's padding rows) and uploads the
+  mirror. An offload without such an optimizer is refused (StateError) before anything changes.
 - ``buffer_factory(tag, backup, numel, dtype, device)`` replaces how the flat buffers are allocated (default: inside
   ``ebbtide.memory.region(tag, backup=backup)``); it must allocate in that tag. No GPU and no factory:
   UnsupportedError.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import torch
 
@@ -89,7 +94,8 @@ def _region_factory(tag: str, backup: str, numel: int, dtype, device):
 class TrainingState:
     """Offload/restore of an FSDP2 trainer's GPU state (shards, gradients, FSDP's buffers, optimizer state)."""
 
-    def __init__(self, model, optimizer=None, *, tag_prefix: str = "fsdp", buffer_factory=None):
+    def __init__(self, model, optimizer=None, *, tag_prefix: str = "fsdp", buffer_factory=None,
+                 weights: str = "copy"):
         from ._optimizer import has_sharded_adam  # noqa: PLC0415
 
         self.model = describe(model)
@@ -104,6 +110,9 @@ class TrainingState:
             buffer_factory = _region_factory
         if not callable(buffer_factory):
             raise InvalidArgumentError("buffer_factory must be callable(tag, backup, numel, dtype, device)")
+        if weights not in ("copy", "discard"):
+            raise InvalidArgumentError(f"weights must be 'copy' or 'discard' (got {weights!r})")
+        self.weights = weights
         if not isinstance(tag_prefix, str) or not tag_prefix:
             raise InvalidArgumentError(f"tag_prefix must be a non-empty str (got {tag_prefix!r})")
         import ebbtide.memory as em  # noqa: PLC0415
@@ -115,12 +124,13 @@ class TrainingState:
         self._offloaded = False
         self._check_idle("TrainingState()")
         self._sync()
-        self.weights = pack([self._shard_group(r) for r in self.model.params], buffer_factory,
-                            self.tags["weights"], "cpu")
+        self.flat = pack([self._shard_group(r) for r in self.model.params], buffer_factory,
+                         self.tags["weights"], "cpu" if weights == "copy" else "none")
         self._state: list = []  # the optimizer state's Flats (one per adoption that found new state tensors)
         self._sync()
         self._empty_cache()
-        self._verify(self.weights)
+        self._verify(self.flat)
+        setattr(model, "_ebbtide_training_state", weakref.ref(self))  # sharded_adam() reads the weights mode
         # prepend: ahead of FSDP's own pre-forward hook, whose all-gather would read the unmapped shards
         self._guard = model.register_forward_pre_hook(self._refuse_forward, prepend=True)
 
@@ -190,7 +200,7 @@ class TrainingState:
                                  "swap); its shard is no longer the adopted one. Nothing was changed; build a new "
                                  "TrainingState for the new parameters")
             local = fp.sharded_param._local_tensor
-            if not (self.weights.owns(fp._sharded_param_data) and self.weights.owns(local)) or (
+            if not (self.flat.owns(fp._sharded_param_data) and self.flat.owns(local)) or (
                     local.numel() and local.data_ptr() != fp._sharded_param_data.data_ptr()):
                 raise StateError(f"{what}: the shard of {r.fqn} was moved out of its adopted buffer (its storage "
                                  "was replaced); nothing was changed")
@@ -253,6 +263,7 @@ class TrainingState:
             raise StateError("offload() called twice: the training state is already offloaded (call restore())")
         t0 = time.perf_counter()
         self._check_idle("offload()")
+        self._mirror()  # discard mode: refused before anything changes when nothing can rebuild the weights
         free0 = self._driver_free()
         self._drop_transients()
         self._check_same("offload()")  # after reshard: the modules hold their sharded parameters again
@@ -280,6 +291,16 @@ class TrainingState:
         free0 = self._driver_free()
         tags = self._each_tag(self._em.resume)
         self._offloaded = False
+        opt = self._mirror()
+        if opt is not None:  # fresh pages: zero the padding, then the shards' elements from the host mirror
+            t1 = time.perf_counter()
+            for b in self.flat.buffers:
+                b.zero_()
+            opt.upload_params_from_mirror()
+            self._sync()
+            tag = self.flat.tag
+            tags[tag] = {**tags[tag], "bytes_copied": opt.param_mirror.nbytes,
+                         "s": tags[tag]["s"] + time.perf_counter() - t1}
         return OffloadReport("restore", tags, time.perf_counter() - t0, free0, self._driver_free(),
                              self._reserved_outside())
 
@@ -299,8 +320,22 @@ class TrainingState:
             raise
         return out
 
+    def _mirror(self):
+        """weights="discard": the model's ShardedAdam, whose host mirror rebuilds the shards (StateError when there is
+        none); None in copy mode."""
+        if self.weights == "copy":
+            return None
+        from ._optimizer import sharded_adam_of  # noqa: PLC0415
+
+        opt = sharded_adam_of(self.model.root)
+        if opt is None or opt.param_mirror is None:
+            raise StateError("TrainingState(weights='discard') rebuilds the shards from ShardedAdam's host mirror: "
+                             "build the optimizer with ebbtide.integrations.fsdp.sharded_adam(model) after the "
+                             "TrainingState (it keeps the mirror then)")
+        return opt
+
     def _tags(self) -> list:
-        return [self.weights.tag] + ([self.tags["optimizer"]] if self._state else [])
+        return [self.flat.tag] + ([self.tags["optimizer"]] if self._state else [])
 
     def close(self) -> None:
         """Remove the forward guard (the buffers stay where they are). Restores first if offloaded."""

@@ -13,6 +13,10 @@ What holds:
   (``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works on the DTensor gradients).
 - ``param_groups``: torch's form, ``[{"params": [model parameters], "weight_decay": 0.0, ...}, ...]``; every
   trainable parameter in exactly one group (default: one group of all of them).
+- With ``TrainingState(model, weights="discard")`` the optimizer keeps a pinned bf16 host mirror of the shards
+  (``enable_param_mirror``: 2 B per local element, written by every step in place of its upload slots), so the
+  offload drops the shards without a copy and the restore uploads the mirror. Writes to the parameters outside the
+  optimizer (loading weights) reach the mirror only through ``opt.sync_master_from_params()``.
 - Order with ``TrainingState``: ShardedAdam keeps views of the shards' memory from its construction, so build
   ``TrainingState(model)`` first (it re-backs the shards), then ``sharded_adam(model)``; a TrainingState built over a
   model that already has one is refused (InvalidArgumentError). Shards must be bf16 (build the model in bf16:
@@ -28,14 +32,19 @@ import torch.distributed as dist
 from ...errors import InvalidArgumentError
 from ._model import describe
 
-__all__ = ["sharded_adam", "has_sharded_adam"]
+__all__ = ["sharded_adam", "has_sharded_adam", "sharded_adam_of"]
 
 _ATTR = "_ebbtide_sharded_adam"  # on the root module: a weak reference to the ShardedAdam built over it
 
 
-def has_sharded_adam(model) -> bool:
+def sharded_adam_of(model):
+    """The ShardedAdam built over ``model`` by :func:`sharded_adam` (None if there is none, or it is gone)."""
     ref = getattr(model, _ATTR, None)
-    return ref is not None and ref() is not None
+    return None if ref is None else ref()
+
+
+def has_sharded_adam(model) -> bool:
+    return sharded_adam_of(model) is not None
 
 
 def _group_index(model_params, param_groups) -> tuple[list, dict]:
@@ -96,5 +105,9 @@ def sharded_adam(model, param_groups=None, **adam_kwargs):
         return t
 
     opt = ShardedAdam(shards, hypers, all_reduce=all_reduce, **adam_kwargs)
+    state = getattr(model, "_ebbtide_training_state", None)
+    state = state() if state is not None else None
+    if state is not None and state.weights == "discard":
+        opt.enable_param_mirror()  # every step writes it: the offload drops the shards, the restore uploads it
     setattr(model, _ATTR, weakref.ref(opt))
     return opt
