@@ -220,6 +220,8 @@ def weights_sync(rank, world, addr, steps=3, bucket_bytes=6_000):
     model = shard(qwen3(tie=True, dtype=torch.bfloat16), world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     gather = ebt.ShardGather(model)
+    # the plan's order is the architecture's own (a rollout builds it from its unsharded copy)
+    assert [n for n, *_ in gather.specs()] == [n for n, _ in qwen3(tie=True).named_parameters()]
     sender = None
     rollout = qwen3(tie=True, dtype=torch.bfloat16)
     calls = []

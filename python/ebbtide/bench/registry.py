@@ -26,6 +26,7 @@ SUITE_MODULES: dict[str, str] = {
     "comm": "ebbtide.bench.suites.comm",
     "colocate": "ebbtide.bench.suites.colocate",
     "megatron": "ebbtide.bench.suites.megatron",
+    "fsdp": "ebbtide.bench.suites.fsdp",
     "sync": "ebbtide.bench.suites.sync",
     "steady": "ebbtide.bench.suites.steady",
 }

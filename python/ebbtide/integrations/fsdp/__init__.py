@@ -7,16 +7,17 @@
     for layer in model.model.layers: fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     state = ebt.TrainingState(model)                      # once: shards moved into ebbtide.memory, addresses kept
-    opt = ebt.sharded_adam(model, lr=...)                 # ebbtide's CPU Adam over the local shards (bf16 model)
-                                                          # (or torch.optim.AdamW: TrainingState(model, opt))
+    opt = ebt.sharded_adam(model, lr=...)                 # ebbtide's CPU Adam over the local shards (bf16)
+    # (or opt = torch.optim.AdamW(...) and TrainingState(model, opt): its GPU state is offloaded too)
     sender = Sender(ebt.local_weights(model), IpcSender(conn), gather=ebt.ShardGather(model), default="raw")
     ...train a step; sender.push(step)...                 # full tensors, HF names, one all-gather per bucket
     state.offload(); ebt.release_groups()                 # rollout runs here
     ebt.reload_groups(); state.restore()
 
-Memory (``TrainingState``), the optimizer (``sharded_adam``), groups (``install_groups``, ``release_groups``, ``reload_groups``, ``check_groups``)
-and weights (``ShardGather``, ``local_weights``, ``full_weights``, ``served_name``) are independent; each works
-with torch's own versions of the others. What each supports and refuses is in its module's doc and docs/fsdp.md.
+Memory (``TrainingState``), the optimizer (``sharded_adam``), groups (``install_groups``, ``release_groups``,
+``reload_groups``, ``check_groups``) and weights (``ShardGather``, ``local_weights``, ``full_weights``,
+``served_name``) are independent; each works with torch's own versions of the others. What each supports and
+refuses is in its module's doc and docs/fsdp.md.
 """
 from __future__ import annotations
 

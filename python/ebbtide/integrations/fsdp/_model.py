@@ -91,8 +91,8 @@ def _refuse_other_wrappers(model) -> None:
                                    "ebbtide.integrations.fsdp supports FSDP2 only (torch.distributed.fsdp.fully_shard)")
         if isinstance(m, torch.nn.parallel.DistributedDataParallel):
             raise UnsupportedError(f"the model is wrapped with plain DistributedDataParallel{where}: "
-                                   "ebbtide.integrations.fsdp supports FSDP2 only (torch.distributed.fsdp.fully_shard); "
-                                   "for a replicated model, fully_shard it over a 1-D mesh")
+                                   "ebbtide.integrations.fsdp supports FSDP2 only (torch.distributed.fsdp."
+                                   "fully_shard); for a replicated model, fully_shard it over a 1-D mesh")
 
 
 def _check_param(fp, fqn: str) -> None:
@@ -102,8 +102,8 @@ def _check_param(fp, fqn: str) -> None:
     info = fp.mesh_info
     hsdp = getattr(common, "HSDPMeshInfo", None)
     if hsdp is not None and isinstance(info, hsdp):
-        raise UnsupportedError(f"{fqn}: HSDP (a 2-D mesh with a replicate dimension) is not supported: shard over "
-                               "a 1-D mesh")
+        raise UnsupportedError(f"{fqn}: HSDP (a 2-D mesh with a replicate dimension) is not supported: shard "
+                               "over a 1-D mesh")
     if not isinstance(info, common.FSDPMeshInfo):
         raise UnsupportedError(f"{fqn}: replicated, not sharded ({type(info).__name__}: torch's replicate()); "
                                "ebbtide.integrations.fsdp supports fully_shard over a 1-D mesh")

@@ -4,9 +4,9 @@ gathered per bucket with one collective per bucket and dtype.
 What holds:
 - Names: the model's parameter FQNs with wrapper segments removed (``served_name``): for a transformers model under
   ``fully_shard`` they are the checkpoint's names (``model.layers.0.self_attn.q_proj.weight``), what SGLang's
-  loaders take. Tied parameters appear once, under their first name (``named_parameters``' rule; a tied
-  ``lm_head.weight`` is not sent, as HF checkpoints of tied models omit it). Two FQNs that map to one served name
-  are refused.
+  loaders take, in ``named_parameters()`` order. Tied parameters appear once, under their first name
+  (``named_parameters``' rule; a tied ``lm_head.weight`` is not sent, as HF checkpoints of tied models omit it).
+  Two FQNs that map to one served name are refused.
 - ``ShardGather(model)`` is the ``gather`` of ``ebbtide.sync.Sender``: for one bucket's sources it packs this rank's
   padded shards (``_sharded_param_data``, cast to the gather dtype on the way) into one buffer per dtype, joins one
   ``all_gather_into_tensor`` over the FSDP group, and unpacks every tensor with one ``split_with_sizes_copy`` (FSDP's
@@ -31,8 +31,14 @@ __all__ = ["ShardGather", "local_weights", "full_weights"]
 
 
 def _records(model) -> dict:
+    """``{served name: ParamRecord}`` in ``model.named_parameters()`` order (the checkpoint's order, which a rollout
+    building the plan from its own copy of the architecture also sees)."""
+    by_id = {id(r.sharded_param): r for r in describe(model).params}
     out = {}
-    for r in describe(model).params:
+    for _, p in model.named_parameters():
+        r = by_id.get(id(p))
+        if r is None:
+            continue
         name = served_name(r.fqn)
         if name in out:
             raise InvalidArgumentError(f"{out[name].fqn!r} and {r.fqn!r} are both served as {name!r}")
