@@ -11,6 +11,8 @@ What holds:
   is collective, so ``after_step`` is not needed; ``all_reduce`` reduces over the FSDP group (``grad_norm``,
   ``has_non_finite_grad``). Clip before the step as with any torch optimizer
   (``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works on the DTensor gradients).
+- ``zero_grad()`` clears the model's parameters' gradients (``FsdpShardedAdam``): ShardedAdam's own params are
+  the local tensors, and FSDP adds the next backward's gradient to one left set.
 - ``param_groups``: torch's form, ``[{"params": [model parameters], "weight_decay": 0.0, ...}, ...]``; every
   trainable parameter in exactly one group (default: one group of all of them).
 - With ``TrainingState(model, weights="discard")`` the optimizer keeps a pinned bf16 host mirror of the shards
@@ -30,11 +32,28 @@ import torch
 import torch.distributed as dist
 
 from ...errors import InvalidArgumentError
+from ...optim import Shard, ShardedAdam
 from ._model import describe
 
-__all__ = ["sharded_adam", "has_sharded_adam", "sharded_adam_of"]
+__all__ = ["sharded_adam", "FsdpShardedAdam", "has_sharded_adam", "sharded_adam_of"]
 
 _ATTR = "_ebbtide_sharded_adam"  # on the root module: a weak reference to the ShardedAdam built over it
+
+
+class FsdpShardedAdam(ShardedAdam):
+    """ShardedAdam over an FSDP2 model's shards. Its own params are the local tensors, which never hold a gradient:
+    ``zero_grad`` clears the model's parameters' gradients instead (FSDP accumulates into a gradient left set)."""
+
+    def __init__(self, shards, param_groups, *, fsdp_params, **kw):
+        super().__init__(shards, param_groups, **kw)
+        self._fsdp_params = list(fsdp_params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._fsdp_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 def sharded_adam_of(model):
@@ -67,11 +86,9 @@ def _group_index(model_params, param_groups) -> tuple[list, dict]:
 
 
 def sharded_adam(model, param_groups=None, **adam_kwargs):
-    """``ebbtide.optim.ShardedAdam`` over ``model``'s local shards (see the module doc); ``adam_kwargs`` are
-    ShardedAdam's (``lr``, ``betas``, ``eps``, ``weight_decay``, ``adamw``, ``mode``, ``moments_dtype``,
-    ``threads``, ``bucket_numel``, ``slots``)."""
-    from ...optim import Shard, ShardedAdam  # noqa: PLC0415
-
+    """An ``FsdpShardedAdam`` (``ebbtide.optim.ShardedAdam``) over ``model``'s local shards (see the module doc);
+    ``adam_kwargs`` are ShardedAdam's (``lr``, ``betas``, ``eps``, ``weight_decay``, ``adamw``, ``mode``,
+    ``moments_dtype``, ``threads``, ``bucket_numel``, ``slots``)."""
     fsdp = describe(model)
     if has_sharded_adam(model):
         raise InvalidArgumentError("the model already has a ShardedAdam (sharded_adam() called twice)")
@@ -104,7 +121,8 @@ def sharded_adam(model, param_groups=None, **adam_kwargs):
             dist.all_reduce(t, op=op, group=_group)
         return t
 
-    opt = ShardedAdam(shards, hypers, all_reduce=all_reduce, **adam_kwargs)
+    opt = FsdpShardedAdam(shards, hypers, fsdp_params=[r.sharded_param for r in trainable], all_reduce=all_reduce,
+                          **adam_kwargs)
     state = getattr(model, "_ebbtide_training_state", None)
     state = state() if state is not None else None
     if state is not None and state.weights == "discard":
