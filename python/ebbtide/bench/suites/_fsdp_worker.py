@@ -226,8 +226,9 @@ def cmd_bench(spec: dict) -> dict:
         timed = _Phases(torch)
         timed("train", lambda: model(input_ids=ids, labels=ids).loss.backward())
         timed("optimizer", lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
-        timed("sync", lambda: sync(v + 1))
-        if res_r.recv() != "done":
+        # until the rollout holds the version: ebbtide's commit returns after the rollout's apply, verl's last reply
+        # comes before its load, so both wait for the rollout's own "done"
+        if timed("sync", lambda: (sync(v + 1), res_r.recv())[1]) != "done":
             raise RuntimeError("the rollout did not load the update")
         rep = timed("offload", offload)
         free, total = torch.cuda.mem_get_info()
