@@ -32,7 +32,7 @@ def run(ctx):
     from . import _fsdp_worker as w  # noqa: PLC0415
 
     size = "quick" if ctx.quick else "default"
-    steps, warmup = (3, 1) if ctx.quick else (4, 2)
+    steps, warmup = (2, 1) if ctx.quick else (3, 1)
     base = {"size": size, "steps": steps, "warmup": warmup, "batch": 4 if ctx.quick else 2,
             "seq": 512 if ctx.quick else 2048}
     res = {}
