@@ -306,9 +306,9 @@ def bf16_params(model):
 def exact_sharded_adam(rank, world, addr, steps=20, offload=True, weights="copy"):
     """ShardedAdam (exact mode) over a bf16 FSDP2 model trains bit for bit as torch's AdamW (for-loop) over the same
     model kept in fp32 (starting from the same bf16 values) under MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=bf16): the same forward, the same reduced gradients, the same master update. With ``offload``, the ShardedAdam model is offloaded and restored
-    after every step (the fake driver's tags); with ``weights="discard"`` the offload copies nothing (the optimizer's
-    host mirror rebuilds the shards at restore)."""
+    reduce_dtype=bf16): the same forward, the same reduced gradients, the same master update. With ``offload``, the
+    ShardedAdam model is offloaded and restored after every step (the fake driver's tags); with ``weights="discard"``
+    the offload copies nothing (the optimizer's host mirror rebuilds the shards at restore)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import ebbtide.integrations.fsdp as ebt

@@ -14,6 +14,10 @@ Variants:
   tensor into one 2 GiB CUDA IPC buffer).
 - ``cpu-offload``: ``CPUOffloadPolicy(pin_memory=True)`` with torch AdamW on the CPU (verl's ``offload_policy``);
   nothing to offload but the caching allocator's blocks; verl's weight update.
+- ``tms``: verl's model and optimizer in a process started as AReaL starts its trainer (torch_memory_saver's
+  preload hook, every allocation backed up to the CPU: ``ebbtide.anchors.areal.tms_env``), offloaded and onloaded
+  by AReaL's ``pause()`` / ``resume()``; verl's weight update (AReaL's colocated mode goes through disk). The rollout
+  process is started without the hook.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ SIZES = {  # Qwen3-1.7B's shape (tied embeddings: 1.72 B parameters), and a smal
     "quick": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=True),
 }
-VARIANTS = ("ebbtide", "ebbtide-gpu-adam", "verl", "cpu-offload")
+VARIANTS = ("ebbtide", "ebbtide-gpu-adam", "verl", "tms", "cpu-offload")
 BUCKET_BYTES = 512 << 20
 
 
@@ -124,7 +128,7 @@ def _setup(variant: str, size: str):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     import ebbtide.integrations.fsdp as ebt  # noqa: PLC0415
-    from ebbtide.anchors import verl  # noqa: PLC0415
+    from ebbtide.anchors import areal, verl  # noqa: PLC0415
 
     mesh = init_device_mesh("cuda", (1,))
     bf16 = variant == "ebbtide"
@@ -156,6 +160,8 @@ def _setup(variant: str, size: str):
         def onload():
             ebt.reload_groups()
             return state.restore()
+    elif variant == "tms":
+        offload, onload = areal.offload, areal.onload
     elif variant == "verl":
         def offload():
             verl.offload_model(model)
@@ -190,6 +196,12 @@ def cmd_bench(spec: dict) -> dict:
     ours = variant.startswith("ebbtide")
     if ours:
         ebt.install_groups()
+    if variant == "tms":
+        from ebbtide.anchors import areal  # noqa: PLC0415
+
+        areal.saver()  # the preload hook, before the first allocation of the model
+        for k in ("LD_PRELOAD", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP"):
+            os.environ.pop(k, None)  # the rollout process is started without it
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
@@ -243,7 +255,7 @@ def cmd_bench(spec: dict) -> dict:
     if ours:
         sender.close()
     p.join(120)
-    moved = {"ebbtide": 2 * n, "ebbtide-gpu-adam": 12 * n, "verl": 12 * n, "cpu-offload": 0}[variant]
+    moved = {"ebbtide": 2 * n, "ebbtide-gpu-adam": 12 * n, "verl": 12 * n, "tms": 12 * n, "cpu-offload": 0}[variant]
     wire = plan.nbytes if ours else 2 * n
     return {"variant": variant, "params": n, "device": torch.cuda.get_device_name(0),
             "phases": {k: {"median_s": statistics.median(x), "all_s": x} for k, x in phases.items()},
@@ -251,11 +263,12 @@ def cmd_bench(spec: dict) -> dict:
             "bytes_moved_each_way": moved, "source_bytes": 2 * n, "wire_bytes": wire}
 
 
-def run(spec: dict, timeout: float = 1200.0) -> dict:
-    """``spec`` in a fresh process; its JSON result, or RuntimeError with why it failed."""
+def run(spec: dict, timeout: float = 1200.0, env: dict | None = None) -> dict:
+    """``spec`` in a fresh process (``env``: its environment, default this one's); its JSON result, or
+    RuntimeError with why it failed."""
     from ._process import run_json_worker  # noqa: PLC0415
 
-    res, why = run_json_worker(__name__, [json.dumps(spec)], dict(os.environ), timeout)
+    res, why = run_json_worker(__name__, [json.dumps(spec)], dict(os.environ) if env is None else env, timeout)
     if res is None:
         raise RuntimeError(f"fsdp worker {spec.get('variant')}: {why}")
     return res

@@ -1,11 +1,12 @@
 """Suite `fsdp`: a transformers Qwen3 (Qwen3-1.7B's shape, 1.72 B parameters, random weights from a config; --quick
 ~0.2 B) under ``fully_shard`` on one GPU, a rollout process on the same GPU taking its weights every step; each
 variant in a fresh process of the same run (``_fsdp_worker``: ebbtide's adapter with its CPU optimizer, ebbtide's
-adapter over verl's model and GPU AdamW, verl's own functions, FSDP2's CPUOffloadPolicy).
+adapter over verl's model and GPU AdamW, verl's own functions, AReaL's torch_memory_saver preload, FSDP2's
+CPUOffloadPolicy).
 
 Rows (medians of the measured steps; the same model, data and rollout in every variant): offload and onload of the
-training state against verl's, each with the pinned-copy limit of the bytes that variant moves; the trainer's GPU
-memory while offloaded (the rollout's time), above its CUDA context; the weight sync (GB/s of bf16 published,
+training state against verl's and AReaL's, each with the pinned-copy limit of the bytes that variant moves; the
+trainer's GPU memory while offloaded (the rollout's time), above its CUDA context; the weight sync (GB/s of bf16 published,
 until the rollout holds the version) against verl's per-tensor path and the HBM limit; the optimizer step against
 torch's CPU AdamW under CPUOffloadPolicy and the host-memory floor; the train phase (same work: ~1x); the whole
 step (train + optimizer + sync + offload + onload) against verl and CPUOffloadPolicy.
@@ -20,10 +21,12 @@ SUITE = "fsdp"
 GB = 1e9
 ANCHORS = {"verl": "verl (volcengine/verl b178a3cd): model.cpu()/to(), optimizer state .to() per tensor, "
                    "full_tensor() per tensor into a 2 GiB CUDA IPC buffer",
+           "tms": "AReaL (inclusionAI/AReaL 4aef98d8): torch_memory_saver preload hook, CPU backup of every "
+                  "allocation, pause()/resume(); verl's model, optimizer and weight update",
            "cpu-offload": "FSDP2 CPUOffloadPolicy(pin_memory=True) + torch AdamW on the CPU, verl's weight update"}
 
 
-@suite(SUITE, needs="gpu", description="FSDP2 Qwen3 on one GPU: ebbtide's adapter vs verl's paths / CPUOffloadPolicy")
+@suite(SUITE, needs="gpu", description="FSDP2 Qwen3 on one GPU: ebbtide's adapter vs verl / AReaL / CPUOffloadPolicy")
 def run(ctx):
     ctx.require_gpu()
     for pkg in ("transformers",):
@@ -37,9 +40,17 @@ def run(ctx):
             "seq": 512 if ctx.quick else 2048}
     res = {}
     for v in w.VARIANTS:
+        env = None
+        if v == "tms":
+            if importlib.util.find_spec("torch_memory_saver") is None:
+                ctx.note_skip("fsdp variant tms", "torch_memory_saver is not installed (scripts/fetch-anchor-wheels)")
+                continue
+            from ...anchors import areal  # noqa: PLC0415
+
+            env = areal.tms_env()
         ctx.progress(f"fsdp: {v}, model {size}, {warmup}+{steps} steps")
         try:
-            res[v] = w.run({**base, "variant": v}, timeout=900 if ctx.quick else 1800)
+            res[v] = w.run({**base, "variant": v}, timeout=900 if ctx.quick else 1800, env=env)
         except Exception as e:  # noqa: BLE001 (a variant that fails loses its rows, not the suite)
             ctx.note_skip(f"fsdp variant {v}", str(e)[-400:])
     if not res:
@@ -75,16 +86,18 @@ def rows(res: dict, limits):
             continue
         moved = res[v]["bytes_moved_each_way"]
         off_limit = moved / (d2h * GB) if moved and v != "ebbtide" else None
-        yield row(f"offload ({v}: {what})", ph(v, "offload"), "verl", ph("verl", "offload"),
-                  limit=off_limit, limit_name="pinned D2H of the bytes moved" if off_limit else "",
-                  note="goal <= 1.2x the limit" if off_limit else "nothing to copy: the host holds the shards")
-        yield row(f"onload ({v})", ph(v, "onload"), "verl", ph("verl", "onload"), limit=moved / (h2d * GB),
-                  limit_name="pinned H2D of the bytes moved", note="goal <= 1.2x the limit")
+        for anchor in ("verl", "tms"):
+            yield row(f"offload ({v}: {what}; vs {anchor})", ph(v, "offload"), anchor, ph(anchor, "offload"),
+                      limit=off_limit, limit_name="pinned D2H of the bytes moved" if off_limit else "",
+                      note="goal <= 1.2x the limit" if off_limit else "nothing to copy: the host holds the shards")
+            yield row(f"onload ({v}; vs {anchor})", ph(v, "onload"), anchor, ph(anchor, "onload"),
+                      limit=moved / (h2d * GB), limit_name="pinned H2D of the bytes moved",
+                      note="goal <= 1.2x the limit")
     for v in ("ebbtide", "ebbtide-gpu-adam"):
-        if v in res:
-            yield row(f"trainer GPU memory while offloaded, above its CUDA context ({v})",
-                      res[v]["held_while_offloaded"] / GB, "verl",
-                      res["verl"]["held_while_offloaded"] / GB if "verl" in res else None, unit="GB",
+        for anchor in ("verl", "tms") if v in res else ():
+            yield row(f"trainer GPU memory while offloaded, above its CUDA context ({v}; vs {anchor})",
+                      res[v]["held_while_offloaded"] / GB, anchor,
+                      res[anchor]["held_while_offloaded"] / GB if anchor in res else None, unit="GB",
                       note=f"goal <= 0.5 GB; torch reserved outside the tags "
                            f"{res[v]['reserved_outside'] / GB:.3f} GB")
     if "ebbtide" in res:

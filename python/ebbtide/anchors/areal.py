@@ -1,0 +1,56 @@
+"""AReaL's FSDP2 offload, reproduced from its source (inclusionAI/AReaL at 4aef98d8): the trainer process runs under
+torch_memory_saver's preload hook with every allocation captured and backed up to the CPU
+(``areal/utils/offload.py`` ``get_tms_env_vars``: ``LD_PRELOAD`` of the package's
+``torch_memory_saver_hook_mode_preload.abi3.so``, ``TMS_INIT_ENABLE=1``, ``TMS_INIT_ENABLE_CPU_BACKUP=1``; the engine
+sets ``torch_memory_saver.hook_mode = "preload"``), and ``areal/engine/fsdp_engine.py`` ``offload`` / ``onload``
+are ``clear_memory()`` (gc + ``empty_cache``) then ``torch_memory_saver.pause()``, a device synchronize and a
+barrier, and ``resume()``, a synchronize and a barrier.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+__all__ = ["tms_env", "saver", "offload", "onload"]
+
+
+def tms_env(env: dict | None = None) -> dict:
+    """A copy of ``env`` (default os.environ) that starts a process as AReaL starts its trainer under
+    torch_memory_saver. RuntimeError where the package or its preload library is missing."""
+    import torch_memory_saver as tms_pkg  # noqa: PLC0415
+
+    lib = os.path.join(os.path.dirname(os.path.dirname(tms_pkg.__file__)),
+                       "torch_memory_saver_hook_mode_preload.abi3.so")
+    if not os.path.exists(lib):
+        raise RuntimeError(f"torch_memory_saver's preload library {lib} does not exist")
+    out = dict(os.environ if env is None else env)
+    out.update(LD_PRELOAD=lib, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    return out
+
+
+def saver():
+    """torch_memory_saver set to the preload hook, as AReaL's engine sets it before it builds the model."""
+    from torch_memory_saver import torch_memory_saver  # noqa: PLC0415
+
+    torch_memory_saver.hook_mode = "preload"
+    return torch_memory_saver
+
+
+def offload(group=None) -> None:
+    import torch  # noqa: PLC0415
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    saver().pause()
+    torch.cuda.synchronize()
+    if group is not None:
+        torch.distributed.barrier(group=group)
+
+
+def onload(group=None) -> None:
+    import torch  # noqa: PLC0415
+
+    saver().resume()
+    torch.cuda.synchronize()
+    if group is not None:
+        torch.distributed.barrier(group=group)
