@@ -7,9 +7,9 @@ CPUOffloadPolicy).
 Rows (medians of the measured steps; the same model, data and rollout in every variant): offload and onload of the
 training state against verl's and AReaL's, each with the pinned-copy limit of the bytes that variant moves; the
 trainer's GPU memory while offloaded (the rollout's time), above its CUDA context; the weight sync (GB/s of bf16
-published, until the rollout holds the version) against verl's per-tensor path and the HBM limit; the optimizer step against
-torch's CPU AdamW under CPUOffloadPolicy and the host-memory floor; the train phase (same work: ~1x); the whole
-step (train + optimizer + sync + offload + onload) against verl and CPUOffloadPolicy.
+published, until the rollout holds the version) against verl's per-tensor path and the HBM limit; the optimizer step
+against torch's CPU AdamW under CPUOffloadPolicy and the host-memory floor; the train phase (same work: ~1x); the
+whole step (train + optimizer + sync + offload + onload) against verl and CPUOffloadPolicy.
 """
 from __future__ import annotations
 
