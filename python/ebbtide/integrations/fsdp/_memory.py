@@ -287,11 +287,11 @@ class TrainingState:
             raise StateError("restore() without offload(): the training state is resident")
         self._check_idle("restore()")
         self._check_same("restore()")
+        opt = self._mirror()  # discard mode: the optimizer that rebuilds the shards, found before anything changes
         t0 = time.perf_counter()
         free0 = self._driver_free()
         tags = self._each_tag(self._em.resume)
         self._offloaded = False
-        opt = self._mirror()
         if opt is not None:  # fresh pages: zero the padding, then the shards' elements from the host mirror
             t1 = time.perf_counter()
             for b in self.flat.buffers:
