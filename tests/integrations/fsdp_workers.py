@@ -179,6 +179,7 @@ def refusals(rank, world, addr):
     off = shard(qwen3(), world, offload_policy=CPUOffloadPolicy(pin_memory=False))
     expect(UnsupportedError, lambda: ebt.TrainingState(off, buffer_factory=fake_factory), "CPUOffloadPolicy")
     expect(UnsupportedError, lambda: ebt.TrainingState(shard(qwen3(), world)), "not a GPU")
+    expect(StateError, lambda: ebt.check_groups(shard(qwen3(), world)), "install_groups")  # the mesh came first
 
     m = shard(qwen3(), world)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
@@ -359,3 +360,35 @@ def exact_sharded_adam(rank, world, addr, steps=20, offload=True, weights="copy"
         assert torch.equal(p._local_tensor.to(torch.bfloat16).view(torch.int16), q._local_tensor.view(torch.int16)), n
     dist.destroy_process_group()
     return {"losses": [x.item() for x in got]}
+
+
+def groups_cycle(rank, world, addr):
+    """The mesh's groups through ebbtide.comm, install_groups() first: reloadable; a collective of the model on a
+    released group raises StateError; after reload it trains on."""
+    import ebbtide.integrations.fsdp as ebt
+    from ebbtide.errors import StateError
+
+    init(rank, world, addr, install=True)
+    model = shard(qwen3(), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    report = ebt.check_groups(model)
+    assert report["shard"]["reloadable"] and report["shard"]["size"] == world, report
+    before = train_step(model, opt, batch(0, rank))
+    ebt.release_groups(include_cpu=True)  # Gloo is this mesh's backend
+    try:
+        model(input_ids=batch(1, rank))
+        raise AssertionError("a forward over the released group ran")
+    except StateError as e:
+        assert "released" in str(e)
+    for m in describe_modules(model):
+        m.reshard()
+    ebt.reload_groups()
+    after = train_step(model, opt, batch(1, rank))
+    dist.destroy_process_group()
+    return {"losses": [before.item(), after.item()]}
+
+
+def describe_modules(model):
+    from ebbtide.integrations.fsdp import describe
+
+    return describe(model).modules

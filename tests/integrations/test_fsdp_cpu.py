@@ -37,7 +37,8 @@ def test_refusals_change_nothing(fake_driver):
     res = megatron_spawn.run("refusals", 2, module="fsdp_workers", timeout=300)
     want = {"not wrapped": "InvalidArgumentError", "plain Distributed": "UnsupportedError", "HSDP": "UnsupportedError",
             "CPUOffloadPolicy": "UnsupportedError", "not a GPU": "UnsupportedError", "in flight": "StateError",
-            "without offload": "StateError", "called twice": "StateError", "was replaced": "StateError"}
+            "without offload": "StateError", "called twice": "StateError", "was replaced": "StateError",
+            "install_groups": "StateError"}
     assert all(r["seen"] == want for r in res), res
 
 
@@ -89,3 +90,8 @@ def test_sharded_adam_is_bit_identical_to_torch_adamw(fake_driver, weights, step
     res = megatron_spawn.run("exact_sharded_adam", 2, module="fsdp_workers", timeout=400, steps=steps,
                              weights=weights, offload=offload)
     assert all(len(r["losses"]) == steps for r in res), res
+
+
+def test_the_mesh_groups_release_and_reload():
+    res = megatron_spawn.run("groups_cycle", 2, module="fsdp_workers", timeout=300)
+    assert all(len(r["losses"]) == 2 for r in res), res
