@@ -193,8 +193,9 @@ class TrainingState:
     def _check_same(self, what: str) -> None:
         for r in self.model.params:
             fp = r.fsdp_param
-            now = r.module._parameters.get(r.attr)
-            if fp.sharded_param is not r.sharded_param or now is not r.sharded_param:
+            now = r.module._parameters.get(r.attr)  # the sharded parameter, or FSDP's unsharded one between
+            unsharded = getattr(fp, "_unsharded_param", None)  # a forward and its reshard
+            if fp.sharded_param is not r.sharded_param or (now is not r.sharded_param and now is not unsharded):
                 raise StateError(f"{what}: parameter {r.fqn} was replaced since TrainingState was built (a new "
                                  "Parameter object: load_state_dict(assign=True), model.to()/.cpu(), or a manual "
                                  "swap); its shard is no longer the adopted one. Nothing was changed; build a new "
@@ -264,9 +265,9 @@ class TrainingState:
         t0 = time.perf_counter()
         self._check_idle("offload()")
         self._mirror()  # discard mode: refused before anything changes when nothing can rebuild the weights
+        self._check_same("offload()")
         free0 = self._driver_free()
         self._drop_transients()
-        self._check_same("offload()")  # after reshard: the modules hold their sharded parameters again
         self._sync()
         self._adopt_state()
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # per handle and stream, kept for the process
