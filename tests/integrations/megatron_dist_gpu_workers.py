@@ -178,3 +178,35 @@ def moe(rank, world, init, dispatcher="alltoall", steps=8, size="tiny"):
     experts = sum(g["is_expert_parallel"] for g in opt.param_groups)
     assert experts >= 1 and comm.is_installed()
     return {"losses": losses, "cycles": rows}
+
+
+def discard_cycles(rank, world, init, steps=6, size="tiny", overlap=False):
+    """ebbtide's sharded optimizer under ``TrainingState(weights="discard")``: the DDP param buffers dropped at every
+    offload and rebuilt from each rank's host mirror of its shards (zeroed, uploaded, all-gathered at the restore or,
+    with ``overlap``, at the first forward): losses and params bit-identical to a twin that never offloads."""
+    import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
+
+    _setup(rank, world, init, 1)
+    twin_model = _gpt(size)
+    twin = ebt.get_optimizer(_config(), [twin_model], mode="exact")
+    model = _gpt(size)
+    opt = ebt.get_optimizer(_config(), [model], mode="exact")
+    state = ebt.TrainingState([model], opt, weights="discard")
+    assert opt.optimizer.param_mirror is not None
+    losses, twin_losses, copied = [], [], []
+    for s in range(steps):
+        for m, o, out in ((model, opt, losses), (twin_model, twin, twin_losses)):
+            o.zero_grad()
+            out.append(_train(m, size, s))
+            ok, _, _ = o.step()
+            assert ok
+        off = state.offload()
+        rep = state.restore(overlap_forward=overlap)
+        copied.append((off.tags[state.tags["weights_mirrored"]]["bytes_copied"],
+                       rep.tags[state.tags["weights_mirrored"]]["bytes_copied"]))
+    state.wait_weights()
+    diff = [(i, a, b) for i, (a, b) in enumerate(zip(losses, twin_losses)) if a != b]
+    assert not diff, diff[:5]
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    return {"losses": losses, "copied": copied, "mirror_bytes": opt.optimizer.param_mirror.nbytes}

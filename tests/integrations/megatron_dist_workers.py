@@ -152,7 +152,7 @@ def moe_exact(rank, world, init, steps=5, ep=2):
     ref_losses = [_step(ref_model, ref, s, rank) for s in range(steps)]
     model = _gpt(experts=4)
     opt = ebt.get_optimizer(opt_config(), [model], mode="exact", bucket_numel=1000)
-    experts = [b for b in opt.optimizer.buffers if b in list(model.expert_parallel_buffers)]
+    experts = [b for b in opt.layout.buffers if b in list(model.expert_parallel_buffers)]
     assert experts, "no expert-parallel buffer reached the optimizer"
     losses = [_step(model, opt, s, rank) for s in range(steps)]
     assert losses == ref_losses, (losses, ref_losses)
@@ -166,11 +166,10 @@ def moe_exact(rank, world, init, steps=5, ep=2):
     except UnsupportedError as e:
         refused = str(e)
     assert "expert-parallel buffers" in refused, refused
-    inner = opt.optimizer  # the pipeline's chunks: runs of alternating param groups merged, each contiguous
-    chunks = [(c.hi - c.lo, c.hi - c.lo == sum(r.hi - r.lo for r in c.runs), len({r.group for r in c.runs}))
-              for c in inner._chunks]
+    inner = opt.optimizer  # the pipeline's buckets: pieces of many params, of alternating param groups, few copies
+    buckets = [(b.end - b.start, len(b.pieces), len(b.uploads), len(b.calls)) for b in inner._buckets]
     return {"losses": losses, "expert_groups": sum(g["is_expert_parallel"] for g in opt.param_groups),
-            "runs": len(inner._runs), "chunks": chunks}
+            "shards": len(inner.shards), "buckets": buckets}
 
 
 def dp_exact(rank, world, init, steps=6, tp=1, fp32_grads=False):
@@ -241,13 +240,13 @@ def dp_interrupted(rank, world, init, steps=4, bf16_moments=False):
         cfg.use_precision_aware_optimizer = True
         cfg.exp_avg_dtype = cfg.exp_avg_sq_dtype = torch.bfloat16
     pairs = [(m, ebt.get_optimizer(cfg, [m], mode="exact", bucket_numel=300)) for m in (_gpt(), _gpt())]
-    chunks = pairs[0][1].optimizer._chunks
-    assert len(chunks) >= 4
-    # the failing call: the second kernel call (param group) of the first chunk that makes several, so its first
+    buckets = pairs[0][1].optimizer._buckets
+    assert len(buckets) >= 4
+    # the failing call: the second kernel call (param group) of the first bucket that makes several, so its first
     # call has run and must not run again when the step is finished
-    at = next((i for i, c in enumerate(chunks) if len(c.spans) > 1), None) if rank == 0 else 0
-    assert at is not None, [len(c.spans) for c in chunks]
-    calls_before = sum(len(c.spans) for c in chunks[:at]) + 1
+    at = next((i for i, b in enumerate(buckets) if len(b.calls) > 1), None) if rank == 0 else 0
+    assert at is not None, [len(b.calls) for b in buckets]
+    calls_before = sum(len(b.calls) for b in buckets[:at]) + 1
     errors, losses = [], [[], []]
     for s in range(steps):
         for k, (model, opt) in enumerate(pairs):
@@ -306,8 +305,7 @@ def dp_host_memory(rank, world, init, bf16_moments=False):
     gc.collect()
     second = _rss()
     inner = opt.optimizer
-    slots = sum(t.numel() * t.element_size() for ts in inner._gslots.values() for t in ts)
-    slots += sum(t.numel() * t.element_size() for t in inner._oslots)
+    slots = sum(t.numel() * t.element_size() for t in inner._gslots + inner._oslots)
     return {"built": built - before, "growth": second - first, "host_bytes": inner.host_bytes,
             "slots": slots, "owned": inner.numel, "total": sum(b.numel for b in model.buffers)}
 

@@ -32,9 +32,10 @@ def test_tp2_dp2_exact_matches_megatron_distributed_optimizer():
 def test_moe_expert_parallel_2_exact_matches_megatron():
     res = _spawn.run("moe_exact", 2, module="megatron_dist_workers", timeout=240)
     assert all(r["expert_groups"] >= 1 for r in res), res
-    for r in res:  # the step ran over chunks: fewer than the runs, each within the pipeline's 1000 and gap-free,
-        assert len(r["chunks"]) < r["runs"], r  # and some holding both a weight-decay and a no-decay group
-        assert all(n <= 1000 and whole for n, whole, _ in r["chunks"]) and max(g for *_, g in r["chunks"]) == 2, r
+    for r in res:  # the step ran over buckets within the pipeline's 1000 elements, params next to each other one
+        b = r["buckets"]  # copy, and some buckets holding several param groups (decay and not; dense and expert)
+        assert all(n <= 1000 for n, *_ in b), r
+        assert sum(u for _, _, u, _ in b) < sum(p for _, p, _, _ in b) and max(c for *_, c in b) >= 2, r
 
 
 @pytest.mark.parametrize("bf16_moments", [False, True], ids=["fp32-moments", "bf16-moments"])
@@ -114,3 +115,22 @@ def test_gpu_moe_ep2_cycles_match_megatron_hdo(dispatcher):
     res = _spawn.run("moe", 2, module="megatron_dist_gpu_workers", timeout=300, dispatcher=dispatcher)
     for r in res:
         print(f"{dispatcher}: cycles {r['cycles'][-1]}")
+
+
+@pytest.mark.gpu
+@_gpus(1)
+@pytest.mark.parametrize("overlap", [False, True], ids=["gather-at-restore", "gather-at-first-forward"])
+def test_gpu_discarded_weights_rebuilt_from_the_shards_mirror(overlap):
+    """One GPU, the distributed optimizer at DP=1 (ShardedAdam over every element of the DDP buckets): the weights
+    dropped at each offload (nothing copied down) and rebuilt from the host mirror of the shards, losses and params
+    bit-identical to a twin that never offloads."""
+    (r,) = _spawn.run("discard_cycles", 1, module="megatron_dist_gpu_workers", timeout=300, overlap=overlap)
+    assert all(down == 0 and up == r["mirror_bytes"] for down, up in r["copied"]), r["copied"]
+
+
+@pytest.mark.multigpu
+@_gpus(2)
+def test_gpu_dp2_discarded_weights_rebuilt_from_each_ranks_shards():
+    res = _spawn.run("discard_cycles", 2, module="megatron_dist_gpu_workers", timeout=300, overlap=True)
+    for r in res:
+        assert all(down == 0 and up == r["mirror_bytes"] for down, up in r["copied"]), r["copied"]

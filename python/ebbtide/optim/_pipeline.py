@@ -160,6 +160,11 @@ class Pipelined:
         return self._mirror
 
     @property
+    def device(self) -> torch.device:
+        """Where the params are."""
+        return self._device
+
+    @property
     def buckets(self) -> list[tuple[int, int]]:
         """Element ranges of the buckets (of the flat buffers, of the host state), in pipeline order."""
         return [(b.start, b.end) for b in self._buckets]

@@ -10,7 +10,7 @@ from ...optim import OffloadedAdam
 from ._distributed import EbbtideDistributedOptimizer
 from ._groups import gloo_twin
 from ._optimizer import EbbtideOptimizer, check_config, moments_dtype
-from ._sharded import ShardAdam
+from ._sharded import MegatronShards
 
 try:
     from megatron.core import parallel_state
@@ -104,10 +104,11 @@ def get_optimizer(config, model_chunks, config_overrides=None, *, mode: str = "f
             raise InvalidArgumentError("buffer_factory applies to the non-sharded form only (the distributed form "
                                        "keeps the params in Megatron's DDP buffers)")
         buffers = [b for c in model_chunks for b in list(c.buffers) + list(c.expert_parallel_buffers)]
-        inner = ShardAdam(groups, buffers, run_numel=bucket_numel, tp_group=tp_group, **hyper)
+        layout = MegatronShards(groups, buffers, tp_group)
+        inner = layout.optimizer(bucket_numel=bucket_numel, **hyper)
         stats = parallel_state.get_intra_distributed_optimizer_instance_group()
         return EbbtideDistributedOptimizer(
-            inner, config, model_chunks, grad_scaler, grad_stats_parallel_group=stats, tp_group=tp_group,
+            inner, config, model_chunks, layout, grad_scaler, grad_stats_parallel_group=stats, tp_group=tp_group,
             grad_stats_cpu_group=gloo_twin(stats) if stats_on_cpu else None)
     inner = OffloadedAdam(groups, bucket_numel=bucket_numel, buffer_factory=buffer_factory, attach_grads=False,
                           **hyper)

@@ -1,5 +1,6 @@
-"""``EbbtideDistributedOptimizer``: Megatron's optimizer interface over :class:`ShardAdam` (the distributed-optimizer
-form; the shard layout, step and numerics are in ``_sharded.py``).
+"""``EbbtideDistributedOptimizer``: Megatron's optimizer interface over :class:`ebbtide.optim.ShardedAdam` (the
+distributed-optimizer form; how Megatron's buffers become shards is ``_sharded.py``, the step and what holds of it
+ShardedAdam's).
 
 What holds:
 - Built by :func:`ebbtide.integrations.megatron.get_optimizer` when the ``OptimizerConfig`` and the model's DDP both
@@ -7,11 +8,13 @@ What holds:
   expert-parallel (each bucket's shard follows that buffer's own data-parallel group), so Megatron's param groups
   (weight decay, lr multipliers, ``is_expert_parallel``) are one list, as Megatron's ``param_groups`` expects.
 - Gradients are never copied on the GPU: the step reads the reduce-scattered slices of DDP's ``grad_data``. A loss
-  scaler skips the step on non-finite gradients (found on any rank of the distributed-optimizer group).
+  scaler skips the step on non-finite gradients (found on any rank of the distributed-optimizer group); the norm
+  and that check are ShardedAdam's, reduced through this optimizer's ``_all_reduce`` (the Gloo twin of the
+  distributed-optimizer group by default): its ``all_reduce`` hook.
 - After the step the params are all-gathered as Megatron's DistributedOptimizer does (``start_param_sync`` per
-  model chunk without ``overlap_param_gather``; with it, DDP's forward pre-hooks); after a step that was
-  interrupted and made whole too (``StepError(completed=True)`` is raised after the gather), so every rank's
-  params hold the new version and the ranks' collectives stay paired.
+  model chunk without ``overlap_param_gather``; with it, DDP's forward pre-hooks): ShardedAdam's ``after_step``
+  hook, so it runs after a step that was interrupted and made whole too (before its ``StepError(completed=True)``
+  is raised): every rank's params hold the new version and the ranks' collectives stay paired.
 - Checkpoints: ``state_dict`` is Megatron's DistributedOptimizer form (param groups without params, the step in
   each group, the grad scaler; each loads the other's); the parameter state goes
   through ``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero`` (Megatron's layout and names,
@@ -25,9 +28,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...errors import InvalidArgumentError, StepError, UnsupportedError
+from ...errors import InvalidArgumentError, UnsupportedError
+from ...optim import ShardedAdam
 from ._optimizer import EbbtideOptimizer
-from ._sharded import ShardAdam
+from ._sharded import MegatronShards
 
 __all__ = ["EbbtideDistributedOptimizer"]
 
@@ -35,22 +39,18 @@ _KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 
 class EbbtideDistributedOptimizer(EbbtideOptimizer):
-    """Megatron's optimizer interface over one :class:`ShardAdam` (build it with ``get_optimizer``)."""
+    """Megatron's optimizer interface over one :class:`ShardedAdam` over ``layout``'s shards (build it with
+    ``get_optimizer``). It supplies the ShardedAdam's hooks: the params' all-gather after every whole step, the
+    norm's and the found-inf check's reductions."""
 
-    def __init__(self, inner: ShardAdam, config, model_chunks, grad_scaler=None, *, grad_stats_parallel_group=None,
-                 tp_group=None, grad_stats_cpu_group=None):
-        super(EbbtideOptimizer, self).__init__(inner, config, init_state_fn=lambda *a, **k: None)
-        self.is_stub_optimizer = False
-        self.grad_scaler = grad_scaler
-        self.grad_stats_parallel_group = grad_stats_parallel_group
-        self.grad_stats_cpu_group = grad_stats_cpu_group  # see EbbtideOptimizer._all_reduce
-        self.tp_group = tp_group
+    def __init__(self, inner: ShardedAdam, config, model_chunks, layout: MegatronShards, grad_scaler=None, *,
+                 grad_stats_parallel_group=None, tp_group=None, grad_stats_cpu_group=None):
+        super().__init__(inner, config, grad_scaler, grad_stats_parallel_group=grad_stats_parallel_group,
+                         tp_group=tp_group, grad_stats_cpu_group=grad_stats_cpu_group,
+                         model_groups=layout.model_groups)
         self.model_chunks = list(model_chunks)
-        self.float16_groups = [list(g["params"]) for g in inner.param_groups]
-        self._clip_coeff = 1.0
-        self._device = inner._device
-        self.last_step_times: dict = {}  # see EbbtideOptimizer.step
-        self.update_start_hooks: list = []  # see EbbtideOptimizer
+        self.layout = layout
+        inner.after_step, inner.all_reduce = self._start_param_sync, self._all_reduce
 
     # ---- gradients: read in place ----------------------------------------------------------------------------
     def _copy_model_grads_to_main_grads(self) -> None:
@@ -58,7 +58,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
             p.grad = None  # Megatron's grads live in DDP's buffer; .grad stays None as with its optimizers
 
     def _grads_for_norm(self) -> list:
-        return self.optimizer.grad_slices(counted_only=True)
+        return self.optimizer.grads(counted_only=True)
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -66,26 +66,17 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         self._clip_coeff = 1.0
         if not self.grad_scaler:
             return False
-        bad = torch.zeros(1, dtype=torch.float32, device=self._device)
-        for g in self.optimizer.grad_slices():
-            if g.numel():
-                bad += (~torch.isfinite(g)).any().float()
-        found_inf = float(self._all_reduce(bad, dist.ReduceOp.MAX).item()) > 0
+        found_inf = self.optimizer.has_non_finite_grad()
         self.grad_scaler.update(found_inf)
         return found_inf
 
     @torch.no_grad()
-    def step_with_ready_grads(self) -> bool:
-        scale, self._clip_coeff = self._loss_unscale() * self._clip_coeff, 1.0
-        try:
-            self.optimizer.step(grad_scale=None if scale == 1.0 else scale)
-        except StepError as e:
-            if not e.completed:
-                raise
-            self._start_param_sync()  # the step was made whole: its params are gathered as after any step
-            raise
-        self._start_param_sync()
-        return True
+    def get_grad_norm(self) -> float:
+        return self.optimizer.grad_norm() * self._loss_unscale()
+
+    def add_bucket_hook(self, fn):
+        raise UnsupportedError("add_bucket_hook: the distributed optimizer's buckets are this rank's shards only; "
+                               "stream weight updates from the gathered params (full_weights) after the step")
 
     def _start_param_sync(self) -> None:
         for chunk in self.model_chunks:  # Megatron's DistributedOptimizer.step_with_ready_grads
@@ -138,14 +129,14 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
     def _single_dp_group(self, what: str) -> None:
         """The dp_zero form is one data-parallel group's: Megatron keeps expert-parallel buffers (their own DP
         group) in a second optimizer of its ChainedOptimizer, with its own dp_zero dict."""
-        if len({id(b.data_parallel_group) for b in self.optimizer.buffers}) > 1:
+        if len({id(b.data_parallel_group) for b in self.layout.buffers}) > 1:
             raise UnsupportedError(f"{what}: the model has expert-parallel buffers (another data-parallel group); "
                                    "the dp_zero form of MoE models (Megatron's chained [dense, expert] layout) is "
                                    "not supported")
 
     def _dp_group(self, bi: int):
         """The bucket shards' own data-parallel group and where its collectives take tensors."""
-        buf = self.optimizer.buffers[bi]
+        buf = self.layout.buffers[bi]
         cpu = dist.get_backend(buf.data_parallel_group) == "gloo"
         return buf.data_parallel_group, ("cpu" if cpu else buf.param_data.device)
 
@@ -156,7 +147,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         self._single_dp_group("get_parameter_state_dp_zero")
         inner = self.optimizer
         state, rank0 = {"buckets_coalesced": True}, True
-        for bi, buf in enumerate(inner.buffers):
+        for bi, buf in enumerate(self.layout.buffers):
             group, dev = self._dp_group(bi)
             dp, r = group.size(), group.rank()
             rank0 = r == 0
@@ -170,7 +161,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
                 for key in _KEYS:
                     if empty_data:
                         continue
-                    send = inner.local_shard(bi, k, key).to(dev)
+                    send = self.layout.bucket_state(inner, bi, k, key).to(dev)
                     recv = [torch.empty_like(send) for _ in range(dp)] if rank0 or return_on_all_ranks else None
                     if return_on_all_ranks:
                         dist.all_gather(recv, send, group=group)
@@ -192,7 +183,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         self._single_dp_group("load_parameter_state_from_dp_zero")
         inner = self.optimizer
         worlds = []
-        for bi, buf in enumerate(inner.buffers):
+        for bi, buf in enumerate(self.layout.buffers):
             group, dev = self._dp_group(bi)
             why, world = [""], None
             if group.rank() == 0:
@@ -211,7 +202,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
         bad = [w for w, _ in worlds if w]
         if bad:  # every rank of the groups raises; nothing was changed
             raise InvalidArgumentError("; ".join(bad))
-        for bi, buf in enumerate(inner.buffers):
+        for bi, buf in enumerate(self.layout.buffers):
             group, dev = self._dp_group(bi)
             dp, r, world = group.size(), group.rank(), worlds[bi][1]
             off = 0
@@ -225,7 +216,7 @@ class EbbtideDistributedOptimizer(EbbtideOptimizer):
                         full[:bucket.numel_unpadded].copy_(world[key][off:off + bucket.numel_unpadded])
                         parts = [t.to(dev) for t in full.split(size)]
                     dist.scatter(recv, parts, src=dist.get_global_rank(group, 0), group=group)
-                    inner.set_local_shard(bi, k, key, recv.cpu())
+                    self.layout.set_bucket_state(inner, bi, k, key, recv.cpu())
                 off += bucket.numel_unpadded
         inner.upload_params_from_master()
         for chunk in self.model_chunks:

@@ -18,8 +18,9 @@ Policies:
   OffloadedAdam stay in ``<prefix>_weights`` (copied). Writes to the params after the optimizer's last step that
   do not go through it are lost at the next offload unless ``optimizer.sync_master_from_params()`` runs after them
   (loading weights in place needs that call for the masters anyway). With ebbtide's distributed optimizer
-  (``ShardAdam``) the DDP ``param_data`` buffers go to ``<prefix>_weights_mirrored`` and the mirror holds each
-  rank's owned slices only: restore uploads them and the params are all-gathered over the data-parallel group
+  (``ShardedAdam``) the DDP ``param_data`` buffers go to ``<prefix>_weights_mirrored`` and the mirror holds each
+  rank's shards only: restore zeroes those buffers (fresh pages), uploads the shards and the params are
+  all-gathered over the data-parallel group
   (DDP's ``start_param_sync``), at restore or, with ``overlap_forward=True``, at each chunk's first forward (after
   a group reload that comes after restore, as in slime's wake-up). Other optimizers: InvalidArgumentError.
 - ``offload()``: empty the caching allocator (activations and other scratch of the default pool), then pause grads
@@ -46,7 +47,6 @@ from itertools import chain
 import torch
 
 from ...errors import InvalidArgumentError, StateError, UnsupportedError
-from ._sharded import ShardAdam
 
 __all__ = ["TrainingState", "OffloadReport"]
 
@@ -96,6 +96,11 @@ class OffloadReport:
                 f"{self.residual_reserved / 2**20:.0f} MiB; device used {self.device_used / 2**20:.0f} MiB")
 
 
+def _ddp_buffers(chunks) -> list:
+    """Every DDP param-and-grad buffer of the model chunks, dense and expert-parallel."""
+    return [b for c in chunks for b in list(c.buffers) + list(getattr(c, "expert_parallel_buffers", []))]
+
+
 def _inner_optimizers(optimizer):
     """The torch optimizers inside a Megatron optimizer (ChainedOptimizer included)."""
     if optimizer is None:
@@ -111,7 +116,7 @@ class TrainingState:
     """Offload/restore of a Megatron-core trainer's GPU state (params, DDP grad buffers, optimizer state)."""
 
     def __init__(self, model_chunks, optimizer=None, *, tag_prefix: str = "megatron", weights: str = "copy"):
-        from ...optim import OffloadedAdam  # noqa: PLC0415
+        from ...optim import OffloadedAdam, ShardedAdam  # noqa: PLC0415
 
         if not torch.cuda.is_available():
             raise UnsupportedError("TrainingState pauses CUDA memory: it needs a GPU (Megatron's DDP buffers are "
@@ -141,15 +146,16 @@ class TrainingState:
         self._offloaded = False
         self._armed, self._uploads = [], []  # an overlapped restore's forward pre-hooks and last upload events
         self._offadams = [o for o in _inner_optimizers(optimizer) if isinstance(o, OffloadedAdam)]
-        self._shards = [o for o in _inner_optimizers(optimizer) if isinstance(o, ShardAdam)]
+        self._shards = [o for o in _inner_optimizers(optimizer) if isinstance(o, ShardedAdam)]
         if weights == "discard" and not (self._offadams or self._shards):
             raise InvalidArgumentError("weights='discard' rebuilds the weights from the optimizer's host mirror: the "
                                        "optimizer must be ebbtide's (get_optimizer)")
-        self._mirrored_buffers = set()  # ids of DDP buffers whose param_data a ShardAdam mirror rebuilds
         for opt in (self._offadams + self._shards) if weights == "discard" else []:
             opt.enable_param_mirror()
-        for opt in self._shards if weights == "discard" else []:
-            self._mirrored_buffers.update(id(b) for b in opt.buffers)
+        # the DDP buffers whose param_data a ShardedAdam mirror rebuilds: those its shards are ranges of
+        storages = {s.param.untyped_storage().data_ptr() for o in self._shards for s in o.shards}
+        self._mirrored_buffers = [b for b in _ddp_buffers(chunks) if weights == "discard" and b.param_data is not None
+                                  and b.param_data.untyped_storage().data_ptr() in storages]
         self._gathers = {}  # an overlapped restore's pending all-gathers: id(chunk) -> its forward pre-hook
         self._trim = None  # the last background trim_cache(): [thread, seconds or None, exception or None]
         self._trim_s = 0.0  # background trims' own seconds since the last offload (its parts' trim_s)
@@ -203,12 +209,12 @@ class TrainingState:
             self._expected[self.tags["weights_mirrored" if mirrored else "weights"]] += \
                 opt.flat_params.untyped_storage().nbytes()
             self._expected[self.tags["grads"]] += opt.flat_grad.untyped_storage().nbytes()
+        for buf in _ddp_buffers(self.chunks):
+            self._move_storage(buf.grad_data, "grads", keep=False)
+            if buf.param_data is not None:
+                mirrored = any(buf is b for b in self._mirrored_buffers)
+                self._move_storage(buf.param_data, "weights_mirrored" if mirrored else "weights")
         for c in self.chunks:
-            for buf in list(c.buffers) + list(getattr(c, "expert_parallel_buffers", [])):
-                self._move_storage(buf.grad_data, "grads", keep=False)
-                if buf.param_data is not None:
-                    mirrored = id(buf) in self._mirrored_buffers
-                    self._move_storage(buf.param_data, "weights_mirrored" if mirrored else "weights")
             for p in c.parameters():
                 self._move_storage(p, "weights")  # standalone params (no-op for the buffers moved above)
 
@@ -370,6 +376,8 @@ class TrainingState:
             t1 = time.perf_counter()
             # fresh pages mapped above: the weights come from the host mirror
             uploads = [(o, o.upload_params_from_mirror(wait=not overlap_forward)) for o in self._offadams]
+            for b in self._mirrored_buffers:
+                b.param_data.zero_()  # padding and the other ranks' slices (the all-gather fills those)
             for o in self._shards:
                 o.upload_params_from_mirror()
             if overlap_forward:

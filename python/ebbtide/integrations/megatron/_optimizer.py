@@ -7,9 +7,9 @@ Policies:
   ``sharded_state_dict``). The inner optimizer is one OffloadedAdam over the model's own bf16 params: they become
   views of its flat bf16 buffer on the GPU; fp32 master, exp_avg and exp_avg_sq live in host memory.
   With ``use_distributed_optimizer=True`` (config and DDP) ``get_optimizer`` (``_build.py``) builds the sharded form
-  instead,
-  :class:`EbbtideDistributedOptimizer` (``_distributed.py``/``_sharded.py``): each data-parallel rank keeps only
-  its shard of the host state, expert-parallel params included.
+  instead, :class:`EbbtideDistributedOptimizer` (``_distributed.py``) over :class:`ebbtide.optim.ShardedAdam`
+  (Megatron's shards mapped by ``_sharded.py``): each data-parallel rank keeps only its shard of the host state,
+  expert-parallel params included.
 - Gradients. Megatron's DDP accumulates into ``param.main_grad`` (its grad buffer, fp32 or bf16) and all-reduces
   there. ``prepare_grads`` copies every ``main_grad`` into OffloadedAdam's flat bf16 gradient (one device copy per
   param; fp32 main grads are rounded to bf16, so 2 bytes per param cross PCIe, not 4) and sets ``param.grad`` to
@@ -49,6 +49,7 @@ import torch
 
 from ...errors import InvalidArgumentError, UnsupportedError
 from ...optim import OffloadedAdam
+from ...optim.sharded import sum_of_squares
 
 try:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
@@ -103,10 +104,11 @@ def _float32(t) -> float:
 
 class EbbtideOptimizer(MegatronOptimizer):
     """Megatron's optimizer interface over one :class:`~ebbtide.optim.OffloadedAdam` (build it with
-    :func:`get_optimizer`)."""
+    :func:`get_optimizer`). ``model_groups``: Megatron's params per param group where the inner optimizer's
+    groups hold other tensors (the distributed form's shards)."""
 
-    def __init__(self, inner: OffloadedAdam, config, grad_scaler=None, *, grad_stats_parallel_group=None,
-                 tp_group=None, grad_stats_cpu_group=None):
+    def __init__(self, inner, config, grad_scaler=None, *, grad_stats_parallel_group=None, tp_group=None,
+                 grad_stats_cpu_group=None, model_groups=None):
         super().__init__(inner, config, init_state_fn=lambda *a, **k: None)
         self.is_stub_optimizer = False
         self.grad_scaler = grad_scaler
@@ -114,9 +116,9 @@ class EbbtideOptimizer(MegatronOptimizer):
         self.grad_stats_cpu_group = grad_stats_cpu_group  # see _all_reduce
         self.tp_group = tp_group
         # Megatron's helpers (sharded_state_dict) read the model params per group under this name.
-        self.float16_groups = [list(g["params"]) for g in inner.param_groups]
+        self.float16_groups = model_groups or [list(g["params"]) for g in inner.param_groups]
         self._clip_coeff = 1.0
-        self._device = inner.flat_grad.device
+        self._device = inner.device
         self.last_step_times: dict = {}  # see EbbtideOptimizer.step
         # callables run by step() once the norm is done, right before the CPU update: the GPU is about to idle
         # while the host steps (TrainingState.trim_cache(background=True) goes here). One that raises aborts the
@@ -127,6 +129,10 @@ class EbbtideOptimizer(MegatronOptimizer):
     # ---- gradients -----------------------------------------------------------------------------------------
     def _params(self):
         return chain.from_iterable(self.float16_groups)
+
+    def get_parameters(self) -> list:
+        """The model's params (Megatron's ``get_parameters``)."""
+        return list(self._params())
 
     @torch.no_grad()
     def _copy_model_grads_to_main_grads(self) -> None:
@@ -188,11 +194,7 @@ class EbbtideOptimizer(MegatronOptimizer):
     def get_grad_norm(self) -> float:
         """The global L2 norm: every counted gradient's fp32 norm in one multi-tensor launch (not three launches per
         slice: an MoE model's distributed optimizer owns hundreds of slices), squares summed, all-reduced."""
-        grads = [g for g in self._grads_for_norm() if g.numel()]
-        if grads:
-            total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum().reshape(1)
-        else:
-            total = torch.zeros(1, dtype=torch.float32, device=self._device)
+        total = sum_of_squares([g for g in self._grads_for_norm() if g.numel()], self._device)
         total = _float32(self._all_reduce(total, torch.distributed.ReduceOp.SUM))
         return math.sqrt(total) * self._loss_unscale()
 
