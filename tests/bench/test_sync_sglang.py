@@ -12,7 +12,7 @@ import torch
 from ebbtide.bench.suites import sync
 from ebbtide.errors import StateError, WaitTimeoutError
 from ebbtide.sync import Plan, Sender, fill_bucket
-from ebbtide.sync.sglang import SGLangTensorSender
+from ebbtide.integrations.sglang import SGLangTensorSender
 
 SPECS = [("model.embed_tokens.weight", (512, 384)), ("model.layers.0.input_layernorm.weight", (384,)),
          ("model.layers.0.self_attn.q_proj.weight", (384, 384)), ("model.layers.0.mlp.gate.weight", (8, 384)),

@@ -3,7 +3,8 @@ helpers and its request structs (sglang 0.5.23; skipped with the reason where it
 import pytest
 import torch
 
-from ebbtide.sync import Plan, Sender, expected, fill_bucket, sglang as S
+from ebbtide.integrations.sglang import forms as S
+from ebbtide.sync import Plan, Sender, expected, fill_bucket
 
 import sglang_code
 from sync_models import RULES, checkpoint

@@ -1,15 +1,16 @@
-"""ebbtide's SGLang weight loader (ebbtide.sync.sglang_loader): the first update of a layout is placed by the model's
-own ``load_weights`` and recorded, later ones replay the record; the parameters must be bitwise what the model's
-loader writes for the same request, every update. CPU: a plain-torch model placing tensors as SGLang's classes do
-(loader_models.py), the request path as SGLang's weight updater runs it, the refusals; SGLang's own layers in
-test_sglang_loader_layers.py."""
+"""ebbtide's SGLang weight loader (ebbtide.integrations.sglang.loader): the first update of a layout is placed by the
+model's own ``load_weights`` and recorded, later ones replay the record; the parameters must be bitwise what the
+model's loader writes for the same request, every update. CPU: a plain-torch model placing tensors as SGLang's
+classes do (loader_models.py), the request path as SGLang's weight updater runs it, the refusals; SGLang's own layers
+in test_sglang_loader_layers.py."""
 import importlib
 
 import pytest
 import torch
 
-from ebbtide.sync import Plan, fill_bucket, sglang as S
-from ebbtide.sync import sglang_loader as L
+from ebbtide.integrations import sglang as S
+from ebbtide.sync import Plan, fill_bucket
+from ebbtide.integrations.sglang import loader as L
 
 from loader_models import Combining, TinyServed, checkpoint, combining_checkpoint
 
@@ -148,7 +149,7 @@ def test_the_ebbtide_form_needs_a_version_and_the_plan():
     with pytest.raises(Exception, match="needs weight_version"):
         S.tensor_request(b, buf, form="ebbtide", weight_version=1, signature=None, buckets=3)
     req = S.tensor_request(b, buf, form="ebbtide", weight_version=1, signature=plan.signature, buckets=3)
-    assert req["load_format"] == L.LOADER == "ebbtide.sync.sglang_loader.load_weights"
+    assert req["load_format"] == L.LOADER == "ebbtide.integrations.sglang.load_weights"
 
 
 def test_the_name_is_encode_of_the_meta_and_parses_back_any_key_order():
@@ -208,7 +209,7 @@ def test_a_broken_sglang_install_falls_back_to_plain_metadata(monkeypatch):
     import sys
     import types
 
-    from ebbtide.sync import sglang as S
+    from ebbtide.integrations.sglang import forms as S
 
     class Broken(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):

@@ -7,7 +7,8 @@ import pickle
 import weakref
 
 
-from ebbtide.sync import Plan, Sender, sglang as S
+from ebbtide.integrations import sglang as S
+from ebbtide.sync import Plan, Sender
 from sync_models import RULES, checkpoint
 
 

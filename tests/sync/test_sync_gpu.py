@@ -239,7 +239,7 @@ def test_sglang_sender_frees_buckets_only_after_the_engines_copies(release_first
     buckets reuse the same blocks; when the engine releases before answering (as SGLang does), the sender holds
     at most two buckets at a time."""
     from ebbtide.sync import fill_bucket
-    from ebbtide.sync import sglang as S
+    from ebbtide.integrations import sglang as S
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()

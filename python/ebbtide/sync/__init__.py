@@ -8,10 +8,10 @@ named as the serving loader expects, moved by one of several transports, applied
 
 Pieces: ``plan`` (what is sent, names, buckets, byte layout), ``Sender`` / ``Receiver``, transports (``HostSender``
 / ``HostReceiver`` through a shared pinned buffer, ``IpcSender`` / ``IpcReceiver`` by CUDA IPC on one GPU,
-``NcclSender`` / ``NcclReceiver`` by broadcast), ``sglang`` (SGLang's request forms and senders), ``expected``
-(the reference a receiver must equal). See docs/sync.md. Importing this package imports torch.
+``NcclSender`` / ``NcclReceiver`` by broadcast), ``expected`` (the reference a receiver must equal). SGLang's
+request forms, senders and custom loader are ``ebbtide.integrations.sglang``. See docs/sync.md. Importing this
+package imports torch.
 """
-from . import sglang
 from ._fill import expected, fill_bucket, load_bucket
 from .errors import PartialUpdateError, PlanMismatchError, WeightVersionError
 from .nccl import NcclReceiver, NcclSender
@@ -22,5 +22,5 @@ from .transport import HostReceiver, HostSender, IpcReceiver, IpcSender, SharedH
 
 __all__ = ["Plan", "BucketPlan", "Item", "Output", "KINDS", "DEFAULT_BUCKET_BYTES", "Sender", "PushReport",
            "Receiver", "HostSender", "HostReceiver", "IpcSender", "IpcReceiver", "NcclSender", "NcclReceiver",
-           "SharedHostBuffer", "expected", "fill_bucket", "load_bucket", "sglang", "WeightVersionError",
+           "SharedHostBuffer", "expected", "fill_bucket", "load_bucket", "WeightVersionError",
            "PartialUpdateError", "PlanMismatchError"]

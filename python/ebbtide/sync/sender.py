@@ -2,8 +2,8 @@
 
 Policies:
 - ``Sender(tensors, transport, plan=...)``: ``transport`` is the sending end of a transport (``HostSender``,
-  ``IpcSender``, ``NcclSender``, or an SGLang one from ``ebbtide.sync.sglang``); ``tensors`` is a mapping name ->
-  tensor or a callable returning one (read again at every push, so re-pointed ``.data`` is followed); any
+  ``IpcSender``, ``NcclSender``, or an SGLang one from ``ebbtide.integrations.sglang``); ``tensors`` is a mapping
+  name -> tensor or a callable returning one (read again at every push, so re-pointed ``.data`` is followed); any
   trainer's named parameters (plain torch, or names converted to the serving model's).
 - Tensor parallel: with ``tp_group`` and ``tp_dims`` (name -> the dimension a parameter is split along), the
   plan is built on full shapes; every TP rank joins one all-gather per sharded tensor of a bucket, right before

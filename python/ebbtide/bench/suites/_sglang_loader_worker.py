@@ -7,7 +7,7 @@ copies of the served model (``_sglang_served``: SGLang's layers, FP8 served form
 them over after rebuilding the request's tensors:
 - SGLang's path for slime's request (``load_format="flattened_bucket"``): ``FlattenedTensorBucket`` rebuilds the
   views of each bucket, then the model's ``load_weights`` (SGLang's Qwen3 / Qwen3-MoE code) places them;
-- ebbtide's loader (``load_format=ebbtide.sync.sglang_loader.LOADER``): ``sglang_loader.load_weights`` per bucket
+- ebbtide's loader (``load_format=ebbtide.integrations.sglang.LOADER``): its ``load_weights`` per bucket
   (the first update records, later ones replay one segment-copy launch per bucket).
 Each timed update ends with ``torch.cuda.synchronize()``; the IPC transport before it is the same in both (one
 handle per bucket) and not timed. The two paths alternate, one update each, after warm-up updates; the result has
@@ -33,7 +33,7 @@ def _rebuild(payload: dict) -> list:
 
 def _flattened(bucket, buf) -> list:
     """Slime's flattened-bucket request for ``bucket`` in ``buf``, as SGLang's process rebuilds it."""
-    from ...sync.sglang import flattened_payload  # noqa: PLC0415
+    from ...integrations.sglang import flattened_payload  # noqa: PLC0415
 
     return _rebuild(flattened_payload(bucket, buf))
 
@@ -45,8 +45,8 @@ def main(model: str, quick: bool, reps: int, device: str) -> dict:
 
     stood_in = served.prepare()
     from ...sync import fill_bucket  # noqa: PLC0415
-    from ...sync import sglang_loader as L  # noqa: PLC0415
-    from ...sync.sglang import ebbtide_payload, flattened_payload  # noqa: PLC0415
+    from ...integrations.sglang import ebbtide_payload, flattened_payload  # noqa: PLC0415
+    from ...integrations.sglang import loader as L  # noqa: PLC0415
     from .sync import make_plan, specs  # noqa: PLC0415
 
     if device.startswith("cuda"):

@@ -14,7 +14,7 @@ Paths, each timed in the same run:
   per-tensor launch available here), a ``torch.cat`` flattening copy per bucket, the bucket's CUDA IPC handle
   pickled and sent as one flattened-bucket request, a wait for the reply, ``ipc_collect`` and ``empty_cache``
   after every bucket, a new producer buffer each time; the receiver rebuilds views and copies into its params.
-- ebbtide SGLang tensor request: ``Sender`` + ``sglang.SGLangTensorSender`` (flattened-bucket form, one
+- ebbtide SGLang tensor request: ``Sender`` + ``integrations.sglang.SGLangTensorSender`` (flattened-bucket form, one
   ``update_weights_from_tensor`` request per bucket inside ``begin_weight_update`` / ``end_weight_update``; bucket
   k is posted once k+1 is queued) -> the same receiver process answering as SGLang's handlers do (``serve_sglang``:
   the bucket rebuilt by torch's unpickler, views copied into its params, the rebuilt tensors dropped before the
@@ -116,7 +116,6 @@ def load_flattened_request(req: dict, params: dict) -> None:
     import torch.multiprocessing  # noqa: F401 (registers torch's CUDA IPC reductions)
 
     from ...errors import InvalidArgumentError
-    from ...sync.sglang import _dtype
 
     if req.get("load_format") != "flattened_bucket":
         raise InvalidArgumentError(f"this receiver takes the flattened-bucket form, got load_format "
@@ -124,7 +123,7 @@ def load_flattened_request(req: dict, params: dict) -> None:
     payload = pickle.load(io.BytesIO(req["serialized_named_tensors"][0]))
     flat = payload["flattened_tensor"]
     for m in payload["metadata"]:  # dtype: a torch.dtype as ``sglang.flattened_payload`` writes it, or its name
-        dt = m.dtype if isinstance(m.dtype, torch.dtype) else _dtype(str(m.dtype).removeprefix("torch."))
+        dt = m.dtype if isinstance(m.dtype, torch.dtype) else getattr(torch, str(m.dtype).removeprefix("torch."))
         params[m.name].copy_(flat[m.start_idx:m.end_idx].view(dt).view(m.shape))
     del payload, flat
 
@@ -167,7 +166,6 @@ def consumer(conn, model: str, quick: bool, buf_path: str, buf_bytes: int) -> No
     import torch.multiprocessing  # noqa: F401 (CUDA IPC reductions)
 
     from ...sync import HostReceiver, IpcReceiver, Receiver, SharedHostBuffer
-    from ...sync.sglang import _dtype
 
     torch.cuda.set_device(0)
     plan = make_plan(model, quick)
@@ -202,7 +200,7 @@ def consumer(conn, model: str, quick: bool, buf_path: str, buf_bytes: int) -> No
                             break
                         flat, meta = msg[1], msg[2]
                         for name, dt, shape, a, b in meta:  # rebuild views, load_weights ~ param.copy_
-                            params[name].copy_(flat[a:b].view(_dtype(dt)).view(shape))
+                            params[name].copy_(flat[a:b].view(getattr(torch, dt)).view(shape))
                         del flat, msg
                         conn.send(("ok",))  # SGLang answers after enqueuing its copies
     except EOFError:
@@ -276,7 +274,7 @@ def _measure(model: str, quick: bool, ctx):
     import torch.multiprocessing  # noqa: F401 (CUDA tensors travel as IPC handles through the pipe)
 
     from ...sync import HostSender, IpcSender, Sender, SharedHostBuffer
-    from ...sync.sglang import SGLangTensorSender
+    from ...integrations.sglang import SGLangTensorSender
 
     plan = make_plan(model, quick)
     reps = 3 if quick else 8

@@ -16,8 +16,11 @@ names: ``expert_parallel_names``; ``expert_sources``, the ``ep_sources`` of ``eb
 bucket instead).
 
 Groups (``install_groups``, ``release_groups``, ``reload_groups``, ``check_groups``), memory (``TrainingState``) and
-the optimizer (``get_optimizer``, ``EbbtideOptimizer``) are independent: each works with Megatron's own versions of
-the other two. What each supports and refuses is in its module's doc and in docs/megatron.md.
+the optimizer (``get_optimizer``, ``EbbtideOptimizer``; with the distributed optimizer, ``EbbtideDistributedOptimizer``
+over ``ebbtide.optim.ShardedAdam``) are independent: each works with Megatron's own versions of the other two. A
+trainer that keeps Megatron's HybridDeviceOptimizer (``--optimizer-cpu-offload``) and wants only ebbtide's CPU step:
+``from ebbtide.integrations.megatron import hybrid_device; hybrid_device.install(mode="fast")``. What each supports
+and refuses is in its module's doc and in docs/megatron.md.
 """
 from __future__ import annotations
 

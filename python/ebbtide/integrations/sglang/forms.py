@@ -11,7 +11,8 @@ so the payloads are base64 text) or for the ``Engine`` method of the same name.
   ``{"flattened_tensor": uint8 bucket, "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx,
   end_idx, numel)]}`` (byte offsets; dtypes mixed), which SGLang rebuilds as views. ``form="ebbtide"``: one
   named tensor, the bucket, under a name carrying the layout, version and plan signature, with ``load_format``
-  naming ebbtide's loader (``ebbtide.sync.sglang_loader``; the server needs ``--custom-weight-loader`` with it),
+  naming ebbtide's loader (``loader.py``; the server needs ``--custom-weight-loader
+  ebbtide.integrations.sglang.load_weights``),
   which replays a record of SGLang's own placement in one launch per bucket.
 - ``update_weights_from_distributed``: per bucket ``names``/``dtypes``/``shapes`` in wire order with
   ``load_format="flattened_bucket"``: the receiver allocates ``FlattenedTensorBucket.empty(names, dtypes, shapes)``
@@ -37,8 +38,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
-from ..errors import InvalidArgumentError, StateError
-from .plan import BucketPlan
+from ...errors import InvalidArgumentError, StateError
+from ...sync.plan import BucketPlan
 
 __all__ = ["serialize", "tensor_request", "ebbtide_payload", "distributed_request", "init_group_request",
            "destroy_group_request", "begin_request", "end_request", "SGLangTensorSender", "SGLangDistributedSender",
@@ -100,9 +101,9 @@ def _outputs_json(bucket: BucketPlan) -> str:
 
 def ebbtide_payload(bucket: BucketPlan, buf: torch.Tensor, *, version: int, signature: str, buckets: int) -> list:
     """The ebbtide form's named tensors: ``[(name carrying the layout, the bucket's bytes)]``; the name is
-    ``sglang_loader.encode`` of ``{"v", "sig", "bucket", "buckets", "outputs"}``, the outputs' JSON made once per
+    ``loader.encode`` of ``{"v", "sig", "bucket", "buckets", "outputs"}``, the outputs' JSON made once per
     bucket (an MoE bucket lists hundreds of outputs)."""
-    from .sglang_loader import encode  # noqa: PLC0415
+    from .loader import encode  # noqa: PLC0415
 
     head = {"v": int(version), "sig": signature, "bucket": bucket.index, "buckets": int(buckets)}
     return [(encode(head, _outputs_json(bucket)), buf[:bucket.nbytes])]
@@ -127,7 +128,7 @@ def tensor_request(bucket: BucketPlan, buf: torch.Tensor, *, form: str = "flatte
                 or not signature or not isinstance(buckets, int) or buckets < 1:
             raise InvalidArgumentError("form='ebbtide' needs weight_version (an int >= 0), the plan's signature and "
                                        f"its bucket count (got {weight_version!r}, {signature!r}, {buckets!r})")
-        from .sglang_loader import LOADER  # noqa: PLC0415
+        from .loader import LOADER  # noqa: PLC0415
 
         obj = ebbtide_payload(bucket, buf, version=weight_version, signature=signature, buckets=buckets)
         load_format = LOADER
@@ -251,7 +252,7 @@ class SGLangDistributedSender:
 
     def __init__(self, group, post, *, src: int = 0, group_name: str = "weight_update_group", session: bool = True,
                  flush_cache: bool = True):
-        from .nccl import NcclSender  # noqa: PLC0415
+        from ...sync.nccl import NcclSender  # noqa: PLC0415
 
         self.post, self.group_name, self.session, self.flush_cache = post, group_name, session, flush_cache
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ebbtide-sglang")

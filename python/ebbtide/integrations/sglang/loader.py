@@ -1,4 +1,4 @@
-"""ebbtide's weight loader inside SGLang: ``--custom-weight-loader ebbtide.sync.sglang_loader.load_weights`` on the
+"""ebbtide's weight loader inside SGLang: ``--custom-weight-loader ebbtide.integrations.sglang.load_weights`` on the
 server and ``SGLangTensorSender(form="ebbtide")`` on the trainer.
 
 SGLang (0.5.23) calls ``load_weights(model, named_tensors)`` in its scheduler process for every
@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-log = logging.getLogger("ebbtide.sync")
+log = logging.getLogger("ebbtide.integrations.sglang")
 
 __all__ = ["LOADER", "PREFIX", "encode", "decode", "load_weights", "state", "LoaderState"]
 
-LOADER = "ebbtide.sync.sglang_loader.load_weights"  # the import path SGLang's --custom-weight-loader names
+LOADER = "ebbtide.integrations.sglang.load_weights"  # the import path SGLang's --custom-weight-loader names
 PREFIX = "__ebbtide__"
 _ATTR = "_ebbtide_sglang_loader"
 _OUTPUTS_KEY = ',"outputs":'  # "outputs" is the name's last key: a cached layout is the text after it
@@ -211,7 +211,7 @@ def _record(model, params, bucket: torch.Tensor, layout: tuple, ptrs: tuple) -> 
             "runs shorter than 8 elements" if sum(len(d) for _, d, _, _ in runs) * min(8, elements) > elements
             else "")  # a transpose (one element per run); a whole output shorter than 8 elements is one run
         if why:
-            log.info("ebbtide.sync: SGLang's loader keeps %s (%s)", name, why)
+            log.info("ebbtide: SGLang's loader keeps %s (%s)", name, why)
             fallback.append(name)
             continue
         for pi, d, s, n in runs:
@@ -235,7 +235,7 @@ def _replay(rec: _Record, params, bucket: torch.Tensor) -> None:
     if len(rec.dst) == 0:
         return
     if bucket.device.type == "cuda":
-        from ..quant import _cuda  # noqa: PLC0415
+        from ...quant import _cuda  # noqa: PLC0415
 
         if rec.table is None:
             chunk = _cuda._q().COPY_SEGMENT_CHUNK
@@ -261,7 +261,7 @@ def _replay(rec: _Record, params, bucket: torch.Tensor) -> None:
 
 def _refuse(st: LoaderState, why: str) -> None:
     st.last_error = why
-    log.error("ebbtide.sync: SGLang loader refused an update (weights untouched): %s", why)
+    log.error("ebbtide: SGLang loader refused an update (weights untouched): %s", why)
 
 
 @torch.no_grad()

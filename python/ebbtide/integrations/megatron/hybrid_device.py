@@ -1,4 +1,4 @@
-"""Megatron-core adapter: ebbtide's CPU kernel as the CPU optimizer of ``HybridDeviceOptimizer``.
+"""ebbtide's CPU kernel as the CPU optimizer of Megatron-core's ``HybridDeviceOptimizer``.
 
 Megatron-core builds its offloaded optimizer (``--optimizer-cpu-offload``) as
 ``HybridDeviceOptimizer(..., cpu_optimizer_cls=CPUAdam, ...)`` where ``CPUAdam`` is the module-level name
@@ -9,17 +9,22 @@ Megatron-core builds its offloaded optimizer (``--optimizer-cpu-offload``) as
 kernel, own threads independent of OMP_NUM_THREADS, ``mode`` exact or fast). What stays Megatron's: its transfers
 (fp32 masters H2D, per-parameter optimizers); for the pipelined path use :class:`ebbtide.optim.OffloadedAdam`.
 
-Why it stays beside ``ebbtide.integrations.megatron``: the adapter replaces Megatron's optimizer (and brings
-offload, groups and the sharded form); this is the one-line change for a trainer that keeps Megatron's
-HybridDeviceOptimizer as it is configured today (slime's scripts) and wants only the faster CPU step.
+The rest of ``ebbtide.integrations.megatron`` replaces Megatron's optimizer (and brings offload, groups and the
+sharded form); this module is the one-line change for a trainer that keeps Megatron's HybridDeviceOptimizer as it is
+configured today (slime's scripts) and wants only the faster CPU step.
 
-    import ebbtide.optim.megatron as ebt_megatron
-    ebt_megatron.install(mode="fast", threads=None)   # before get_megatron_optimizer(...)
+    from ebbtide.integrations.megatron import hybrid_device
+    hybrid_device.install(mode="fast", threads=None)   # before get_megatron_optimizer(...)
 """
 from __future__ import annotations
 
-from ..errors import UnsupportedError
-from .cpu_adam import CPUAdam
+from ...errors import UnsupportedError
+from ...optim import CPUAdam
+
+try:
+    import megatron.core.optimizer as mco
+except ImportError as e:  # pragma: no cover - the package is imported through integrations.megatron
+    raise ImportError(f"ebbtide.integrations.megatron needs megatron-core (tested with 0.16.1): {e}") from e
 
 __all__ = ["MegatronCPUAdam", "install", "uninstall"]
 
@@ -45,10 +50,6 @@ class MegatronCPUAdam(CPUAdam):
 
 def install(mode: str = "fast", threads: int | None = None) -> type:
     """Make Megatron-core's CPU-offload path use ebbtide's kernel. Returns the class installed."""
-    try:
-        import megatron.core.optimizer as mco  # noqa: PLC0415
-    except ImportError as e:
-        raise UnsupportedError(f"megatron-core is not importable: {e}") from e
     if not hasattr(mco, "CPUAdam"):
         raise UnsupportedError("this megatron-core has no megatron.core.optimizer.CPUAdam to replace")
     cls = type("EbbtideMegatronCPUAdam", (MegatronCPUAdam,), {"mode": mode, "threads": threads})
@@ -60,6 +61,4 @@ def install(mode: str = "fast", threads: int | None = None) -> type:
 def uninstall() -> None:
     """Restore Megatron-core's own CPU optimizer class."""
     if "CPUAdam" in _SAVED:
-        import megatron.core.optimizer as mco  # noqa: PLC0415
-
         mco.CPUAdam = _SAVED.pop("CPUAdam")
