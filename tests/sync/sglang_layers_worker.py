@@ -46,8 +46,8 @@ def main(tp_size: int, tp_rank: int, updates: int, form: str) -> dict:
     served.prepare(tp_size, tp_rank)
     from ebbtide.bench.suites._sglang_loader_worker import _flattened
     from ebbtide.integrations import sglang as S
-    from ebbtide.sync import Plan, fill_bucket
     from ebbtide.integrations.sglang import loader as L
+    from ebbtide.sync import Plan, fill_bucket
 
     fp8 = form.startswith("fp8")
     plan = Plan.build([(n, s, torch.bfloat16) for n, s in specs()], default="fp8" if fp8 else "raw",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ebbtide.integrations import sglang as S
-from ebbtide.sync import Plan, fill_bucket
 from ebbtide.integrations.sglang import loader as L
+from ebbtide.sync import Plan, fill_bucket
 
 from loader_models import Combining, TinyServed, checkpoint, combining_checkpoint
 

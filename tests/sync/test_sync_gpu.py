@@ -238,8 +238,8 @@ def test_sglang_sender_frees_buckets_only_after_the_engines_copies(release_first
     long kernel: the bytes the engine copies are the version it was sent, bit for bit, over 3 updates whose
     buckets reuse the same blocks; when the engine releases before answering (as SGLang does), the sender holds
     at most two buckets at a time."""
-    from ebbtide.sync import fill_bucket
     from ebbtide.integrations import sglang as S
+    from ebbtide.sync import fill_bucket
 
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
