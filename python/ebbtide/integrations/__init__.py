@@ -1,5 +1,6 @@
 """ebbtide.integrations — adapters to other projects: a training framework on ebbtide
-(``ebbtide.integrations.megatron``: groups, memory, the optimizer, HybridDeviceOptimizer's CPU step) and a serving
+(``ebbtide.integrations.megatron``: groups, memory, the optimizer, HybridDeviceOptimizer's CPU step;
+``ebbtide.integrations.fsdp``: FSDP2 modules, their shards on ``ebbtide.optim.ShardedAdam``) and a serving
 engine fed by ebbtide.sync (``ebbtide.integrations.sglang``: request forms, senders, the custom weight loader).
 Each adapter imports its framework only when imported itself (SGLang: only where it is installed). ``names``
 (``served_names``: a Megatron model's parameter names as a serving engine's copy takes them) sits beside the
