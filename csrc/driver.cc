@@ -139,4 +139,12 @@ ebt_status_t ebt_cu_error(CUresult result, const char* call, const char* file, i
                        text ? text : "", base ? base + 1 : file, line);
 }
 
+void ebt_cu_ignored(CUresult result, const char* call, const char* why, const char* file, int line) {
+  if (!ebt_log_enabled(EBT_LOG_INFO, EBT_SUBSYS_ALL)) return;
+  const char* name = nullptr;
+  if (g_status == EBT_SUCCESS) g_table.cuGetErrorName(result, &name);
+  ebt_log_write(EBT_LOG_INFO, EBT_SUBSYS_ALL, file, line, "%s failed (%s, %d), ignored: %s", call,
+                name ? name : "CUDA error", result, why);
+}
+
 }  // extern "C"

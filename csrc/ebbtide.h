@@ -55,8 +55,9 @@ typedef enum {
 /* Text for a status: what it means and what to do next. Never NULL; static storage. */
 EBT_API const char* ebt_status_string(ebt_status_t status);
 
-/* The message recorded by the last failing ebbtide call on this thread ("" if none). Thread-local storage,
- * valid until the next ebbtide call on this thread. */
+/* The message recorded by the last failing ebbtide call on this thread ("" if none). A successful call does not
+ * clear it: read it after a call returned a failure. Thread-local storage, valid until the next ebbtide call on
+ * this thread. */
 EBT_API const char* ebt_last_error(void);
 
 /* Version of the runtime library, as EBT_VERSION_CODE. Callers compare it with the header they built against. */

@@ -27,7 +27,7 @@ namespace {
 std::atomic<int> g_level{EBT_LOG_WARN};
 std::atomic<unsigned> g_mask{EBT_SUBSYS_ALL};
 std::once_flag g_env_once;
-std::mutex g_sink_mu;           // guards g_sink, g_sink_user, g_file
+std::mutex g_sink_mu;           // guards g_sink, g_sink_user, g_file; a leaf (the sink is called after it is released)
 ebt_log_sink_t g_sink = nullptr;
 void* g_sink_user = nullptr;
 FILE* g_file = nullptr;         // EBBTIDE_DEBUG_FILE, opened once; stderr when null
@@ -192,7 +192,9 @@ void ebt_log_write(int level, unsigned subsys, const char* file, int line, const
 
 ebt_status_t ebt_log_configure(int level, unsigned subsys_mask) {
   std::call_once(g_env_once, read_env);
-  if (level < EBT_LOG_NONE || level > EBT_LOG_TRACE) return EBT_ERROR_INVALID_ARGUMENT;
+  if (level < EBT_LOG_NONE || level > EBT_LOG_TRACE)
+    return ebt_set_error_quiet(EBT_ERROR_INVALID_ARGUMENT, "ebt_log_configure: level %d is not in [%d, %d]", level,
+                               EBT_LOG_NONE, EBT_LOG_TRACE);
   g_level = level;
   g_mask = subsys_mask;
   return EBT_SUCCESS;
@@ -200,7 +202,8 @@ ebt_status_t ebt_log_configure(int level, unsigned subsys_mask) {
 
 ebt_status_t ebt_log_get(int* level, unsigned* subsys_mask) {
   std::call_once(g_env_once, read_env);
-  if (!level || !subsys_mask) return EBT_ERROR_INVALID_ARGUMENT;
+  if (!level || !subsys_mask)
+    return ebt_set_error_quiet(EBT_ERROR_INVALID_ARGUMENT, "ebt_log_get: level and subsys_mask must not be NULL");
   if (g_env_error[0]) return ebt_set_error_quiet(EBT_ERROR_SETTING, "%s", g_env_error);
   *level = g_level.load();
   *subsys_mask = g_mask.load();

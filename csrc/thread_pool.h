@@ -124,7 +124,9 @@ class ThreadPool {
 
   const int threads_;
   std::vector<std::thread> workers_;
-  std::mutex run_mu_;  // serializes run() callers
+  // Lock order: run_mu_, then mu_; both are leaves for callers (nothing else is locked under them but what the
+  // caller's own tasks take, which must not wait for another run() of this pool).
+  std::mutex run_mu_;  // serializes run() callers (held for the whole run)
   std::mutex mu_;      // orders the sleeping paths: generation bumps, the last worker's notify
   std::condition_variable cv_, done_cv_;
   const std::function<void(size_t, int)>* fn_ = nullptr;  // published by the generation bump (release)

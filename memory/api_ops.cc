@@ -18,7 +18,7 @@ using namespace ebbtide::memory;
 
 // An asynchronous op: the runtime thread fills the outcome; waiters block on cv.
 struct ebt_mem_op {
-  std::mutex mu;               // guards done, status, message, report
+  std::mutex mu;               // guards done, status, message, report (a leaf: lock order in engine.cc)
   std::condition_variable cv;  // signalled once when done
   bool done = false;
   ebt_status_t status = EBT_SUCCESS;

@@ -40,8 +40,34 @@
  *    cycles), gives it back on free or release_host(). CPU-backed allocations are queued for background pinning
  *    when made (engine_pinning.cc), so the first pause usually finds its blocks ready; a pause that needs blocks
  *    waits for an in-flight background batch, then pins whatever is still missing itself.
- * Lock order: mu_ -> dev_mu_ -> Device::mu; HostArena and VaSpace locks are leaves. No driver call holds mu_
- * except in free()'s lookup-free paths and reset().
+ *
+ * Lock order (the one statement of it; every mutex declaration points here). A thread holding one of these takes
+ * only those listed after it, and never one listed before:
+ *   1. Engine::reclaim_mu_    one zombie reclaim at a time, held across all of it (which takes the others in
+ *                             turn and calls the driver); taken with no other lock held (malloc, resume's
+ *                             pre-flight).
+ *   2. Engine::mu_            allocations, tags, counters. The only driver calls under it are export_fd's
+ *                             retain/export/release (the allocation must stay mapped meanwhile); reset() drops it
+ *                             before its driver work.
+ *   3. Engine::pin_mu_        the background-pinning queue and worker state; taken under mu_ by malloc
+ *                             (enqueue_pinning); nothing is locked under it.
+ *   4. Engine::dev_mu_        the device map (not the Devices' contents); no path takes it under mu_, though the
+ *                             order allows it; reset() holds it across its driver teardown.
+ *   5. Device::mu             one device's copy streams and event pool; held across cuStreamCreate.
+ *   6. HostArena::grow_mu_    one arena growth at a time; held across the pinning (a ThreadPool run).
+ *   7. HostArena::mu_         the arena's segments and counters; taken under mu_ (a block given back) and under
+ *                             grow_mu_ (the new segment published).
+ *   8. VaSpace::mu_           one device's VA reservations; held across cuMemAddressReserve/Free; taken under
+ *                             dev_mu_ (stats, reset) and reclaim_mu_.
+ *   Leaves, under any of the above: csrc's ThreadPool (run_mu_, then its mu_), the logger's sink mutex
+ *   (csrc/log.cc), the test fake driver's g_mu and g_delay_mu (memory/testing/fake_cuda.cc: the driver is called
+ *   under 1, 2, 4, 5 and 8).
+ *   Apart from the engine (never held while it is called, nor taken under its locks): ebt_mem_op::mu (api_ops.cc,
+ *   one async op's outcome), routing.cc's g_default_mu (the process default region).
+ * Log lines are written with any of these held (an error recorded under mu_ logs at INFO): a log sink must take no
+ * lock that a thread may hold while it calls into the engine. The Python sink (_C.set_log_sink; the package never
+ * installs it) takes the GIL, which a Python thread holds while torch allocates through the shim: with it
+ * installed, a line logged under an engine lock can deadlock against such a thread.
  */
 #include "memory/engine.h"
 
@@ -232,17 +258,13 @@ ebt_status_t Engine::malloc_once(void** ptr, size_t size, int device_ordinal, co
   a.release();
   return EBT_SUCCESS;
 fail_map:
-  drv->cuMemUnmap(a->va, a->aligned);
+  EBT_CU_IGNORE(drv->cuMemUnmap(a->va, a->aligned), "cleanup of a failed allocation: its first error is reported");
 fail_handle:
-  drv->cuMemRelease(h);  // the last reference: with the mapping gone, this frees the memory
+  // the last reference: with the mapping gone, this frees the memory
+  EBT_CU_IGNORE(drv->cuMemRelease(h), "cleanup of a failed allocation: its first error is reported");
 fail_va:
   d->va->free(a->va, a->aligned);
   return oom_hint(st);
-}
-
-bool Engine::owns(const void* ptr) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return by_va_.count(reinterpret_cast<CUdeviceptr>(ptr)) != 0;
 }
 
 ebt_status_t Engine::free(void* ptr, int* found) {

@@ -83,7 +83,7 @@ struct Device {
   size_t granularity = 0;    // cuMemGetAllocationGranularity(MINIMUM), bytes
   bool posix_fd = false;     // the device supports POSIX-fd shareable handles
   std::unique_ptr<VaSpace> va;
-  std::mutex mu;             // guards d2h, h2d, free_events
+  std::mutex mu;             // guards d2h, h2d, free_events (lock order: memory/engine.cc, 5)
   CUstream d2h = nullptr;    // runtime-owned non-blocking copy streams, created on first use
   CUstream h2d = nullptr;
   std::vector<CUevent> free_events;  // pooled timing-disabled events
@@ -118,8 +118,8 @@ class Engine {
   // Allocate; on OUT_OF_MEMORY with zombies on the device that would cover the shortfall, reclaim them
   // (engine_reclaim.cc) and try once more.
   ebt_status_t malloc(void** ptr, size_t size, int device, const char* tag, int backup);
+  // *found = 1 where ptr is an engine allocation's base (then freed); 0: not ours (the shim's cudaFree forwards it).
   ebt_status_t free(void* ptr, int* found);
-  bool owns(const void* ptr);  // fast check used by the interposer's cudaFree
 
   // Select and mark busy (under the lock); then execute without holding it (driver work, copies).
   ebt_status_t prepare(OpKind kind, const char* tag, Plan* plan, ebt_mem_report_t* report);
@@ -198,7 +198,8 @@ class Engine {
   void pinning_loop();
   void pin_batch(const std::vector<std::pair<CUdeviceptr, unsigned long long>>& batch);
 
-  std::mutex mu_;               // guards by_va_, tags_, every Allocation/Tag field, the counters below
+  std::mutex mu_;               // guards by_va_, tags_, every Allocation/Tag field, the counters below (lock
+                                // order: memory/engine.cc, 2)
   std::condition_variable cv_;  // signalled when an op clears busy flags (free() waits on it)
   std::map<CUdeviceptr, Allocation*> by_va_;         // live allocations by base address (O(log n) lookups)
   std::map<std::string, std::unique_ptr<Tag>> tags_;  // every tag ever named; never erased until reset
@@ -232,7 +233,7 @@ class Engine {
   ebt_status_t reclaim_segment(const std::shared_ptr<Segment>& s, std::vector<Allocation*>& live, size_t* reclaimed);
   // Resume pre-flight: reclaim zombies when the device lacks `need` (+ margin) bytes; refreshes *free_b.
   void reclaim_for(int device, size_t need, size_t* free_b);
-  std::mutex reclaim_mu_;
+  std::mutex reclaim_mu_;  // serialises reclaim_zombies (lock order: memory/engine.cc, 1: outermost)
   unsigned long long reclaims_ = 0;  // segments reclaimed (mu_)
   size_t bytes_reclaimed_ = 0;       // zombie bytes they gave back (mu_)
 
@@ -244,11 +245,12 @@ class Engine {
   std::map<CUdeviceptr, Import> imports_;  // mappings of other processes' memory (mu_)
   void close_all_imports();                // reset()
 
-  std::mutex dev_mu_;           // guards devices_ (the map, not the Device contents)
+  std::mutex dev_mu_;           // guards devices_ (the map, not the Device contents; lock order: engine.cc, 4)
   std::map<int, std::unique_ptr<Device>> devices_;
   HostArena arena_;
 
-  std::mutex pin_mu_;                // guards pin_queue_, pin_busy_, pin_thread_started_, pin_enabled_
+  std::mutex pin_mu_;                // guards pin_queue_, pin_busy_, pin_thread_started_, pin_enabled_ (lock
+                                     // order: memory/engine.cc, 3)
   std::condition_variable pin_cv_;   // queue got work / worker went idle
   std::vector<std::pair<CUdeviceptr, unsigned long long>> pin_queue_;  // (va, id) of allocations to pin for
   bool pin_busy_ = false;            // the worker is pinning a batch
@@ -264,7 +266,7 @@ class CtxGuard {
   }
   ~CtxGuard() {
     CUcontext c;
-    if (ok_) drv_->cuCtxPopCurrent(&c);
+    if (ok_) EBT_CU_IGNORE(drv_->cuCtxPopCurrent(&c), "popping the context this guard pushed: cannot fail");
   }
   bool ok() const { return ok_; }
 

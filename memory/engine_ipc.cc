@@ -87,7 +87,7 @@ ebt_status_t Engine::import_fd(int fd, size_t size, int device_ordinal, void** p
   CUdeviceptr va = 0;
   ebt_status_t st = d->va->allocate(drv, size, &va);
   if (st != EBT_SUCCESS) {
-    drv->cuMemRelease(im.handle);
+    EBT_CU_IGNORE(drv->cuMemRelease(im.handle), "cleanup of a failed import: the VA error is reported");
     return st;
   }
   CUmemAccessDesc access{{CU_MEM_LOCATION_TYPE_DEVICE, device_ordinal}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
@@ -100,9 +100,9 @@ ebt_status_t Engine::import_fd(int fd, size_t size, int device_ordinal, void** p
   *ptr = reinterpret_cast<void*>(va);
   return EBT_SUCCESS;
 fail_map:
-  drv->cuMemUnmap(va, size);
+  EBT_CU_IGNORE(drv->cuMemUnmap(va, size), "cleanup of a failed import: its first error is reported");
 fail_va:
-  drv->cuMemRelease(im.handle);
+  EBT_CU_IGNORE(drv->cuMemRelease(im.handle), "cleanup of a failed import: its first error is reported");
   d->va->free(va, size);
   return st;
 }

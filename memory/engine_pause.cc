@@ -147,7 +147,7 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     size_t total = 0;
     if (i == 0) {
       auto t_info = Clock::now();
-      drv->cuMemGetInfo(&r->driver_free_before, &total);
+      EBT_CU_IGNORE(drv->cuMemGetInfo(&r->driver_free_before, &total), "a report figure only");
       r->meminfo_s += since(t_info);
     }
     EBT_CU_CHECK(drv->cuCtxSynchronize());
@@ -253,12 +253,13 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     for (size_t k = 0; k < allocs.size(); ++k)
       if (copy[k] && drained.insert(devs[k]).second) {
         CtxGuard ctx(drv, devs[k]->ctx);
-        drv->cuStreamSynchronize(devs[k]->d2h);
+        EBT_CU_IGNORE(drv->cuStreamSynchronize(devs[k]->d2h), "draining a failed pause: its first error is reported");
       }
   }
   for (size_t k = 0; k < allocs.size(); ++k) {
     if (!events[k]) continue;
-    if (st != EBT_SUCCESS) drv->cuEventSynchronize(events[k]);
+    if (st != EBT_SUCCESS)
+      EBT_CU_IGNORE(drv->cuEventSynchronize(events[k]), "draining a failed pause: its first error is reported");
     give_event(devs[k], events[k]);
   }
   if (!retired.empty()) {  // dissolve the unmapped segments first (a rollback makes new ones)
@@ -280,7 +281,7 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     CtxGuard ctx(drv, devs[0]->ctx);
     size_t total = 0;
     auto t_info = Clock::now();
-    drv->cuMemGetInfo(&r->driver_free_after, &total);
+    EBT_CU_IGNORE(drv->cuMemGetInfo(&r->driver_free_after, &total), "a report figure only (the pause is done)");
     r->meminfo_s += since(t_info);
   }
   return EBT_SUCCESS;
@@ -291,7 +292,7 @@ static bool still_mapped(const ebt_driver_table_t* drv, CUdeviceptr va) {
   if (!drv->cuMemRetainAllocationHandle) return true;  // cannot tell: keep the driver's error
   CUmemGenericAllocationHandle h = 0;
   if (drv->cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(va)) != CUDA_SUCCESS) return false;
-  drv->cuMemRelease(h);
+  EBT_CU_IGNORE(drv->cuMemRelease(h), "the probe's own reference; the mapping keeps the memory");
   return true;
 }
 

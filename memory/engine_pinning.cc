@@ -51,7 +51,8 @@ void Engine::pinning_loop() {
   const ebt_driver_table_t* drv;
   if (ebt_driver_get(&drv) == EBT_SUCCESS && drv->cuThreadExchangeStreamCaptureMode) {
     int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
-    drv->cuThreadExchangeStreamCaptureMode(&mode);
+    EBT_CU_IGNORE(drv->cuThreadExchangeStreamCaptureMode(&mode),
+                  "then this thread pins in global mode: a concurrent global-mode capture may fail, not break");
   }
   for (;;) {
     std::vector<std::pair<CUdeviceptr, unsigned long long>> batch;

@@ -235,10 +235,10 @@ ebt_status_t Engine::reset() {
     auto it = devices_.find(a->device);
     if (it != devices_.end() && a->state == AllocState::kActive && (!a->seg || unmapped.insert(a->seg.get()).second)) {
       CtxGuard ctx(drv, it->second->ctx);
-      drv->cuCtxSynchronize();
+      EBT_CU_IGNORE(drv->cuCtxSynchronize(), "reset is best effort: it forgets every allocation regardless");
       // frees the memory: the engine holds no handle reference
-      if (a->seg) drv->cuMemUnmap(a->seg->va, a->seg->size);
-      else drv->cuMemUnmap(a->va, a->aligned);
+      if (a->seg) EBT_CU_IGNORE(drv->cuMemUnmap(a->seg->va, a->seg->size), "reset is best effort");
+      else EBT_CU_IGNORE(drv->cuMemUnmap(a->va, a->aligned), "reset is best effort");
     }
     if (a->seg) {
       zombies.insert(zombies.end(), a->seg->zombies.begin(), a->seg->zombies.end());
@@ -249,7 +249,7 @@ ebt_status_t Engine::reset() {
     auto it = devices_.find(q.device);
     if (it == devices_.end()) continue;
     CtxGuard ctx(drv, it->second->ctx);
-    drv->cuMemUnmap(q.va, q.size);
+    EBT_CU_IGNORE(drv->cuMemUnmap(q.va, q.size), "a quarantined range's last try: reset forgets it regardless");
   }
   for (Allocation* a : all) delete a;  // after the loop: unmapped holds segment addresses until then
   for (Allocation* z : zombies) delete z;
@@ -257,12 +257,12 @@ ebt_status_t Engine::reset() {
     Device* d = kv.second.get();
     {
       CtxGuard ctx(drv, d->ctx);
-      for (CUevent e : d->free_events) drv->cuEventDestroy(e);
-      if (d->d2h) drv->cuStreamDestroy(d->d2h);
-      if (d->h2d) drv->cuStreamDestroy(d->h2d);
+      for (CUevent e : d->free_events) EBT_CU_IGNORE(drv->cuEventDestroy(e), "reset is best effort");
+      if (d->d2h) EBT_CU_IGNORE(drv->cuStreamDestroy(d->d2h), "reset is best effort");
+      if (d->h2d) EBT_CU_IGNORE(drv->cuStreamDestroy(d->h2d), "reset is best effort");
       d->va->release_all(drv);
     }
-    drv->cuDevicePrimaryCtxRelease(d->dev);
+    EBT_CU_IGNORE(drv->cuDevicePrimaryCtxRelease(d->dev), "reset is best effort");
   }
   devices_.clear();
   arena_.release_all(drv);

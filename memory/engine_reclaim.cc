@@ -85,7 +85,8 @@ void Engine::reclaim_for(int device_ordinal, size_t need, size_t* free_b) {
   if (driver(&drv) != EBT_SUCCESS || device(device_ordinal, &d) != EBT_SUCCESS) return;
   CtxGuard ctx(drv, d->ctx);
   size_t total = 0;
-  drv->cuMemGetInfo(free_b, &total);
+  // Unchanged on failure: the pre-flight then reports a shortfall the reclaim may have covered.
+  EBT_CU_IGNORE(drv->cuMemGetInfo(free_b, &total), "a refresh of the free figure after a reclaim");
 }
 
 ebt_status_t Engine::reclaim_zombies(int device_ordinal, size_t want, size_t* got) {

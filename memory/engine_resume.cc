@@ -21,13 +21,13 @@ ebt_status_t Engine::map_release(CUdeviceptr va, size_t size, CUmemGenericAlloca
   EBT_CHECK(driver(&drv));
   CUresult res = drv->cuMemMap(va, size, 0, h, 0);
   if (res != CUDA_SUCCESS) {
-    drv->cuMemRelease(h);
+    EBT_CU_IGNORE(drv->cuMemRelease(h), "the handle of a failed map: the map's error is reported");
     return ebt_cu_error(res, "cuMemMap (resume)", __FILE__, __LINE__);
   }
   res = drv->cuMemRelease(h);
   if (res != CUDA_SUCCESS) {  // still referenced: unmap, then retry the release so nothing is left behind
-    drv->cuMemUnmap(va, size);
-    drv->cuMemRelease(h);
+    EBT_CU_IGNORE(drv->cuMemUnmap(va, size), "undoing a map whose release failed: that error is reported");
+    EBT_CU_IGNORE(drv->cuMemRelease(h), "undoing a map whose release failed: that error is reported");
     return ebt_cu_error(res, "cuMemRelease (resume)", __FILE__, __LINE__);
   }
   return EBT_SUCCESS;
@@ -101,7 +101,7 @@ ebt_status_t Engine::map_all(const std::vector<MapUnit>& units, ebt_mem_report_t
     for (size_t i = done; i < n; ++i) {  // made ahead but never mapped (this op failed)
       if (!handles[i]) continue;
       CtxGuard ctx(drv, devs[i]->ctx);
-      drv->cuMemRelease(handles[i]);
+      EBT_CU_IGNORE(drv->cuMemRelease(handles[i]), "a handle made ahead for a failed resume: its error is reported");
     }
   }
   if (st == EBT_SUCCESS) {
@@ -124,7 +124,7 @@ void Engine::unmap_units(const std::vector<MapUnit>& units, size_t count) {
     Device* d;
     if (device(units[i].device, &d) != EBT_SUCCESS) continue;
     CtxGuard ctx(drv, d->ctx);
-    drv->cuMemUnmap(units[i].va, units[i].size);
+    EBT_CU_IGNORE(drv->cuMemUnmap(units[i].va, units[i].size), "rollback of a failed resume: its error is reported");
   }
 }
 
@@ -257,7 +257,7 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
       CtxGuard ctx(drv, d->ctx);
       size_t total;
       auto t_info = Clock::now();
-      drv->cuMemGetInfo(&r->driver_free_after, &total);
+      EBT_CU_IGNORE(drv->cuMemGetInfo(&r->driver_free_after, &total), "a report figure only (the resume is done)");
       r->meminfo_s += since(t_info);
     }
   }
@@ -265,7 +265,7 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
 undo:
   for (auto& kv : done_events) {  // copies issued before the failure must land before their memory is unmapped
     CtxGuard ctx(drv, kv.first->ctx);
-    drv->cuStreamSynchronize(kv.first->h2d);
+    EBT_CU_IGNORE(drv->cuStreamSynchronize(kv.first->h2d), "draining a failed resume: its first error is reported");
     give_event(kv.first, kv.second);
   }
   {

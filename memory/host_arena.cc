@@ -54,7 +54,7 @@ ebt_status_t HostArena::add_segment(const ebt_driver_table_t* drv, CUcontext ctx
     int m = 0;  // CU_STREAM_CAPTURE_MODE_GLOBAL, swapped straight back: this reads the caller's mode
     if (drv->cuThreadExchangeStreamCaptureMode(&m) == CUDA_SUCCESS) {
       capture_mode = m;
-      drv->cuThreadExchangeStreamCaptureMode(&m);
+      EBT_CU_IGNORE(drv->cuThreadExchangeStreamCaptureMode(&m), "restoring a mode the call just read: cannot fail");
     }
   }
   {
@@ -63,10 +63,11 @@ ebt_status_t HostArena::add_segment(const ebt_driver_table_t* drv, CUcontext ctx
       char* b = seg->base + i * kPieceBytes;
       size_t n = std::min(kPieceBytes, seg->size - i * kPieceBytes);
       for (size_t off = 0; off < n; off += static_cast<size_t>(page)) b[off] = 0;
-      if (ctx && worker != 0) drv->cuCtxSetCurrent(ctx);  // worker 0 is the caller: its context is current
+      if (ctx && worker != 0)  // worker 0 is the caller: its context is current
+        EBT_CU_IGNORE(drv->cuCtxSetCurrent(ctx), "the registration below fails then, and is reported");
       if (capture_mode >= 0 && worker != 0) {
         int m = capture_mode;
-        drv->cuThreadExchangeStreamCaptureMode(&m);
+        EBT_CU_IGNORE(drv->cuThreadExchangeStreamCaptureMode(&m), "then the registration below may fail (reported)");
       }
       results[i] = drv->cuMemHostRegister(b, n, CU_MEMHOSTREGISTER_PORTABLE);
     });
@@ -162,7 +163,8 @@ ebt_status_t HostArena::reserve(const ebt_driver_table_t* drv, CUcontext ctx, si
 }
 
 void HostArena::unmap_segment(const ebt_driver_table_t* drv, Segment& s) {
-  for (size_t off = 0; off < s.size; off += kPieceBytes) drv->cuMemHostUnregister(s.base + off);
+  for (size_t off = 0; off < s.size; off += kPieceBytes)
+    EBT_CU_IGNORE(drv->cuMemHostUnregister(s.base + off), "giving memory back: munmap below frees it regardless");
   munmap(s.base, s.size);
 }
 

@@ -69,10 +69,10 @@ class HostArena {
   ebt_status_t add_segment(const ebt_driver_table_t* drv, CUcontext ctx, size_t bytes);  // mu_ NOT held
   static void unmap_segment(const ebt_driver_table_t* drv, Segment& s);
 
-  mutable std::mutex mu_;                       // guards segments_, register_s_
+  mutable std::mutex mu_;                       // guards segments_, register_s_ (lock order: engine.cc, 7)
   std::vector<std::unique_ptr<Segment>> segments_;  // index = Block::segment; null once released
   double register_s_ = 0;                       // cumulative seconds spent touching + registering
-  std::mutex grow_mu_;                          // serializes segment creation (one pinning job at a time)
+  std::mutex grow_mu_;  // serializes segment creation, one pinning job at a time (lock order: engine.cc, 6)
 };
 
 }  // namespace ebbtide::memory

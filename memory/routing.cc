@@ -48,7 +48,7 @@ thread_local ThreadRouting t_routing;
 
 std::atomic<bool> g_forked{false};
 std::atomic<bool> g_has_default{false};  // fast-path flag for the interposer
-std::mutex g_default_mu;                 // guards g_default
+std::mutex g_default_mu;                 // guards g_default (a leaf: lock order in engine.cc)
 Region g_default;                        // valid iff g_has_default
 
 void on_fork_child() { g_forked.store(true); }

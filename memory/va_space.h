@@ -44,7 +44,7 @@ class VaSpace {
     std::map<size_t, size_t> free_ranges;  // offset -> length, disjoint, coalesced, sorted by offset
   };
   const size_t granularity_;
-  mutable std::mutex mu_;                 // guards reservations_
+  mutable std::mutex mu_;                 // guards reservations_ (lock order: memory/engine.cc, 8)
   std::vector<Reservation> reservations_;  // in creation order; never shrinks until release_all
 };
 

@@ -31,8 +31,9 @@ def backup_code(backup: str) -> int:
 def check_tag(tag: Optional[str], *, allow_none: bool) -> None:
     if tag is None and allow_none:
         return
-    if not isinstance(tag, str) or not tag or len(tag.encode()) > 63 or "\0" in tag:
-        raise InvalidArgumentError(f"tag must be a non-empty string of at most 63 bytes, not {tag!r}")
+    limit = mem().TAG_MAX  # EBT_MEM_TAG_MAX (memory/ebbtide_memory.h), the engine's own bound
+    if not isinstance(tag, str) or not tag or len(tag.encode()) > limit or "\0" in tag:
+        raise InvalidArgumentError(f"tag must be a non-empty string of at most {limit} bytes, not {tag!r}")
 
 
 def torch_cuda():
