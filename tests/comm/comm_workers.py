@@ -18,30 +18,6 @@ from ebbtide.bench._spawn import join_store
 from ebbtide.errors import StateError, WaitTimeoutError
 
 
-def suspend_group(rank, world, init, suspend, calls: list):
-    """Init on Gloo with the suspend strategy, as on a GPU whose torch and NCCL can suspend a communicator: the
-    facts forced to allow it, the native suspend replaced by ``suspend(inner)`` and resume by a recorder appending
-    to ``calls``; returns a new group of every rank, checked with one collective."""
-    import dataclasses
-
-    import ebbtide.comm._backend as B
-
-    real_facts = B.facts
-
-    def facts(*a, **k):
-        return dataclasses.replace(real_facts(*a, **k), accelerator=True, torch_version=(2, 12),
-                                   nccl_version=(2, 29, 7), backend_has_suspend=True, cumem=True,
-                                   split_share=False, comm_initialized=True)
-
-    B.facts, B.suspend = facts, suspend
-    B.resume = lambda inner: calls.append("resume")
-    B.torch_version, B.nccl_version = (lambda: (2, 12)), (lambda: (2, 29, 7))  # install() checks them
-    _init(rank, world, init, strategy="suspend")
-    g = dist.new_group(list(range(world)))
-    _expect_sum(g, list(range(world)), rank)
-    return g
-
-
 def _init(rank, world, init, **kw):
     comm.install(**kw)
     dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,
@@ -482,35 +458,6 @@ def _expect_sum_dev(group, ranks, rank, dev):
     assert bool((t == want).all()), (group, t, want)
 
 
-def suspend_bookkeeping(rank, world, init, fail_rank=-1):
-    """The suspend strategy's state handling, on Gloo: the facts are forced to allow suspend and the native
-    suspend/resume calls (torch >= 2.12 + NCCL >= 2.29.7, absent here) are replaced by recorders inside this rank
-    process. A suspended group keeps its inner object and resumes it; when one member's suspend fails it destroys
-    instead, and at reload every member agrees to rebuild that group (a resume would wait for it forever)."""
-    calls = []
-
-    def suspend(inner):
-        calls.append("suspend")
-        if rank == fail_rank:
-            raise RuntimeError("injected suspend failure")
-
-    g = suspend_group(rank, world, init, suspend, calls)
-    before = g.inner
-    rep = comm.release()
-    try:
-        dist.all_reduce(torch.ones(1), group=g)
-    except StateError:
-        pass
-    else:
-        raise AssertionError("op on a suspended group did not raise")
-    rl = comm.reload()
-    _expect_sum(g, list(range(world)), rank)
-    out = {"release": [x.strategy for x in rep.groups], "reload": [x.strategy for x in rl.groups],
-           "same_inner": g.inner is before, "calls": calls, "reason": rl.groups[0].reason}
-    dist.destroy_process_group()
-    return out
-
-
 def teardown_order(rank, world, init, concurrent=True):
     """release() tears groups down children first, WORLD last (as c10d's destroy_process_group does): with a
     device-bound WORLD every subgroup is an ncclCommSplit child of WORLD. Concurrent teardown runs the children in
@@ -581,51 +528,6 @@ def split_replay_guards(rank, world, init):
     snap.apply(fresh)
     dist.destroy_process_group()
     return {"errors": errors, "snap_fields": sorted(snap.fields), "applied_timeout": fresh._timeout.total_seconds()}
-
-
-def suspend_policy(rank, world, init):
-    """Policy on this machine's torch/NCCL (no NCCL in the CPU build): "auto" destroys and rebuilds; asking for
-    native suspend raises UnsupportedError at install() and, should the strategy be set another way, at release()
-    before any group is detached (the group stays usable)."""
-    from ebbtide.errors import UnsupportedError
-
-    import ebbtide.comm._runtime as R
-
-    out = {}
-    try:
-        comm.install(strategy="suspend")
-    except UnsupportedError as e:
-        out["install"] = str(e)
-    else:
-        raise AssertionError("install(strategy='suspend') without NCCL >= 2.29.7 did not raise")
-    assert not comm.is_installed()  # nothing was hooked
-    _init(rank, world, init)
-    g = dist.new_group(list(range(world)))
-    _expect_sum(g, list(range(world)), rank)
-    rep = comm.release(include_cpu=True)
-    assert [x.strategy for x in rep.groups] == ["destroy"], rep.groups
-    comm.reload()
-    R.RUNTIME.strategy = "suspend"  # as if the versions had changed under a running process
-    facts = R.B.facts
-
-    def device_facts(*a, **k):
-        import dataclasses
-
-        return dataclasses.replace(facts(*a, **k), accelerator=True)
-
-    R.B.facts = device_facts
-    try:
-        comm.release()
-    except UnsupportedError as e:
-        out["release"] = str(e)
-    else:
-        raise AssertionError("release with strategy 'suspend' and no NCCL did not raise")
-    finally:
-        R.B.facts = facts
-    assert not comm.is_released() and not g.released
-    _expect_sum(g, list(range(world)), rank)
-    dist.destroy_process_group()
-    return out
 
 
 def nccl_baseline_handshake(rank, world, init):

@@ -15,7 +15,7 @@ import ebbtide.comm as comm
 import ebbtide.comm._backend as B
 from ebbtide.errors import StateError
 
-from comm_workers import _expect_sum, _init, suspend_group
+from comm_workers import _expect_sum, _init
 
 
 class _Recorder:
@@ -133,29 +133,6 @@ def failure_at_next_release(rank, world, init):
     comm.uninstall()  # raised once: now it uninstalls
     _check(mine, rank)
     return out
-
-
-def suspend_is_joined_by_reload(rank, world, init, slow=1.0):
-    """With a SUSPEND plan the whole release runs in the background as before, and reload() waits for it: the
-    native suspend (absent here) is replaced by one that takes ``slow`` seconds; reload() returns only after it,
-    the Future done."""
-    calls = []
-
-    def suspend(inner):
-        time.sleep(slow)
-        calls.append("suspend")
-
-    g = suspend_group(rank, world, init, suspend, calls)
-    t0 = time.monotonic()
-    fut = comm.release(wait=False)
-    t_release = time.monotonic() - t0
-    running = not fut.done()
-    rl = comm.reload()
-    t_reload = time.monotonic() - t0
-    assert fut.done() and [x.strategy for x in fut.result().groups] == ["suspend"], fut.result()
-    assert [x.strategy for x in rl.groups] == ["suspend"], rl.groups
-    _expect_sum(g, list(range(world)), rank)
-    return {"release_s": t_release, "reload_s": t_reload, "running_after_release": running, "calls": calls}
 
 
 def nccl_reload_beside_teardown(rank, world, init, cycles=6, rollout_s=0.2, mode="alternate"):

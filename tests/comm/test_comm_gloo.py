@@ -64,31 +64,6 @@ def test_megatron_like_topology_8_ranks():
     assert all(len(r["cycles"]) == 2 for r in res)
 
 
-
-def test_suspend_strategy_bookkeeping():
-    res = _spawn.run("suspend_bookkeeping", 2)
-    for r in res:
-        assert r["release"] == ["suspend"] and r["reload"] == ["suspend"], r
-        assert r["same_inner"] and r["calls"] == ["suspend", "resume"], r
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check: needs a torch without NCCL >= 2.29.7")
-def test_suspend_is_opt_in_and_unsupported_here():
-    res = _spawn.run("suspend_policy", 2)
-    for r in res:
-        for where in ("install", "release"):
-            assert "needs torch >= 2.12 and NCCL >= 2.29.7" in r[where] and "no NCCL" in r[where], r
-
-
-def test_failed_suspend_makes_every_member_rebuild():
-    res = _spawn.run("suspend_bookkeeping", 2, fail_rank=1)
-    assert res[1]["release"] == ["destroy"]  # fell back locally
-    assert res[0]["release"] == ["suspend"]  # the peer's suspend had succeeded
-    for r in res:
-        assert r["reload"] == ["destroy"] and not r["same_inner"], r  # both rebuilt
-    assert res[0]["calls"] == ["suspend"] and "could not suspend" in res[0]["reason"], res[0]
-
-
 def test_teardown_children_before_world():
     """Concurrent (default): the children in one wave of threads, each finished before WORLD's teardown starts."""
     res = _spawn.run("teardown_order", 2)

@@ -21,14 +21,12 @@ Contract:
 - release(), reload() and released() are collective over WORLD: all ranks, same order, same arguments. They are
   idempotent (a repeated call returns a report with ``noop=True``), thread-safe (one lock) and fork-safe (a
   child starts empty). ``release(wait=False)`` leaves the teardown to a background thread and returns a Future of
-  the report. Where no group is suspended (always with the default strategy) reload() and group creation go ahead
-  beside it, and the next release() and uninstall() join it first, raising its failure as StateError; with a
-  suspended group every later entry point joins it first.
+  the report; reload() and group creation go ahead beside it, and the next release() and uninstall() join it
+  first, raising its failure as StateError.
 - Strategy per group, chosen at run time and reported: "auto" (the default) destroys and rebuilds every device
-  group, the strategy this project's GPU tests run. Native NCCL suspend/resume is opt-in
-  (``install(strategy="suspend")``): UnsupportedError where torch < 2.12 or NCCL < 2.29.7; where the versions have
-  it, a group whose other preconditions fail (cuMem off, split-shared, not created yet) is destroyed instead and
-  the report says why. CPU-only (Gloo) groups are kept unless ``include_cpu=True``.
+  group. CPU-only (Gloo) groups are kept unless ``include_cpu=True``. Native NCCL suspend/resume is not selectable
+  (``install(strategy="suspend")`` raises UnsupportedError): it has not run on a GPU yet; its design is in
+  docs/comm.md.
 - A group destroyed with ``dist.destroy_process_group`` (also while released) stays destroyed; using it raises
   StateError naming it.
 - The rendezvous store is the control plane: whoever reaches it can forge its keys. :func:`serve_store` serves one
@@ -51,23 +49,22 @@ from ._group import ReloadableGroup
 from ._report import GroupReport, Report
 from ._runtime import RUNTIME as _RT
 from ._store import serve_store
-from ._strategy import DESTROY, KEEP, SUSPEND, Facts, env_warnings, select_strategy
+from ._strategy import DESTROY, KEEP, Facts, env_warnings, select_strategy
 
 __all__ = [
     "install", "uninstall", "release", "reload", "released", "is_installed", "is_released", "generation",
     "track_deepep", "ReloadableGroup", "Report", "GroupReport", "Facts", "select_strategy", "env_warnings",
-    "SUSPEND", "DESTROY", "KEEP", "TEARDOWNS", "DEFAULT_TEARDOWN", "serve_store",
+    "DESTROY", "KEEP", "TEARDOWNS", "DEFAULT_TEARDOWN", "serve_store",
 ]
 
 
 def install(*, strategy: str = "auto", teardown: str = DEFAULT_TEARDOWN, timeout: float | None = None,
             check_env: bool = True, concurrent_teardown: bool = True) -> list[str]:
     """Hook c10d group creation so every group becomes reloadable. Idempotent; call it before
-    ``init_process_group``. ``strategy``: "auto" (destroy-and-rebuild: what has run on GPUs), "destroy", or
-    "suspend" (opt-in native NCCL suspend; UnsupportedError where torch < 2.12 or NCCL < 2.29.7; a group whose
-    other preconditions fail is destroyed, with the reason). ``teardown``: how destroyed NCCL backends go,
-    "shutdown" (default: ncclCommFinalize, then destroy; measured 2x faster than abort for a concurrent release on
-    NCCL 2.28) or "abort" (local; safe because release() drains and barriers first).
+    ``init_process_group``. ``strategy``: "auto" or "destroy", both destroy-and-rebuild ("suspend", native NCCL
+    suspend/resume, raises UnsupportedError: not selectable until it has run on a GPU). ``teardown``: how destroyed
+    NCCL backends go, "shutdown" (default: ncclCommFinalize, then destroy; faster than abort for a concurrent
+    release, docs/comm.md) or "abort" (local; safe because release() drains and barriers first).
     ``timeout``: seconds for control-plane barriers (default ``EBBTIDE_COMM_TIMEOUT`` or 300).
     ``concurrent_teardown``: tear the released groups down concurrently, one thread per group, children before
     the group they were split from (default); False: one at a time in reverse creation order. Warns about NCCL
@@ -89,11 +86,9 @@ def release(include_world: bool = False, *, include_cpu: bool = False, timeout: 
     ``wait=False``: return once the ranks have agreed and the groups are detached (their ops raise StateError
     from then on); the teardowns go on in a background thread, and the call returns a
     ``concurrent.futures.Future`` of the Report, done when this rank's teardowns are (its memory is back then; a
-    peer's mappings of it go with the peer's own teardowns). Where no group is suspended (always with the default
-    strategy) reload() does not wait for it: new communicators are made while the old ones finish. The next
-    release() (on every rank, before it changes anything) and uninstall() wait for it and raise its failure as
-    StateError naming the cause; it is also logged when it happens. With a suspended group the trailing barrier
-    runs in the background too and every later entry point, reload() included, waits for it first."""
+    peer's mappings of it go with the peer's own teardowns). reload() does not wait for it: new communicators are
+    made while the old ones finish. The next release() (on every rank, before it changes anything) and uninstall()
+    wait for it and raise its failure as StateError naming the cause; it is also logged when it happens."""
     return _RT.release(include_world=include_world, include_cpu=include_cpu, timeout=timeout, wait=wait)
 
 

@@ -1,6 +1,6 @@
 """Backend handling for ebbtide.comm: what a group's torch backend is (NCCL or Gloo), and how its communicators are
-drained, suspended, resumed, torn down, connected and split. Functions over one inner torch ``ProcessGroup`` (or a
-list of them); they know nothing of the journal's order or of the runtime's state.
+drained, torn down, connected and split. Functions over one inner torch ``ProcessGroup`` (or a list of them); they
+know nothing of the journal's order or of the runtime's state.
 
 What holds:
 - Nothing here creates a CUDA context: device probes look only where CUDA is initialised already.
@@ -18,8 +18,6 @@ import contextlib
 import copy
 import datetime
 import logging
-import os
-import re
 import threading
 import time
 
@@ -42,21 +40,6 @@ TEARDOWNS = ("shutdown", "abort")
 DEFAULT_TEARDOWN = "shutdown"
 
 
-def torch_version() -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
-def nccl_version() -> tuple[int, int, int] | None:
-    try:
-        if not torch.cuda.is_available():
-            return None
-        v = torch.cuda.nccl.version()
-        return tuple(int(x) for x in v[:3]) if isinstance(v, tuple) else (v // 1000, v % 1000 // 100, v % 100)
-    except Exception:
-        return None
-
-
 def has_accelerator(g) -> bool:
     """The group has a device-collective backend (NCCL, XCCL, a plugin). Gloo also serves CUDA tensors, so device
     types alone do not tell; the backend configuration does ("cpu:gloo,cuda:nccl", "cuda:gloo", ...)."""
@@ -67,37 +50,10 @@ def has_accelerator(g) -> bool:
     return bool(backends - {"gloo", "mpi", "undefined", ""})
 
 
-def facts(g, tv, nv, cumem, split_share_env: bool, include_cpu: bool) -> S.Facts:
-    """What strategy selection needs to know about live group ``g`` (a ReloadableGroup) on this rank."""
-    accel = has_accelerator(g)
-    backend = None
-    if accel:
-        with contextlib.suppress(Exception):
-            backend = g._ebt_inner._get_backend(torch.device("cuda"))
-    has_suspend = backend is not None and type(backend).__name__ == "ProcessGroupNCCL" and hasattr(backend, "suspend")
-    initialized = g._ebt_used  # an op went through the wrapper; memory_stats() tells exactly where it exists
-    split_share = split_share_env
-    if backend is not None:
-        with contextlib.suppress(Exception):
-            split_share = split_share or bool(backend.options.config.split_share)
-        if has_suspend:
-            try:
-                backend.memory_stats()  # raises while the communicator is lazily pending
-                initialized = True
-            except Exception:
-                initialized = False
-    return S.Facts(accelerator=accel, torch_version=tv, nccl_version=nv, backend_has_suspend=has_suspend,
-                   cumem=cumem, split_share=split_share, comm_initialized=initialized, include_cpu=include_cpu)
-
-
 def local_choices(journal: list, requested: str, include_world: bool, include_cpu: bool) -> list:
     """(entry, strategy, reason) for every live group of ``journal`` this rank would release, from its own facts
-    (peers may choose differently; release() combines the choices). Sets ``entry.initialized`` where the group's
-    communicator exists. Raises UnsupportedError before anything changes where ``requested`` is "suspend" and the
-    versions lack it."""
-    tv, nv = torch_version(), nccl_version()
-    cumem = S.cumem_enabled(os.environ, nv)
-    split_share_env = os.environ.get("NCCL_COMM_SPLIT_SHARE_RESOURCES", "").strip() == "1"
+    (release() combines the members' choices). Sets ``entry.initialized``: whether an op went through the group
+    since its last (re)build (then its communicator exists, and reload connects it eagerly)."""
     out = []
     for e in journal:
         g = e.group
@@ -105,13 +61,11 @@ def local_choices(journal: list, requested: str, include_world: bool, include_cp
             continue
         if e.kind == "world" and not include_world:
             continue
-        f = facts(g, tv, nv, cumem, split_share_env, include_cpu)
-        choice, reason = S.select_strategy(f, requested)
-        if e.local_sync and choice == S.SUSPEND:  # members of local groups cannot be agreed on: destroy
-            choice, reason = S.DESTROY, "local-synchronization group"
+        choice, reason = S.select_strategy(S.Facts(accelerator=has_accelerator(g), include_cpu=include_cpu),
+                                           requested)
         if choice == S.KEEP:
             continue
-        e.initialized = f.comm_initialized or g._ebt_used
+        e.initialized = g._ebt_used
         out.append((e, choice, reason))
     return out
 
@@ -144,16 +98,6 @@ def drain(groups: list, timeout: float) -> None:
         raise StateError(f"ebbtide.comm.release(): device work on {sorted(map(str, devices))} did not finish within "
                          f"{timeout:.0f} s (a collective waiting for peers that never joined it, or a kernel that "
                          "does not end); nothing was released and the groups are usable again")
-
-
-def suspend(inner: ProcessGroup) -> None:
-    """Native suspend (torch >= 2.12: ``ncclCommSuspend(NCCL_SUSPEND_MEM)``): collective over the group's ranks,
-    keeps connections and virtual addresses, frees the dynamic buffers."""
-    inner._get_backend(torch.device("cuda")).suspend()
-
-
-def resume(inner: ProcessGroup) -> None:
-    inner._get_backend(torch.device("cuda")).resume()
 
 
 def teardown(inner: ProcessGroup, how: str) -> None:

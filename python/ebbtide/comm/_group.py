@@ -6,14 +6,14 @@ Contract:
   (``get_rank(group)``, ``get_process_group_ranks``, ``get_global_rank``), object collectives and
   ``batch_isend_irecv`` take it like any group. rank, size, name, description, bound device and device types stay
   the same across release/reload.
-- The *inner* group is the torch group that does the work. It is swapped on reload (destroy strategy) or kept and
-  resumed (suspend strategy). c10d's native name registry points the stable name at the live inner, so functional
+- The *inner* group is the torch group that does the work. It is torn down at release and a rebuilt one takes its
+  place at reload. c10d's native name registry points the stable name at the live inner, so functional
   collectives and compiled graphs resolve it natively; while released it points at this wrapper, whose ops raise.
 - While released, every operation raises :class:`~ebbtide.errors.StateError` naming the group and what to do, before
-  anything reaches NCCL (a collective on a suspended or destroyed communicator would fault the GPU or hang).
+  anything reaches NCCL (a collective on a destroyed communicator would fault the GPU or hang).
 - A Python op never returns None to c10d (a None Work segfaults at ``wait()``): a completed Work stands in.
-- It owns its state: its journal entry, its live inner (or the suspended one it holds), whether it is live,
-  released (and by which strategy) or destroyed. The runtime changes that state only through the ``_ebt_*``
+- It owns its state: its journal entry, its live inner, whether it is live, released (and by which strategy) or
+  destroyed. The runtime changes that state only through the ``_ebt_*``
   transition methods below, under the runtime's lock; an op reads ``_ebt_inner`` once (one attribute load).
 - Destroyed is final: a group destroyed with ``dist.destroy_process_group`` (also while released, also on a peer
   rank while released) is never rebuilt, and every op on it raises StateError naming it.
@@ -72,7 +72,6 @@ class ReloadableGroup(ProcessGroup):
     def __init__(self, inner: ProcessGroup, *, name: str, desc: str, index: int, runtime):
         super().__init__(inner.rank(), inner.size())
         self._ebt_inner: ProcessGroup | None = inner  # live torch group; None while released
-        self._ebt_held: ProcessGroup | None = None  # suspended inner kept for resume (suspend strategy)
         self._ebt_name = str(name)  # stable c10d name
         self._ebt_desc = str(desc)
         self._ebt_index = index  # position in the replay journal
@@ -137,7 +136,7 @@ class ReloadableGroup(ProcessGroup):
         return inner
 
     def _ebt_attach(self, inner: ProcessGroup, *, fresh: bool = False) -> None:
-        """``inner`` is live (again). ``fresh``: it was rebuilt or resumed, so no op has gone through it yet."""
+        """``inner`` is live (again). ``fresh``: it was rebuilt, so no op has gone through it yet."""
         self._ebt_inner, self._ebt_released_by = inner, None
         if fresh:
             self._ebt_used = False
@@ -145,18 +144,9 @@ class ReloadableGroup(ProcessGroup):
     def _ebt_mark_released(self, plan: str) -> None:
         self._ebt_released_by = plan
 
-    def _ebt_hold(self, inner: ProcessGroup) -> None:
-        """Keep a suspended inner for resume."""
-        self._ebt_held = inner
-
-    def _ebt_take_held(self) -> ProcessGroup | None:
-        held, self._ebt_held = self._ebt_held, None
-        return held
-
     def _ebt_destroy(self, why: str) -> ProcessGroup | None:
-        """Mark destroyed (final). Returns the inner (live or suspended) the caller must tear down, if any."""
-        inner = self._ebt_inner if self._ebt_inner is not None else self._ebt_held
-        self._ebt_inner, self._ebt_held, self._ebt_destroyed = None, None, True
+        """Mark destroyed (final). Returns the live inner the caller must tear down, if any."""
+        inner, self._ebt_inner, self._ebt_destroyed = self._ebt_inner, None, True
         self._ebt_destroyed_why = why
         return inner
 

@@ -59,7 +59,6 @@ class Entry:
     plan: str | None = None  # strategy agreed at release; None while live / when not released
     reason: str = ""
     initialized: bool = False  # a communicator existed at release (so reload connects it eagerly)
-    freed: int | None = None
 
     def __post_init__(self):
         if self.group is not None:
@@ -81,10 +80,6 @@ class Entry:
         """How ranks name this entry in an exchange: its position for shared entries, its c10d name (the same on
         every member) for local ones."""
         return str(self.gidx) if self.gidx >= 0 else f"local:{self.name}"
-
-    @property
-    def plan_word(self) -> str:
-        return "resume" if self.plan == "suspend" else "rebuild"
 
 
 def journal_hash(journal: list[Entry]) -> list:

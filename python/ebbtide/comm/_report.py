@@ -27,7 +27,7 @@ class GroupReport:
     name: str
     desc: str
     ranks: list[int]  # global ranks
-    strategy: str  # "suspend", "destroy" or "keep"
+    strategy: str  # "destroy" (kept groups are not released, so not reported)
     reason: str  # why that strategy
     seconds: float  # time this rank spent on the group
     bytes: int | None  # device bytes freed (release) or taken back (reload); None where not measurable

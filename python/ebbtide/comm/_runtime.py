@@ -12,18 +12,17 @@ What holds (the caller's contract is in ``__init__.py``):
   arguments. They are idempotent (a repeated call returns a no-op report) and serialised by one lock.
 - Order of release: detach the inners (ops now raise StateError) -> drain the device (bounded: device work that
   never finishes fails the release on every rank, everything re-attached) -> agree on the CPU control
-  plane (journal hash, options, per-group strategy) -> tear down or suspend in reverse journal order (children
-  before the WORLD they were split from, as c10d does; a global order, so overlapping groups never wait on each
-  other in a cycle; teardowns of one split level run concurrently, Note [Concurrent teardown] in ``_backend.py``)
-  -> trailing barrier (peers' mappings of our buffers are gone too). With ``wait=False`` the state is RELEASED
-  once the inners are detached and agreed on, and the rest runs on a background thread in one of two forms, chosen
-  by the agreed plans (so the same on every rank; Note [Detached teardown] in ``_teardown.py``):
-  - a SUSPEND plan: steps 4 and 5 whole (``pending``); every entry point joins it (``settle``) first.
-  - none: the journal and wrappers are booked released on the caller's thread; only the teardowns of inners nothing
-    references any more run in the background, no trailing barrier (``teardowns``). Joined, its failure raised as
-    StateError, by release() before anything else (through the agreement: every rank raises, nothing released)
-    and by uninstall(); dist.destroy_process_group of WORLD joins and logs it. reload(), group creation and
-    split_group go ahead beside it.
+  plane (journal hash, options, per-group strategy) -> book the groups released -> tear down the old inners in
+  reverse journal order (children before the WORLD they were split from, as c10d does; a global order, so
+  overlapping groups never wait on each other in a cycle; teardowns of one split level run concurrently, Note
+  [Concurrent teardown] in ``_backend.py``) -> trailing barrier (peers' mappings of our buffers are gone too).
+  With ``wait=False`` the teardown (and only it: no trailing barrier) runs on a background thread
+  (``teardowns``, Note [Detached teardown] in ``_teardown.py``). Joined, its failure raised as StateError, by
+  release() before anything else (through the agreement: every rank raises, nothing released) and by
+  uninstall(); dist.destroy_process_group of WORLD joins and logs it. reload(), group creation and split_group
+  go ahead beside it.
+- The runtime owns its state: only its methods write its fields. What one release or reload works on lives in
+  that call (a :class:`~._teardown.Teardown`, a :class:`_Reloading`), not in fields.
 - Order of reload: agree (journal hash, which communicators existed, which groups are gone) -> rebuild WORLD first
   (subgroups split from it) -> every journal entry in order, with a fresh store prefix per generation
   (``<name>.ebt<gen>``) -> eager connect of communicators that existed before release, except where replaying the
@@ -37,6 +36,7 @@ What holds (the caller's contract is in ``__init__.py``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 from concurrent.futures import Future
 import inspect
@@ -64,7 +64,7 @@ from ._journal import (Entry, OptionsSnapshot, check_agreement, combine_plans, c
 from ._registry import (_forget_registration, _global_ranks, _move_registration, _register_native,
                         _world_creation_call)
 from ._report import GroupReport, Report, device_free_bytes
-from ._teardown import done, failure_text, finish_release, in_background, joined, release_detached
+from ._teardown import Teardown, detach, done, failure_text, joined, waves
 
 log = logging.getLogger("ebbtide.comm")
 
@@ -76,13 +76,30 @@ TIMEOUT = settings.declare("EBBTIDE_COMM_TIMEOUT", settings.parse_float(0, lo_op
                            "(install(timeout=...) overrides it)")
 
 
+@dataclasses.dataclass
+class _Reloading:
+    """What one reload() works on (made by it, gone when it returns)."""
+
+    measure: bool  # its memory probes are meaningful (no detached teardown of this rank beside them)
+    rebuilt: set = dataclasses.field(default_factory=set)  # wrappers rebuilt so far
+    connected: set = dataclasses.field(default_factory=set)  # ... of which the communicator exists now
+    warm: set = dataclasses.field(default_factory=set)  # ... to warm up (the same groups on every member)
+
+    def probe(self) -> int | None:
+        return device_free_bytes() if self.measure else None
+
+
+# A group whose release gave back more than this had a communicator: reload connects it eagerly.
+_CONNECTED_BYTES = 1 << 20
+
+
 class Runtime:
     """Process-wide state. One instance (``RUNTIME``); every public entry point takes ``lock``."""
 
     def __init__(self):
         self.lock = threading.RLock()  # guards everything below
         self.pid = os.getpid()
-        self.strategy = "auto"  # requested: "auto", "suspend", "destroy"
+        self.strategy = "auto"  # requested: "auto" or "destroy" (_strategy.REQUESTS)
         self.teardown = B.DEFAULT_TEARDOWN  # how a destroyed NCCL backend is torn down: "abort" or "shutdown"
         self.concurrent_teardown = True  # see Note [Concurrent teardown]
         self.timeout: datetime.timedelta | None = None  # None: EBBTIDE_COMM_TIMEOUT, read when first needed
@@ -96,13 +113,7 @@ class Runtime:
         self.inner_to_wrapper: dict = {}  # live inner -> wrapper, for Python-side name resolution
         self.hooks = Hooks(lambda pg: self.inner_to_wrapper.get(pg, pg))
         self.helper_sig: inspect.Signature | None = None
-        self.last_release: Report | None = None
-        self.pending: Future | None = None  # a release(wait=False) with a SUSPEND plan, still running
-        self.teardowns: Future | None = None  # a release(wait=False)'s detached teardowns (Note [Detached teardown])
-        self.deepep_reports: list[GroupReport] = []  # DeepEP buffers freed by the release in progress
-        self._rebuilt_now: set = set()  # wrappers rebuilt by the reload in progress
-        self._connected_now: set = set()  # ... of which the communicator exists now
-        self._measure_now = True  # reload's memory probes are meaningful (no detached teardown beside them)
+        self.teardowns: Future | None = None  # a release(wait=False)'s detached teardown (Note [Detached teardown])
 
     @property
     def installed(self) -> bool:
@@ -111,14 +122,11 @@ class Runtime:
     # ---- install / uninstall ------------------------------------------------------------------------------
     def install(self, *, strategy: str, teardown: str, timeout: float | None, check_env: bool,
                 concurrent_teardown: bool = True) -> list[str]:
-        if strategy not in S.REQUESTS:
-            raise InvalidArgumentError(f"strategy must be one of {S.REQUESTS}, not {strategy!r}")
+        S.check_request(strategy)
         if teardown not in B.TEARDOWNS:
             raise InvalidArgumentError(f"teardown must be one of {B.TEARDOWNS}, not {teardown!r}")
         if timeout is not None and not timeout > 0:
             raise InvalidArgumentError(f"timeout must be > 0 seconds, not {timeout!r}")
-        if strategy == S.SUSPEND:  # opt-in, and only where torch and NCCL have it
-            S.check_suspend_supported(B.torch_version(), B.nccl_version())
         with self.lock:
             self._check_pid()
             self.strategy, self.teardown = strategy, teardown
@@ -127,7 +135,7 @@ class Runtime:
                 self.timeout = datetime.timedelta(seconds=float(timeout))
             warned: list[str] = []
             if check_env:
-                for var, msg in S.env_warnings(os.environ, B.nccl_version(), B.torch_version(), strategy):
+                for var, msg in S.env_warnings(os.environ):
                     warnings.warn(f"ebbtide.comm: {msg}", RuntimeWarning, stacklevel=3)
                     warned.append(var)
             if self.installed:
@@ -145,7 +153,9 @@ class Runtime:
         with self.lock:
             if self.state != READY:
                 raise StateError("ebbtide.comm.uninstall(): groups are released; reload() first")
-            self.settle("uninstall", teardowns=True)
+            err = self._join_teardowns()
+            if err is not None:
+                raise StateError(f"ebbtide.comm.uninstall(): {failure_text(err)}") from err
             self.hooks.uninstall()
 
     def original(self, attr: str):
@@ -158,7 +168,7 @@ class Runtime:
     def _reset_after_fork(self) -> None:
         self.lock = threading.RLock()
         self.pid = os.getpid()
-        self.pending = self.teardowns = None  # the teardown thread is not in the child
+        self.teardowns = None  # the teardown thread is not in the child
         self._reset_journal()
         self.replaying = False
 
@@ -234,18 +244,15 @@ class Runtime:
             return wrapper
 
     def user_destroyed(self, g: ReloadableGroup, how: str) -> None:
-        """dist.destroy_process_group reached a wrapper: tear its inner down and forget the group. Joins a background
-        release first (WORLD: also its detached teardowns, Note [Detached teardown]); a failure there is logged, as
-        c10d's destroy is best effort and goes on."""
+        """dist.destroy_process_group reached a wrapper: tear its inner down and forget the group. WORLD's destroy
+        joins a detached teardown first (Note [Detached teardown]); a failure there is logged, as c10d's destroy is
+        best effort and goes on."""
         with self.lock:
-            for attr in ("pending",) + (("teardowns",) if g is self.world else ()):
-                err = joined(getattr(self, attr))
-                # a subgroup's destroy leaves the failure for the next entry point (it stays raised there)
-                setattr(self, attr, None if err is None or g is self.world else getattr(self, attr))
+            if g is self.world:
+                err = self._join_teardowns()
                 if err is not None:
                     log.error("ebbtide.comm: dist.destroy_process_group: the background teardown of "
                               "release(wait=False) had failed: %s: %s", type(err).__name__, err)
-            if g is self.world:
                 # c10d is destroying every group and will clear its registries. Children first (reverse journal
                 # order, as c10d shuts groups down), then WORLD they were split from; start over at the next init.
                 for e in reversed(self.journal):
@@ -287,9 +294,7 @@ class Runtime:
         with self.lock:
             self._check_pid()
             self._require_installed("release")
-            self.settle("release")
-            failed = joined(self.teardowns)  # Note [Detached teardown]: before anything is torn down again
-            self.teardowns = None
+            failed = self._join_teardowns()  # Note [Detached teardown]: before anything is torn down again
             if self.state == RELEASED:
                 if failed is not None:
                     raise StateError(f"ebbtide.comm.release(): {failure_text(failed)}") from failed
@@ -303,8 +308,8 @@ class Runtime:
             detached = {e: e.group._ebt_detach() for e, _choice, _reason in local}
             # 2. Drain outstanding device work (NCCL kernels run on internal streams; a device sync covers them).
             log.debug("ebbtide.comm: release: detached %s", [e.group._ebt_name for e in detached])
-            # 3. Agree: same journal, same options; each group's strategy is the weakest of its members' choices.
-            # wait is agreed too: it decides the form of the rest (Note [Detached teardown]), so the control-plane calls
+            # 3. Agree: same journal, same options (wait too: the detached form makes no trailing barrier call, Note
+            #    [Detached teardown]); a group is released where any of its members releases it.
             payload = {"journal": journal_hash(self.journal), "opts": [include_world, include_cpu, bool(wait)],
                        "choices": {str(e.gidx): c for e, c, _ in local if e.gidx >= 0},
                        "gone": [e.gidx for e in self.journal if e.group is not None and e.group._ebt_destroyed],
@@ -339,15 +344,15 @@ class Runtime:
                     raise StateError(f"ebbtide.comm.release(): ranks hold different DeepEP buffers: {why}")
                 # DeepEP's destroy is collective among each buffer's ranks (a device barrier): all ranks agreed
                 # above, so every peer is here too. Before any communicator goes.
-                self.deepep_reports = _deepep.release_buffers()
+                deepep = _deepep.release_buffers()
             except BaseException:
                 for e, inner in detached.items():  # nothing was torn down: put everything back
                     e.group._ebt_attach(inner)
                 raise
             barrier_s = time.perf_counter() - tb
             plans = combine_plans(everyone, S.combine)
-            # 4. Tear down / suspend in reverse journal order: children before the group they were split from
-            #    (as c10d's destroy_process_group does); one global order, so no cross-group wait cycle.
+            # 4. Tear down in reverse journal order: children before the group they were split from (as c10d's
+            #    destroy_process_group does); one global order, so no cross-group wait cycle.
             log.debug("ebbtide.comm: release: agreed (%.3f s); plans %s", barrier_s, plans)
             reasons = {e: r for e, _c, r in local}
             choices = {e: c for e, c, _r in local}
@@ -375,28 +380,46 @@ class Runtime:
             # Before the teardown: from here every entry point (reload, release, group creation) sees RELEASED,
             # and a timeout in the trailing barrier leaves a consistent RELEASED state.
             self.state = RELEASED
-            if not wait and S.SUSPEND not in plans.values():  # agreed plans: every rank takes the same form
-                self.teardowns = release_detached(self, todo, detached, tmo, t0, barrier_s)
+            work = self._book_released(todo, detached, deepep, tmo, t0, barrier_s)
+            del detached  # the Teardown holds the last references to the old inners
+            if not wait:  # agreed: every rank takes the same form
+                self.teardowns = detach(work, B.current_cuda_device())
+                log.debug("ebbtide.comm: release: %d group(s) booked released; their teardown continues in the "
+                          "background", len(todo))
                 return self.teardowns
-            # In the background the device-free probes would count what the caller frees meanwhile: none taken.
-            finish = lambda: finish_release(self, todo, detached, tmo, control, t0, barrier_s,  # noqa: E731
-                                            free_before, measure=wait)
-            if wait:
-                return finish()
-            self.pending = in_background(finish, B.current_cuda_device())
-            log.debug("ebbtide.comm: release: %d group(s) agreed; teardown continues in the background", len(todo))
-            return self.pending
+            for slot, freed in work.run(measure=True).items():
+                if freed > _CONNECTED_BYTES:
+                    todo[slot].initialized = True
+            # 5. Trailing barrier: return when every rank has torn down. NCCL's peer buffers are cuMem allocations
+            #    exported by one rank and mapped by the others: the pages go only when every mapper has let go, so
+            #    a rank that measures (or allocates) before its peers finish sees part of its memory still held.
+            tb2 = time.perf_counter()
+            control.barrier("released", tmo)
+            rep = work.report(free_before, device_free_bytes(), time.perf_counter() - tb2)
+            log.info("%s", rep.summary())
+            log.debug("ebbtide.comm: release: torch caching allocator reserved %s MiB after release (not ours: NCCL "
+                      "memory never goes through it)", B.reserved_mib())
+            return rep
 
-    def settle(self, what: str, *, teardowns: bool = False) -> None:
-        """Join a background release before ``what`` goes on: one with a SUSPEND plan (``pending``) always, detached
-        teardowns with ``teardowns`` (Note [Detached teardown]). A failure is raised here once, as StateError naming
-        the cause (after ``pending``'s the groups stay released and their teardown may be partial: restart the
-        process group stack, as after a failed release())."""
-        for attr in ("pending", "teardowns") if teardowns else ("pending",):
-            err = joined(getattr(self, attr))
-            setattr(self, attr, None)
-            if err is not None:
-                raise StateError(f"ebbtide.comm.{what}(): {failure_text(err)}") from err
+    def _book_released(self, todo: list[Entry], detached: dict, deepep: list[GroupReport],
+                       tmo: datetime.timedelta, t0: float, barrier_s: float) -> Teardown:
+        """Mark ``todo``'s groups (reverse journal order, plans agreed) released and hand their old inners over to
+        a Teardown: from here nothing of the runtime's refers to them (Note [Detached teardown])."""
+        groups = []
+        for e in todo:
+            g = e.group
+            g._ebt_mark_released(e.plan)
+            self.inner_to_wrapper.pop(detached[e], None)
+            groups.append(GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), e.plan, e.reason, 0.0, None))
+        slot = {e: i for i, e in enumerate(todo)}
+        plan = [(level, [(slot[e], detached[e]) for e in wave])
+                for level, wave in waves(self.journal, todo, self.concurrent_teardown)]
+        return Teardown(plan, self.teardown, tmo, groups, deepep, self.generation, t0, barrier_s)
+
+    def _join_teardowns(self) -> BaseException | None:
+        """Wait for a release(wait=False)'s detached teardown; its failure (once: the Future is dropped), or None."""
+        err, self.teardowns = joined(self.teardowns), None
+        return err
 
     # ---- reload -------------------------------------------------------------------------------------------
     def reload(self, *, eager: bool, timeout: float | None, warm: bool = True) -> Report:
@@ -404,18 +427,15 @@ class Runtime:
         with self.lock:
             self._check_pid()
             self._require_installed("reload")
-            self.settle("reload")
             if self.state != RELEASED:
                 return Report("reload", True, self.generation, time.perf_counter() - t0, 0.0, None, None)
             tmo = self._timeout(timeout)
             control = self._control()
             # Not beside a detached teardown: the probes would count its frees (Note [Detached teardown]).
-            self._measure_now = self.teardowns is None or self.teardowns.done()
-            free_before = self._probe()
+            op = _Reloading(measure=self.teardowns is None or self.teardowns.done())
+            free_before = op.probe()
             payload = {"journal": journal_hash(self.journal), "eager": bool(eager),
                        "connect": [e.gidx for e in self.journal if e.gidx >= 0 and e.plan and e.initialized],
-                       "plans": {str(e.gidx): e.plan for e in self.journal
-                                 if e.gidx >= 0 and e.plan and e.group is not None},
                        "gone": [e.agreement_key() for e in self.journal
                                 if e.plan and e.group is not None and e.group._ebt_destroyed]}
             tb = time.perf_counter()
@@ -424,22 +444,20 @@ class Runtime:
             check_agreement(everyone, "reload")
             barrier_s = time.perf_counter() - tb
             self._forget_destroyed(everyone)
-            self._settle_plans(everyone)
             connect = set()
             for p in everyone:
                 connect.update(p["connect"])
             self.generation += 1
             reports = []
-            self._rebuilt_now, self._connected_now, self._warm_now = set(), set(), set()
             self.replaying = True
             try:
                 # WORLD first: subgroups may split from it.
                 order = sorted((e for e in self.journal if e.plan), key=lambda e: e.kind != "world")
                 for e in order:
-                    reports.extend(self._reload_one(e, eager and e.gidx in connect))
+                    reports.extend(self._reload_one(e, eager and e.gidx in connect, op))
                 warm_s = 0.0
                 if eager and warm:  # Note [Concurrent warm-up] in _backend.py; before DeepEP's handle exchange
-                    warm_s = B.warm_up(list(self._warm_now), B.current_cuda_device())
+                    warm_s = B.warm_up(list(op.warm), B.current_cuda_device())
                 reports.extend(_deepep.reload_buffers())  # over their reloaded groups
             finally:
                 self.replaying = False
@@ -450,7 +468,7 @@ class Runtime:
             self.state = RELEASED if any(e.plan and e.group is not None and e.group._ebt_inner is None
                                          for e in self.journal) else READY
             rep = Report("reload", False, self.generation, time.perf_counter() - t0, barrier_s, free_before,
-                         self._probe(), reports, warmup_seconds=warm_s)
+                         op.probe(), reports, warmup_seconds=warm_s)
             log.info("%s", rep.summary())
             return rep
 
@@ -464,79 +482,52 @@ class Runtime:
                 continue
             e.plan = None
             g = e.group
-            if g is not None and not g._ebt_destroyed:
-                held = g._ebt_destroy("dist.destroy_process_group on a peer rank while released")
-                if held is not None:
-                    self.inner_to_wrapper.pop(held, None)
-                    B.teardown(held, self.teardown)
+            if g is not None and not g._ebt_destroyed:  # released: its old inner went at release, none to tear down
+                g._ebt_destroy("dist.destroy_process_group on a peer rank while released")
             log.debug("ebbtide.comm: reload: group '%s' was destroyed while released: not rebuilt", e.name)
 
-    def _settle_plans(self, everyone: list[dict]) -> None:
-        """A member whose suspend failed destroyed its communicator instead; then every member must rebuild that
-        group (a resume would wait for it forever): suspended peers tear down what they hold."""
-        final: dict[int, str] = {}
-        for p in everyone:
-            for k, plan in p["plans"].items():
-                final[int(k)] = S.combine([final.get(int(k), S.KEEP), plan])
-        for e in self.journal:
-            if e.gidx < 0 or not e.plan or final.get(e.gidx, e.plan) == e.plan:
-                continue
-            if e.plan == S.SUSPEND and e.group is not None:
-                held = e.group._ebt_take_held()
-                if held is not None:
-                    self.inner_to_wrapper.pop(held, None)
-                    B.teardown(held, self.teardown)
-            e.plan = final[e.gidx]
-            e.reason = f"destroyed: a peer could not suspend ({e.reason})"
-
-    def _reload_one(self, e: Entry, connect: bool) -> list[GroupReport]:
+    def _reload_one(self, e: Entry, connect: bool, op: _Reloading) -> list[GroupReport]:
         g = e.group
         asked = connect  # agreed on every rank (unlike whether this rank's eager connect succeeded)
         t = time.perf_counter()
-        log.debug("ebbtide.comm: reload: %s entry %d %s '%s' (%s)", e.plan_word, e.gidx, e.kind, e.name,
+        log.debug("ebbtide.comm: reload: rebuild entry %d %s '%s' (%s)", e.gidx, e.kind, e.name,
                   "member" if g is not None else "non-member")
-        before = self._probe()
+        before = op.probe()
         plan, e.plan = e.plan, None
-        if plan == S.SUSPEND:
-            if g is None:
-                return []
-            inner = g._ebt_take_held()
-            B.resume(inner)
+        inner = self._rebuild(e, op)
+        if g is None:
+            return []
+        op.rebuilt.add(g)
+        inner._set_group_name(g._ebt_name)
+        with contextlib.suppress(Exception):
+            inner._set_group_desc(g._ebt_desc)
+        if g.bound_device_id is not None and inner.bound_device_id is None:
+            inner.bound_device_id = g.bound_device_id
+        if creation_connects(e):
+            # Replaying the creation already made the communicator; a second eager connect would make another one
+            # (see creation_connects).
+            connect = B.has_accelerator(g)
         else:
-            inner = self._rebuild(e)
-            if g is None:
-                return []
-            self._rebuilt_now.add(g)
-            inner._set_group_name(g._ebt_name)
-            with contextlib.suppress(Exception):
-                inner._set_group_desc(g._ebt_desc)
-            if g.bound_device_id is not None and inner.bound_device_id is None:
-                inner.bound_device_id = g.bound_device_id
-            if creation_connects(e):
-                # Replaying the creation already made the communicator; a second eager connect would make
-                # another one (see creation_connects).
-                connect = B.has_accelerator(g)
-            else:
-                log.debug("ebbtide.comm: reload: eager connect of %s", g._ebt_name)
-                connect = connect and B.connect(inner, g)
-            if connect:
-                self._connected_now.add(g)
-            if B.has_accelerator(g) and (creation_connects(e) or asked):
-                self._warm_now.add(g)  # the same groups on every member: each warm-up pairs up
+            log.debug("ebbtide.comm: reload: eager connect of %s", g._ebt_name)
+            connect = connect and B.connect(inner, g)
+        if connect:
+            op.connected.add(g)
+        if B.has_accelerator(g) and (creation_connects(e) or asked):
+            op.warm.add(g)  # the same groups on every member: each warm-up pairs up
         g._ebt_attach(inner, fresh=True)
         self.inner_to_wrapper[inner] = g
         _register_native(g._ebt_name, inner)
-        after = self._probe()
+        after = op.probe()
         used = None if before is None or after is None else before - after
         return [GroupReport(g._ebt_name, g._ebt_desc, _global_ranks(g), plan, e.reason, time.perf_counter() - t,
                             used, connected=connect)]
 
-    def _rebuild(self, e: Entry):
+    def _rebuild(self, e: Entry, op: _Reloading):
         """Replay one creation call under a fresh name (fresh store prefix) and strip the temporary group out of
         c10d's registries. Returns the new inner group, or None on non-members."""
         temp_name = f"{e.name}.ebt{self.generation}"
         if e.kind == "split":
-            parent_inner = B.split_parent_ready(e.parent, e.name, self._rebuilt_now, self._connected_now)
+            parent_inner = B.split_parent_ready(e.parent, e.name, op.rebuilt, op.connected)
             kwargs = dict(e.call["kwargs"])
             kwargs["group_name"] = temp_name
             kwargs["opts"] = B.replay_split_options(parent_inner, kwargs.get("opts"), e.parent)
@@ -583,9 +574,6 @@ class Runtime:
         if not timeout > 0:
             raise InvalidArgumentError(f"timeout must be > 0 seconds, not {timeout!r}")
         return datetime.timedelta(seconds=float(timeout))
-
-    def _probe(self) -> int | None:
-        return device_free_bytes() if self._measure_now else None
 
     def _control(self) -> ControlPlane:
         if self.control is None:
