@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <string>
 
 #include "csrc/status.h"
 #include "memory/api_internal.h"
@@ -97,6 +98,35 @@ ebt_status_t ebt_mem_get_coalescing(int* enabled) {
   EBT_MEM_SETTINGS_OK();
   EBT_REQUIRE_ARG(enabled, "enabled is NULL");
   *enabled = Engine::get().coalescing() ? 1 : 0;
+  return EBT_SUCCESS;
+}
+
+ebt_status_t ebt_mem_set_host_retention(int retain) {
+  EBT_MEM_ENTRY();
+  EBT_REQUIRE_ARG(retain == 0 || retain == 1, "retain must be 0 or 1, not %d", retain);
+  Engine::get().set_host_retention(retain != 0);
+  return EBT_SUCCESS;
+}
+
+ebt_status_t ebt_mem_get_host_retention(int* retain) {
+  EBT_MEM_SETTINGS_OK();
+  EBT_REQUIRE_ARG(retain, "retain is NULL");
+  *retain = Engine::get().host_retention() ? 1 : 0;
+  return EBT_SUCCESS;
+}
+
+ebt_status_t ebt_mem_set_disk_dir(const char* dir) {
+  EBT_MEM_ENTRY();
+  return Engine::get().set_disk_dir(dir);
+}
+
+ebt_status_t ebt_mem_get_disk_dir(char* buf, size_t len) {
+  EBT_MEM_ENTRY();
+  EBT_REQUIRE_ARG(buf && len, "buf is NULL or len is 0");
+  std::string dir;
+  EBT_CHECK(Engine::get().disk_dir(&dir));
+  EBT_REQUIRE_ARG(dir.size() < len, "buf holds %zu bytes; the directory needs %zu", len, dir.size() + 1);
+  memcpy(buf, dir.c_str(), dir.size() + 1);
   return EBT_SUCCESS;
 }
 

@@ -44,6 +44,10 @@ py::dict report_dict(const ebt_mem_report_t& r) {
   d["meminfo_s"] = r.meminfo_s;
   d["map_call_s"] = r.map_call_s;
   d["prepare_s"] = r.prepare_s;
+  d["host_wait_s"] = r.host_wait_s;
+  d["host_release_s"] = r.host_release_s;
+  d["disk_s"] = r.disk_s;
+  d["bytes_disk"] = r.bytes_disk;
   d["total_s"] = r.total_s;
   d["driver_free_before"] = r.driver_free_before;
   d["driver_free_after"] = r.driver_free_after;
@@ -92,6 +96,9 @@ void register_bindings(py::module_& m) {
   m.doc() = "Memory engine (VMM pause/resume): thin view of the ebt_mem_* C API.";
   m.attr("BACKUP_NONE") = static_cast<int>(EBT_MEM_BACKUP_NONE);
   m.attr("BACKUP_CPU") = static_cast<int>(EBT_MEM_BACKUP_CPU);
+  m.attr("BACKUP_DISK") = static_cast<int>(EBT_MEM_BACKUP_DISK);
+  m.attr("HOST_TRANSIENT") = static_cast<int>(EBT_MEM_HOST_TRANSIENT);
+  m.attr("HOST_PAGEABLE") = static_cast<int>(EBT_MEM_HOST_PAGEABLE);
   m.attr("TAG_MAX") = EBT_MEM_TAG_MAX;
 
   m.def("region_push", [](const std::string& tag, int backup) {
@@ -270,7 +277,35 @@ void register_bindings(py::module_& m) {
     d["quarantined_bytes"] = g.quarantined_bytes;
     d["zombie_reclaims"] = g.zombie_reclaims;
     d["bytes_reclaimed"] = g.bytes_reclaimed;
+    d["transient_copies"] = g.transient_copies;
+    d["transient_mapped"] = g.transient_mapped;
+    d["transient_pinned"] = g.transient_pinned;
+    d["transient_retained"] = g.transient_retained;
+    d["host_retention"] = bool(g.host_retention);
+    d["disk_files"] = g.disk_files;
+    d["disk_bytes"] = g.disk_bytes;
+    d["disk_staging"] = g.disk_staging;
+    d["disk_direct"] = bool(g.disk_direct);
     return d;
+  });
+  m.def("set_host_retention", [](bool on) { EBT_PY_CHECK(ebt_mem_set_host_retention(on ? 1 : 0)); }, py::arg("on"));
+  m.def("host_retention", [] {
+    int on = 0;
+    EBT_PY_CHECK(ebt_mem_get_host_retention(&on));
+    return bool(on);
+  });
+  m.def("set_disk_dir", [](const std::string& dir) {
+    ebt_status_t st;
+    {
+      py::gil_scoped_release nogil;
+      st = ebt_mem_set_disk_dir(dir.c_str());
+    }
+    EBT_PY_CHECK(st);
+  }, py::arg("dir"));
+  m.def("disk_dir", [] {
+    std::vector<char> buf(4096);
+    EBT_PY_CHECK(ebt_mem_get_disk_dir(buf.data(), buf.size()));
+    return std::string(buf.data());
   });
   m.def("get_cpu_backup", [](uintptr_t ptr) {
     void* host = nullptr;

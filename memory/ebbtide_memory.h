@@ -27,11 +27,28 @@ extern "C" {
 
 #define EBT_MEM_TAG_MAX 63 /* longest tag, in bytes (no NUL); tags are non-empty UTF-8 without NUL */
 
-typedef enum { EBT_MEM_BACKUP_NONE = 0, EBT_MEM_BACKUP_CPU = 1 } ebt_mem_backup_t;
+/* NONE: a pause discards the content. CPU: a pause copies it to host memory, a resume copies it back. DISK: a pause
+ * writes it to a file in the disk-backup directory (ebt_mem_set_disk_dir) through pinned staging, a resume reads it
+ * back and removes the file. */
+typedef enum { EBT_MEM_BACKUP_NONE = 0, EBT_MEM_BACKUP_CPU = 1, EBT_MEM_BACKUP_DISK = 2 } ebt_mem_backup_t;
+#define EBT_MEM_BACKUP_MASK 0xFF /* the ebt_mem_backup_t part of a `backup` argument; flags below go above it */
 /* OR'd into a `backup` argument (regions, default region, malloc): the allocation's physical memory is created
  * exportable as a POSIX file descriptor (ebt_mem_export_fd), for CUDA IPC of region memory. UNSUPPORTED on a
  * device without POSIX-fd handle support. */
 #define EBT_MEM_SHAREABLE 0x100
+/* OR'd into a CPU backup: where its host copy lives (memory/NOTES.md "Transient host copies").
+ * Without a flag: ebbtide's persistent pinned host arena. The copy's block is kept across cycles (warm cycles
+ * allocate nothing; it is pinned in the background soon after the allocation is made), until the allocation is
+ * freed or ebt_mem_release_host_memory() runs: fastest, and it holds host memory while the tensor is active.
+ * EBT_MEM_HOST_TRANSIENT: a host copy of the allocation's own, made by each pause (fresh memory populated and
+ * registered piece by piece while the copies stream) and given back by the resume (each piece unregistered and
+ * unmapped as its copy lands, before the resume returns), unless host retention is on at that resume
+ * (ebt_mem_set_host_retention): then it is kept, at the same address, until the allocation is freed, a resume
+ * without retention, or ebt_mem_release_host_memory(). torch_memory_saver's semantics.
+ * EBT_MEM_HOST_PAGEABLE (with TRANSIENT): the copy is registered only while copies run, pageable while the tensor
+ * is paused (torch_memory_saver's "mmap" backend). */
+#define EBT_MEM_HOST_TRANSIENT 0x200
+#define EBT_MEM_HOST_PAGEABLE 0x400
 typedef enum { EBT_MEM_TAG_ACTIVE = 0, EBT_MEM_TAG_PAUSED = 1, EBT_MEM_TAG_BUSY = 2 } ebt_mem_tag_state_t;
 
 /* What one pause or resume did. Times in seconds, sizes in bytes. Phases: sync = draining the allocations'
@@ -64,6 +81,12 @@ typedef struct {
    * cuMemRelease calls (inside map_s, beside create_s and access_s), and the op's selection under the engine lock
    * before it ran (prepare_s: outside total_s). total_s minus the named phases is the op's own bookkeeping. */
   double meminfo_s, map_call_s, prepare_s;
+  /* Appended (transient host copies, disk tier). host_wait_s: pause, time the copies waited for fresh host pieces
+   * to be populated and registered (inside copy_s). host_release_s: resume, time from the last copy landing to the
+   * last transient host piece given back (inside total_s). disk_s: the disk tier's part of the op (writes or
+   * reads with their device copies; outside copy_s); bytes_disk: bytes written or read. */
+  double host_wait_s, host_release_s, disk_s;
+  size_t bytes_disk;
 } ebt_mem_report_t;
 
 /* Per (tag, device) statistics; see ebt_mem_stats. */
@@ -103,6 +126,16 @@ typedef struct {
   unsigned long long zombie_reclaims; /* coalesced mappings rebuilt to give their freed members' memory back
                                          (an allocation or a resume ran short while they held memory) */
   size_t bytes_reclaimed;    /* bytes those reclaims gave back to the driver */
+  /* Appended (transient host copies, disk tier): host memory held outside the arena, and files on disk. */
+  size_t transient_copies;   /* EBT_MEM_HOST_TRANSIENT copies held now (paused allocations, or retained) */
+  size_t transient_mapped;   /* their bytes in host memory (resident: populated) */
+  size_t transient_pinned;   /* of which registered (page-locked) now */
+  size_t transient_retained; /* bytes of copies held by ACTIVE allocations (host retention on) */
+  int host_retention;        /* ebt_mem_get_host_retention */
+  size_t disk_files;         /* disk backups on disk now (one file per paused DISK allocation) */
+  size_t disk_bytes;         /* their size on disk (header, data, checksums) */
+  size_t disk_staging;       /* pinned staging the disk tier holds (arena blocks, counted in host_reserved) */
+  int disk_direct;           /* 1: the last disk op used O_DIRECT; 0: buffered (the filesystem refused it) */
 } ebt_mem_global_stats_t;
 
 typedef struct ebt_mem_op* ebt_mem_op_t; /* an asynchronous pause or resume */
@@ -216,6 +249,23 @@ EBT_API ebt_status_t ebt_mem_get_memory_margin(size_t* bytes);
 EBT_API ebt_status_t ebt_mem_set_coalescing(int enabled);
 EBT_API ebt_status_t ebt_mem_get_coalescing(int* enabled);
 
+/* ---- transient host copies ----------------------------------------------------------------------------------
+ * Host retention: 1 = a resume keeps the EBT_MEM_HOST_TRANSIENT copies it restored from (same address: the next
+ * pause copies into them again); 0 (the default; TMS_RETAIN_CPU_BACKUP=1 sets 1 at load) = a resume gives them
+ * back. Read by each resume when it starts. */
+EBT_API ebt_status_t ebt_mem_set_host_retention(int retain);
+EBT_API ebt_status_t ebt_mem_get_host_retention(int* retain);
+
+/* ---- disk tier ------------------------------------------------------------------------------------------------
+ * The directory DISK backups go to (one file per allocation, removed at resume, at free and at exit). Created if
+ * missing; refused (INVALID_ARGUMENT, naming it) when it is on tmpfs or ramfs (the files would live in host memory)
+ * or not writable. Default: EBBTIDE_MEM_DISK_DIR, else TMS_DISK_BACKUP_DIR, else /tmp, checked the same way at the
+ * first disk pause. A file is only ever read back by the process that wrote it: its header carries a per-process
+ * nonce, the allocation's identity and size, and every chunk a CRC32C; anything else is refused at resume (the tag
+ * stays paused and retryable). get: `buf` holds `len` bytes (NUL-terminated; INVALID_ARGUMENT if too short). */
+EBT_API ebt_status_t ebt_mem_set_disk_dir(const char* dir);
+EBT_API ebt_status_t ebt_mem_get_disk_dir(char* buf, size_t len);
+
 /* ---- host arena ---------------------------------------------------------------------------------------------
  * Pin `bytes` more host memory now (pre-touched, registered by several threads), so the first pause does not
  * pay for pinning. Blocking; call it from a background thread to pin ahead of time. */
@@ -226,7 +276,8 @@ EBT_API ebt_status_t ebt_mem_reserve_host_memory(size_t bytes);
 EBT_API ebt_status_t ebt_mem_set_background_pinning(int enabled);
 EBT_API ebt_status_t ebt_mem_wait_background_pinning(void);
 /* Give back pinned host memory that holds no paused content: backups of active allocations are dropped (their
- * next pause copies again) and empty segments unregistered and unmapped. *released = bytes returned. */
+ * next pause copies again; retained transient copies included), the disk tier's idle staging is returned, and
+ * empty segments unregistered and unmapped. *released = bytes returned. */
 EBT_API ebt_status_t ebt_mem_release_host_memory(size_t* released);
 
 /* ---- testing -------------------------------------------------------------------------------------------------

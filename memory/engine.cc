@@ -91,6 +91,20 @@ bool by_device_va(const Allocation* a, const Allocation* b) {
   return a->device != b->device ? a->device < b->device : a->va < b->va;
 }
 
+ebt_status_t check_backup_code(int backup) {
+  const int base = backup & EBT_MEM_BACKUP_MASK;
+  const int flags = backup & ~EBT_MEM_BACKUP_MASK;
+  EBT_REQUIRE_ARG(base == EBT_MEM_BACKUP_NONE || base == EBT_MEM_BACKUP_CPU || base == EBT_MEM_BACKUP_DISK,
+                  "backup must be NONE(0), CPU(1) or DISK(2) (optionally | flags), not %d", backup);
+  EBT_REQUIRE_ARG((flags & ~(EBT_MEM_SHAREABLE | EBT_MEM_HOST_TRANSIENT | EBT_MEM_HOST_PAGEABLE)) == 0,
+                  "backup 0x%x has unknown flag bits", backup);
+  EBT_REQUIRE_ARG(!(flags & (EBT_MEM_HOST_TRANSIENT | EBT_MEM_HOST_PAGEABLE)) || base == EBT_MEM_BACKUP_CPU,
+                  "EBT_MEM_HOST_TRANSIENT / EBT_MEM_HOST_PAGEABLE go with a CPU backup only (backup 0x%x)", backup);
+  EBT_REQUIRE_ARG(!(flags & EBT_MEM_HOST_PAGEABLE) || (flags & EBT_MEM_HOST_TRANSIENT),
+                  "EBT_MEM_HOST_PAGEABLE needs EBT_MEM_HOST_TRANSIENT (backup 0x%x)", backup);
+  return EBT_SUCCESS;
+}
+
 CUmemAllocationProp Engine::device_prop(int ordinal, bool shareable) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof(prop));
@@ -206,10 +220,11 @@ ebt_status_t Engine::malloc_once(void** ptr, size_t size, int device_ordinal, co
   *ptr = nullptr;
   EBT_REQUIRE_ARG(size > 0, "size must be > 0");
   EBT_REQUIRE_ARG(tag_ok(tag), "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
+  EBT_CHECK(check_backup_code(backup));
   const bool shareable = (backup & EBT_MEM_SHAREABLE) != 0;
-  backup &= ~EBT_MEM_SHAREABLE;
-  EBT_REQUIRE_ARG(backup == EBT_MEM_BACKUP_NONE || backup == EBT_MEM_BACKUP_CPU,
-                  "backup must be NONE or CPU (optionally | EBT_MEM_SHAREABLE)");
+  const bool transient = (backup & EBT_MEM_HOST_TRANSIENT) != 0;
+  const bool pageable = (backup & EBT_MEM_HOST_PAGEABLE) != 0;
+  backup &= EBT_MEM_BACKUP_MASK;
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
   Device* d;
@@ -222,6 +237,8 @@ ebt_status_t Engine::malloc_once(void** ptr, size_t size, int device_ordinal, co
   a->aligned = round_up(size, d->granularity);
   a->device = device_ordinal;
   a->backup = backup;
+  a->transient = transient;
+  a->pageable = pageable;
   a->shareable = shareable;
   CtxGuard ctx(drv, d->ctx);
   if (const size_t margin = this->margin()) {  // refuse what would leave less than the margin free (OOM: retry)
@@ -250,7 +267,7 @@ ebt_status_t Engine::malloc_once(void** ptr, size_t size, int device_ordinal, co
     a->tag->allocations.insert(a.get());
     by_va_.emplace(a->va, a.get());
     a->id = ++allocs_total_;
-    if (backup == EBT_MEM_BACKUP_CPU) enqueue_pinning(a.get());
+    if (backup == EBT_MEM_BACKUP_CPU && !transient) enqueue_pinning(a.get());  // transient: made at pause
   }
   *ptr = reinterpret_cast<void*>(a->va);
   EBT_TRACE(EBT_SUBSYS_MEM, "malloc %zu (mapped %zu) on device %d tag %s -> 0x%llx", size, a->aligned,
@@ -303,7 +320,8 @@ ebt_status_t Engine::free(void* ptr, int* found) {
     }
   }
   if (va_free) d->va->free(a->va, a->aligned);
-  arena_.free(a->host);
+  arena_.free(a->host);  // a transient copy's private segment goes back whole
+  if (!a->disk_path.empty()) disk_forget(a);
   return st;
 }
 

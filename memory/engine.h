@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,15 +52,20 @@ struct Allocation {
   size_t aligned = 0;        // bytes mapped: size rounded up to the device granularity
   int device = -1;           // CUDA ordinal; every driver call for this allocation runs in its primary context
   Tag* tag = nullptr;        // owning tag (never null; tags outlive allocations)
-  int backup = EBT_MEM_BACKUP_NONE;
+  int backup = EBT_MEM_BACKUP_NONE;  // NONE, CPU or DISK (the flags are the fields below)
+  bool transient = false;    // CPU: EBT_MEM_HOST_TRANSIENT (a host copy of its own per pause; NOTES "Transient ...")
+  bool pageable = false;     // CPU transient: EBT_MEM_HOST_PAGEABLE (registered only while copies run)
   bool shareable = false;    // physical memory created exportable as a POSIX fd (every create, resume included)
   AllocState state = AllocState::kActive;
   bool busy = false;         // owned by an op in flight: only that op changes state/mapping/host (engine mu_)
   // No handle is kept: the handle is released right after cuMemMap, so the mapping alone holds the physical
   // memory (ACTIVE <=> mapped) and one cuMemUnmap frees it. Export retains a handle on demand.
-  HostArena::Block host;     // backup block; kept across cycles once allocated (persistent arena)
+  HostArena::Block host;     // backup block; kept across cycles once allocated (persistent arena); transient: a
+                             // private segment, made by a pause and given back by a resume unless retained
   bool host_valid = false;   // host holds the device content as of the last pause (or the restore since)
   bool host_clean = false;   // caller promised the device content equals host: next pause skips the copy
+  std::string disk_path;     // DISK: the backup file while paused ("" otherwise); written by the owning op
+  std::vector<uint32_t> disk_crc;  // DISK: CRC32C of each chunk of that file (memory/disk_file.h)
   // The coalesced mapping this ACTIVE allocation lies in (null: its own mapping). Set by a resume's commit of
   // its mappings and cleared when that mapping is unmapped; written only under mu_ (by the op owning the
   // allocation, or by free()).
@@ -111,6 +117,12 @@ struct Plan {
   double prepare_s = 0;              // selection time (report.prepare_s)
 };
 
+// A check of a `backup` argument (base + flags): INVALID_ARGUMENT naming what is wrong.
+ebt_status_t check_backup_code(int backup);
+
+struct PieceRelease;  // engine_internal.h
+class OrderedWork;   // memory/ordered_work.h
+
 class Engine {
  public:
   static Engine& get();  // created on first use, never destroyed (no static-destructor order at exit)
@@ -133,6 +145,12 @@ class Engine {
   // Coalesced resume (on by default): see Segment and memory/NOTES.md "Coalesced mappings".
   void set_coalescing(bool on) { coalesce_.store(on, std::memory_order_relaxed); }
   bool coalescing() const { return coalesce_.load(std::memory_order_relaxed); }
+  // Transient host copies (engine_transient.cc): kept by a resume while retention is on.
+  void set_host_retention(bool on) { retain_host_.store(on, std::memory_order_relaxed); }
+  bool host_retention() const { return retain_host_.load(std::memory_order_relaxed); }
+  // The disk tier (engine_disk.cc): its directory, validated (created, writable, not tmpfs/ramfs).
+  ebt_status_t set_disk_dir(const char* dir);
+  ebt_status_t disk_dir(std::string* out);
   ebt_status_t stats(ebt_mem_tag_stats_t* rows, size_t capacity, size_t* count);
   ebt_status_t global_stats(ebt_mem_global_stats_t* out);
   ebt_status_t tag_reports(const char* tag, ebt_mem_report_t* last_pause, ebt_mem_report_t* last_resume);
@@ -166,6 +184,30 @@ class Engine {
   Tag* tag_locked(const std::string& name);  // find or create (mu_ held)
 
   ebt_status_t run_pause(Plan& plan, ebt_mem_report_t* r);
+  // engine_transient.cc: the host side of transient copies (Note "Transient host copies" in memory/NOTES.md).
+  struct ShadowSteps;
+  // Pause: give each transient allocation that copies (copy[i]) a private segment if it has none, check the host
+  // has room, and start preparing (populating + registering) their pieces in copy order. Allocations given a new
+  // segment are marked in *made.
+  ebt_status_t shadow_prepare(const std::vector<Allocation*>& allocs, const std::vector<bool>& copy, CUcontext ctx,
+                              ShadowSteps* steps, std::vector<bool>* made);
+  // Before copying allocs[i] (= a) at `offset`: its piece is ready (registered).
+  ebt_status_t shadow_ready(ShadowSteps* steps, size_t i, const Allocation* a, size_t offset);
+  // Resume: register the pageable copies' pieces again (in copy order) before they are copied back.
+  ebt_status_t shadow_register(const std::vector<Allocation*>& allocs, CUcontext ctx, ShadowSteps* steps);
+  // Unregister every piece of the pageable copies among allocs (they stay resident, pageable).
+  void shadow_unregister(const std::vector<Allocation*>& allocs, CUcontext ctx);
+  // Resume: give back each listed piece once its copy landed, on runtime threads (join `work` before commit).
+  void shadow_release(std::vector<PieceRelease>& list, CUcontext ctx, OrderedWork* work);
+  // Give back a's host copy (its content is safe elsewhere, or not needed).
+  void shadow_drop(Allocation* a);
+  // disk tier (engine_disk.cc)
+  ebt_status_t disk_pause(const std::vector<Allocation*>& allocs, const std::vector<Device*>& devs, ebt_mem_report_t* r);
+  ebt_status_t disk_check(const std::vector<Allocation*>& allocs);  // resume pre-flight: every file valid
+  ebt_status_t disk_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
+  void disk_forget(Allocation* a);  // remove a's file (free, resume commit, failed pause)
+  void disk_stats(ebt_mem_global_stats_t* out);
+  ebt_status_t disk_staging(size_t chunk, size_t slots, CUcontext ctx, std::vector<char*>* out);  // disk_mu_ held
   // rollback: mapping back what a failed pause released (the memory margin does not apply).
   ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback = false);
   // Create + map + release every unit, then grant access; on failure nothing stays mapped.
@@ -244,6 +286,17 @@ class Engine {
   };
   std::map<CUdeviceptr, Import> imports_;  // mappings of other processes' memory (mu_)
   void close_all_imports();                // reset()
+
+  std::atomic<bool> retain_host_{false};  // host retention (TMS_RETAIN_CPU_BACKUP at load)
+
+  // Disk tier state (engine_disk.cc). disk_mu_ serialises the disk phases of ops (they share the staging and the
+  // directory's bandwidth) and guards the fields below (lock order: engine.cc, 1a).
+  std::mutex disk_mu_;
+  std::string disk_dir_;             // "" until set or first used (then the setting's, checked)
+  bool disk_dir_checked_ = false;
+  std::vector<HostArena::Block> disk_staging_;  // pinned chunks (+4 KiB for alignment), kept between ops
+  size_t disk_staging_chunk_ = 0;
+  std::atomic<int> disk_direct_{1};
 
   std::mutex dev_mu_;           // guards devices_ (the map, not the Device contents; lock order: engine.cc, 4)
   std::map<int, std::unique_ptr<Device>> devices_;

@@ -7,8 +7,12 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
+#include <utility>
+#include <vector>
 
 #include "memory/engine.h"
+#include "memory/ordered_work.h"
 
 namespace ebbtide::memory {
 
@@ -22,6 +26,23 @@ size_t create_ahead_min();      // resumes of at least this many units create ah
 bool poison_enabled();          // fill discard-mode memory with 0xA5 on resume
 
 bool tag_ok(const char* tag);
+
+// The host side of one op's transient copies (engine_transient.cc): one step per piece, in copy order.
+struct Engine::ShadowSteps {
+  OrderedWork work;
+  std::vector<std::pair<size_t, size_t>> steps;  // (index into the op's allocations, piece)
+  std::vector<size_t> first;                      // per allocation of the op: its first step (kNone: none)
+  static constexpr size_t kNone = ~size_t(0);
+};
+
+// Resume: a piece of a transient copy to give back once the copy of it has landed (`done`, on its device's H2D
+// stream), after every copy of the op was issued.
+struct PieceRelease {
+  Allocation* a = nullptr;
+  size_t piece = 0;
+  Device* d = nullptr;
+  CUevent done = nullptr;
+};
 bool by_device_va(const Allocation* a, const Allocation* b);  // sort order of an op's allocations
 
 }  // namespace ebbtide::memory

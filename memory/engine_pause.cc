@@ -154,7 +154,10 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     EBT_CHECK(streams(devs[i]));
   }
   r->sync_s = since(t_sync) - r->meminfo_s;
-  // 2. Host blocks for backups that have none yet (one arena growth for the whole batch).
+  // 2. Disk backups first, whole (engine_disk.cc): a failure there has released nothing.
+  EBT_CHECK(disk_pause(allocs, devs, r));
+  // 3. Host blocks for backups that have none yet (one arena growth for the whole batch); transient copies get a
+  //    private segment each, prepared piece by piece on runtime threads while the copies run (engine_transient.cc).
   std::vector<bool> copy(allocs.size(), false);
   std::vector<size_t> need_sizes;
   std::vector<size_t> need_idx;
@@ -166,21 +169,40 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
       continue;
     }
     copy[i] = true;
-    if (!a->host.ptr) {
+    if (!a->host.ptr && !a->transient) {
       need_sizes.push_back(a->size);
       need_idx.push_back(i);
     }
   }
+  ShadowSteps shadow;
+  std::vector<bool> made;  // transient copies this pause made (given back again if it fails)
+  auto forget_disk = [&] {  // a failed pause: the files of what stays mapped are of no use
+    for (Allocation* a : allocs)
+      if (a->state == AllocState::kActive && !a->disk_path.empty()) disk_forget(a);
+  };
   if (!need_sizes.empty()) {
     // A background batch may be pinning for these very allocations: let it finish (it hands its blocks back to the
     // arena when it finds them busy), so the arena is not grown twice.
     wait_background_pinning();
     std::vector<HostArena::Block> blocks;
     CtxGuard ctx(drv, devs[0]->ctx);
-    EBT_CHECK(arena_.allocate(drv, devs[0]->ctx, need_sizes, &blocks));
+    ebt_status_t ast = arena_.allocate(drv, devs[0]->ctx, need_sizes, &blocks);
+    if (ast != EBT_SUCCESS) {
+      forget_disk();
+      return ast;
+    }
     for (size_t k = 0; k < need_idx.size(); ++k) allocs[need_idx[k]]->host = blocks[k];
   }
-  // 3. Issue every copy (chunked, cut at registration pieces), one event per allocation.
+  {
+    CtxGuard ctx(drv, devs[0]->ctx);
+    ebt_status_t sst = shadow_prepare(allocs, copy, devs[0]->ctx, &shadow, &made);
+    if (sst != EBT_SUCCESS) {
+      forget_disk();
+      return sst;
+    }
+  }
+  // 4. Issue every copy (chunked, cut at registration pieces), one event per allocation; a transient copy's chunk
+  //    is issued once its piece is ready.
   auto t_copy = Clock::now();
   std::vector<CUevent> events(allocs.size(), nullptr);
   ebt_status_t st = EBT_SUCCESS;
@@ -192,6 +214,12 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     CtxGuard ctx(drv, devs[i]->ctx);
     for (size_t off = 0; off < a->size && st == EBT_SUCCESS;) {
       size_t n = std::min({chunk_bytes(), a->size - off, arena_.piece_remaining(a->host, off)});
+      if (a->transient) {
+        auto t_wait = Clock::now();
+        st = shadow_ready(&shadow, i, a, off);
+        r->host_wait_s += since(t_wait);
+        if (st != EBT_SUCCESS) break;
+      }
       CUresult res = drv->cuMemcpyDtoHAsync(a->host.ptr + off, a->va + off, n, devs[i]->d2h);
       if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuMemcpyDtoHAsync (pause)", __FILE__, __LINE__);
       off += n;
@@ -205,7 +233,7 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
     CUresult res = drv->cuEventRecord(events[i], devs[i]->d2h);
     if (res != CUDA_SUCCESS) st = ebt_cu_error(res, "cuEventRecord (pause)", __FILE__, __LINE__);
   }
-  // 4. Unmap VA-contiguous runs of same-device mappings, one driver call per run, each as soon as its copies
+  // 5. Unmap VA-contiguous runs of same-device mappings, one driver call per run, each as soon as its copies
   //    finished. A run holding copies closes at unmap_run_copy_bytes() of them, so unmaps still overlap the
   //    copies that stream behind them; a discard-only run spans the whole contiguous range. A run never splits a
   //    unit: a coalesced mapping is unmapped whole, after all its members' copies finished.
@@ -262,6 +290,12 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
       EBT_CU_IGNORE(drv->cuEventSynchronize(events[k]), "draining a failed pause: its first error is reported");
     give_event(devs[k], events[k]);
   }
+  {
+    std::string msg = st != EBT_SUCCESS ? ebt_last_error() : "";
+    ebt_status_t wst = shadow.work.join();  // no worker may still touch a host copy below
+    if (st == EBT_SUCCESS && wst != EBT_SUCCESS) st = wst;
+    else if (st != EBT_SUCCESS) ebt_set_error(st, "%s", msg.c_str());
+  }
   if (!retired.empty()) {  // dissolve the unmapped segments first (a rollback makes new ones)
     std::string msg = st != EBT_SUCCESS ? ebt_last_error() : "";
     retire_segments(allocs, retired, r);
@@ -275,7 +309,17 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
       if (run_resume(released, &rr, /*rollback=*/true) != EBT_SUCCESS)
         msg += " (rollback failed too: the released allocations stay paused; resume() retries)";
     }
+    for (size_t k = 0; k < allocs.size(); ++k)  // what stays mapped needs no copy this pause made
+      if (made[k] && allocs[k]->state == AllocState::kActive) shadow_drop(allocs[k]);
+    forget_disk();
     return ebt_set_error(st, "%s", msg.c_str());
+  }
+  {
+    std::vector<Allocation*> pageable;  // registered only while the copies ran
+    for (size_t k = 0; k < allocs.size(); ++k)
+      if (copy[k] && allocs[k]->pageable) pageable.push_back(allocs[k]);
+    CtxGuard ctx(drv, devs[0]->ctx);
+    shadow_unregister(pageable, devs[0]->ctx);
   }
   {
     CtxGuard ctx(drv, devs[0]->ctx);

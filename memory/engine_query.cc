@@ -92,8 +92,17 @@ ebt_status_t Engine::global_stats(ebt_mem_global_stats_t* out) {
   out->host_segments = arena_.segments();
   out->host_register_s = arena_.register_seconds();
   ebt_shim_forwarded(&out->forwarded_allocs, &out->forwarded_bytes);
+  out->transient_copies = arena_.private_segments();
+  out->transient_mapped = arena_.private_mapped();
+  out->transient_pinned = arena_.private_pinned();
+  out->host_retention = host_retention() ? 1 : 0;
+  disk_stats(out);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    for (auto& kv : by_va_) {
+      const Allocation* a = kv.second;
+      if (a->state == AllocState::kActive && a->transient && a->host.ptr) out->transient_retained += a->host.size;
+    }
     out->engine_allocs = allocs_total_;
     out->engine_frees = frees_total_;
     out->live_allocations = by_va_.size();
@@ -192,7 +201,13 @@ ebt_status_t Engine::release_host(size_t* released) {
       a->host_valid = a->host_clean = false;
     }
   }
-  for (const auto& b : drop) arena_.free(b);
+  for (const auto& b : drop) arena_.free(b);  // transient copies (private segments) go back whole
+  {
+    std::lock_guard<std::mutex> lock(disk_mu_);  // no disk phase runs: its staging is idle
+    for (const auto& b : disk_staging_) arena_.free(b);
+    disk_staging_.clear();
+    disk_staging_chunk_ = 0;
+  }
   const ebt_driver_table_t* drv;
   if (ebt_driver_get(&drv) != EBT_SUCCESS) {
     ebt_clear_error();
@@ -251,7 +266,10 @@ ebt_status_t Engine::reset() {
     CtxGuard ctx(drv, it->second->ctx);
     EBT_CU_IGNORE(drv->cuMemUnmap(q.va, q.size), "a quarantined range's last try: reset forgets it regardless");
   }
-  for (Allocation* a : all) delete a;  // after the loop: unmapped holds segment addresses until then
+  for (Allocation* a : all) {  // after the loop: unmapped holds segment addresses until then
+    if (!a->disk_path.empty()) disk_forget(a);
+    delete a;
+  }
   for (Allocation* z : zombies) delete z;
   for (auto& kv : devices_) {
     Device* d = kv.second.get();
@@ -265,6 +283,13 @@ ebt_status_t Engine::reset() {
     EBT_CU_IGNORE(drv->cuDevicePrimaryCtxRelease(d->dev), "reset is best effort");
   }
   devices_.clear();
+  {
+    std::lock_guard<std::mutex> dk(disk_mu_);
+    disk_staging_.clear();  // arena blocks: release_all below returns them
+    disk_staging_chunk_ = 0;
+    disk_dir_.clear();
+    disk_dir_checked_ = false;
+  }
   arena_.release_all(drv);
   return EBT_SUCCESS;
 }

@@ -163,6 +163,7 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
   EBT_CHECK(driver(&drv));
   r->device = allocs[0]->device;
   const size_t margin = rollback ? 0 : this->margin();
+  EBT_CHECK(disk_check(allocs));  // every disk backup is this process's and whole, before anything is mapped
   // 0. Pre-flight: enough free memory (plus the margin) on each device? (Fail before touching anything.)
   std::map<int, size_t> need;
   for (Allocation* a : allocs) need[a->device] += a->aligned;
@@ -202,22 +203,51 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
     }
     return st;
   }
-  // 2. Stream the backups back (and poison discarded memory in debug mode).
+  // 2. Stream the backups back (and poison discarded memory in debug mode). Transient copies that this resume
+  //    gives back (no retention) get an event per piece, and the pieces go back as those land, once every copy
+  //    was issued (engine_transient.cc); pageable ones are registered again first, piece by piece.
+  const bool retain = host_retention();
+  ShadowSteps reg;
+  std::vector<PieceRelease> release;
+  OrderedWork releasing;
   auto t_copy = Clock::now();
   std::map<Device*, CUevent> done_events;
-  for (Allocation* a : allocs) {
+  {
+    Device* d0;
+    EBT_CHECK_GOTO(device(allocs[0]->device, &d0), st, undo);
+    CtxGuard ctx(drv, d0->ctx);
+    EBT_CHECK_GOTO(shadow_register(allocs, d0->ctx, &reg), st, undo);
+  }
+  for (size_t i = 0; i < allocs.size(); ++i) {
+    Allocation* a = allocs[i];
     Device* d;
     EBT_CHECK_GOTO(device(a->device, &d), st, undo);
     {
       CtxGuard ctx(drv, d->ctx);
       done_events.emplace(d, nullptr);  // before any copy: the undo drains every stream that got one
       if (a->backup == EBT_MEM_BACKUP_CPU && a->host_valid) {
+        const bool give_back = a->transient && !retain && arena_.is_private(a->host);
         for (size_t off = 0; off < a->size;) {
-          size_t n = std::min({chunk_bytes(), a->size - off, arena_.piece_remaining(a->host, off)});
+          const size_t left_in_piece = arena_.piece_remaining(a->host, off);
+          size_t n = std::min({chunk_bytes(), a->size - off, left_in_piece});
+          if (a->pageable) EBT_CHECK_GOTO(shadow_ready(&reg, i, a, off), st, undo);
           CUresult res = drv->cuMemcpyHtoDAsync(a->va + off, a->host.ptr + off, n, d->h2d);
           if (res != CUDA_SUCCESS) {
             st = ebt_cu_error(res, "cuMemcpyHtoDAsync (resume)", __FILE__, __LINE__);
             goto undo;
+          }
+          if (give_back && (n == left_in_piece || off + n == a->size)) {  // the piece's last chunk
+            PieceRelease p{a, arena_.piece_index(a->host, off), d, take_event(d)};
+            if (!p.done) {
+              st = EBT_ERROR_DRIVER;
+              goto undo;
+            }
+            release.push_back(p);
+            res = drv->cuEventRecord(p.done, d->h2d);
+            if (res != CUDA_SUCCESS) {
+              st = ebt_cu_error(res, "cuEventRecord (resume)", __FILE__, __LINE__);
+              goto undo;
+            }
           }
           off += n;
         }
@@ -226,6 +256,13 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
         drv->cuMemsetD8Async(a->va, 0xA5, a->aligned, d->h2d);
       }
     }
+  }
+  EBT_CHECK_GOTO(reg.work.join(), st, undo);
+  // The disk backups: read, checked and copied through pinned staging (engine_disk.cc); nothing given back yet.
+  EBT_CHECK_GOTO(disk_resume(allocs, r), st, undo);
+  if (!release.empty()) {
+    CtxGuard ctx(drv, release[0].d->ctx);
+    shadow_release(release, release[0].d->ctx, &releasing);
   }
   for (auto& kv : done_events) {
     CtxGuard ctx(drv, kv.first->ctx);
@@ -241,13 +278,35 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
       goto undo;
     }
   }
-  r->copy_s = since(t_copy);
+  r->copy_s = since(t_copy) - r->disk_s;
   for (auto& kv : done_events) give_event(kv.first, kv.second);
+  {
+    auto t_release = Clock::now();
+    if (releasing.join() != EBT_SUCCESS)  // the content is on the device: warn, the pieces go back at free
+      EBT_WARN(EBT_SUBSYS_MEM, "giving back a transient host copy after resume: %s", ebt_last_error());
+    r->host_release_s = since(t_release);
+    for (const PieceRelease& p : release) give_event(p.d, p.done);
+    std::vector<Allocation*> pageable;
+    for (Allocation* a : allocs) {
+      if (a->backup != EBT_MEM_BACKUP_CPU || !a->transient || !a->host.ptr) continue;
+      if (!retain) shadow_drop(a);  // its pieces went back above (an arena block left by a reclaim: here)
+      else if (a->pageable) pageable.push_back(a);
+    }
+    if (!pageable.empty()) {
+      Device* d;
+      if (device(pageable[0]->device, &d) == EBT_SUCCESS) {
+        CtxGuard ctx(drv, d->ctx);
+        shadow_unregister(pageable, d->ctx);
+      }
+    }
+    r->host_release_s = since(t_release);
+  }
   publish_segments(allocs, units);
   r->mappings += units.size();
   for (Allocation* a : allocs) {
     a->state = AllocState::kActive;
     a->host_clean = false;
+    if (!a->disk_path.empty()) disk_forget(a);  // restored: the file goes
     r->allocations += 1;
     r->bytes += a->aligned;
   }
@@ -267,6 +326,21 @@ undo:
     CtxGuard ctx(drv, kv.first->ctx);
     EBT_CU_IGNORE(drv->cuStreamSynchronize(kv.first->h2d), "draining a failed resume: its first error is reported");
     give_event(kv.first, kv.second);
+  }
+  {
+    std::string msg = ebt_last_error();
+    reg.work.join();
+    releasing.join();  // started only once every copy was issued: an asynchronous copy failure (sticky)
+    for (const PieceRelease& p : release) give_event(p.d, p.done);
+    std::vector<Allocation*> pageable;  // back to pageable while the tag stays paused
+    for (Allocation* a : allocs)
+      if (a->pageable && a->host.ptr) pageable.push_back(a);
+    Device* d;
+    if (!pageable.empty() && device(pageable[0]->device, &d) == EBT_SUCCESS) {
+      CtxGuard ctx(drv, d->ctx);
+      shadow_unregister(pageable, d->ctx);
+    }
+    ebt_set_error(st, "%s", msg.c_str());
   }
   {
     std::string msg = ebt_last_error();

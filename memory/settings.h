@@ -15,6 +15,9 @@
 
 namespace ebbtide::memory {
 
+// How a transient host copy's fresh pages are faulted in before cuMemHostRegister pins them.
+enum class ShadowPopulate { kMadvise = 0, kTouch = 1, kNone = 2 };
+
 // The member initializers are the defaults (the declarations in settings.cc take them from here).
 struct Settings {
   size_t margin_bytes = 0;                         // EBBTIDE_MEM_MARGIN_BYTES (0: no check)
@@ -27,8 +30,24 @@ struct Settings {
   bool prepin = true;                              // EBBTIDE_MEM_PREPIN
   int register_threads = 0;                        // EBBTIDE_MEM_REGISTER_THREADS (0: min(8, CPUs))
   std::string default_tag;             // EBBTIDE_MEM_DEFAULT_TAG, else "default" under TMS_INIT_ENABLE ("" none)
-  int default_backup = EBT_MEM_BACKUP_NONE;  // EBBTIDE_MEM_DEFAULT_BACKUP / TMS_INIT_ENABLE_CPU_BACKUP
+  // EBBTIDE_MEM_DEFAULT_BACKUP, or torch_memory_saver's TMS_INIT_ENABLE_CPU_BACKUP (a transient copy, pageable
+  // under TMS_INIT_CPU_BACKUP_BACKEND=mmap) / TMS_INIT_ENABLE_DISK_BACKUP
+  int default_backup = EBT_MEM_BACKUP_NONE;
+  bool default_pageable = false;       // TMS_INIT_CPU_BACKUP_BACKEND=mmap: the process's default CPU-copy backend
+  bool host_retain = false;            // TMS_RETAIN_CPU_BACKUP: host retention at load
+  size_t shadow_piece_bytes = size_t(32) << 20;       // EBBTIDE_MEM_SHADOW_PIECE_BYTES
+  ShadowPopulate shadow_populate = ShadowPopulate::kMadvise;  // EBBTIDE_MEM_SHADOW_POPULATE
 };
+
+// The disk tier's settings, read at its first use (a disk region, the directory's first query or change, or a
+// disk pause), the way torch_memory_saver reads its own: a program may set them after importing the library.
+struct DiskSettings {
+  std::string dir = "/tmp";            // EBBTIDE_MEM_DISK_DIR, else TMS_DISK_BACKUP_DIR
+  size_t chunk_bytes = size_t(64) << 20;  // EBBTIDE_MEM_DISK_CHUNK_BYTES, else TMS_DISK_BACKUP_CHUNK_MB MiB
+  int threads = 2;                     // EBBTIDE_MEM_DISK_THREADS: I/O threads (each keeps one chunk in flight)
+};
+// EBT_ERROR_SETTING (message names the variable) if one does not parse; cached after the first call.
+ebt_status_t disk_settings(DiskSettings* out);
 
 // Parse every memory setting (first call; cached after). EBT_ERROR_SETTING (message set) if any is bad.
 ebt_status_t load_settings();

@@ -106,7 +106,7 @@ def paused_block_guard(mode: str):
     # Negative control: bypass the guard (the main pool, as a plain use_mem_pool would do).
     from ebbtide.memory import _hooks  # noqa: PLC0415
 
-    main = _hooks._pools[(_hooks.region_pool_kind(mode, "cpu", False), "t", torch.cuda.current_device(), "main")]
+    main = _hooks._pools[(_hooks.region_pool_kind(mode, 1), "t", torch.cuda.current_device(), "main")]
     token = em._hooks._mem().region_push("t", 1)
     try:
         with torch.cuda.use_mem_pool(main):

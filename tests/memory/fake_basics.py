@@ -85,7 +85,7 @@ def state_errors():
             raise AssertionError("expected NotFoundError")
         except NotFoundError:
             pass
-    for bad in (lambda: em.region("t", "disk").__enter__(), lambda: em.pause(""), lambda: em.pause("x" * 64),
+    for bad in (lambda: em.region("t", "ssd").__enter__(), lambda: em.pause(""), lambda: em.pause("x" * 64),
                 lambda: NATIVE.region_pop(5), lambda: em.reserve_host_memory(0)):
         try:
             bad()

@@ -87,6 +87,15 @@ RECLAIM_FAULTS = ["cuCtxSynchronize:1", "cuMemHostRegister:1", "cuMemcpyDtoHAsyn
 RECLAIM_DEVICE_FAULTS = ["none", "cuMemCreate:2", "cuMemMap:1", "cuMemcpyDtoDAsync:-1", "cuMemcpyDtoDAsync:2",
                          "cuMemUnmap:1", "cuMemCreate:3", "cuMemCreate:4", "cuMemcpyDtoDAsync:5"]
 
+# Transient host copies and the disk tier (fake_transient.py, fake_disk.py; run by test_host_tiers_fake.py).
+TRANSIENT = ["roundtrip_gives_host_back", "pieces_pipelined_on_threads", "retention_keeps_the_same_copy",
+             "pageable_copy_is_not_pinned_while_paused", "host_memory_unavailable_at_pause",
+             "register_failure_rolls_back", "resume_copy_failure_keeps_the_copy", "free_gives_the_copy_back",
+             "mixed_with_the_arena"]
+DISK = ["roundtrip_and_files", "mixed_cpu_and_disk_in_one_pause", "tmpfs_refused", "disk_full_keeps_the_tag_resident",
+        "directory_gone_keeps_the_tag_resident", "copy_failure_at_pause_releases_nothing",
+        "truncated_or_foreign_file_refused", "free_while_paused_removes_the_file", "exit_while_paused"]
+
 # Scenarios with tests of their own in test_engine_fake.py (a setting, arguments or a second device).
 OWN_TESTS = ["fault_injection", "coalesce_fault_injection", "reclaim_fault_injection", "reclaim_on_device", "soak",
              "multi_device", "host_arena_exact_and_chunked", "check_setting"]

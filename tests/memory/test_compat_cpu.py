@@ -15,7 +15,7 @@ import pytest
 import ebbtide.compat
 from ebbtide import _native
 from ebbtide.compat import torch_memory_saver as ours
-from ebbtide.errors import InvalidArgumentError, UnsupportedError
+from ebbtide.errors import InvalidArgumentError
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -103,8 +103,8 @@ def test_configure_subprocess_prepends_and_restores(monkeypatch):
 
 def test_refusals_change_nothing():
     tms = ours.torch_memory_saver
-    with pytest.raises(UnsupportedError, match="disk backup"):
-        with tms.region("x", enable_disk_backup=True):
+    with pytest.raises(InvalidArgumentError, match="mutually exclusive"):
+        with tms.region("x", enable_cpu_backup=True, enable_disk_backup=True):
             pass
     with pytest.raises(InvalidArgumentError, match="requires enable_cpu_backup"):
         with tms.region("x", cpu_backup_backend="pinned"):
@@ -112,9 +112,27 @@ def test_refusals_change_nothing():
     with pytest.raises(InvalidArgumentError, match="cpu_backup_backend"):
         with tms.region("x", enable_cpu_backup=True, cpu_backup_backend="disk"):
             pass
-    with pytest.raises(UnsupportedError):
-        tms.set_disk_backup_dir("/tmp")
+    with pytest.raises(InvalidArgumentError, match="hook_mode"):
+        tms.hook_mode = "ld_preload"
     assert tms.enabled is True
+
+
+def test_disk_directory_on_tmpfs_refused_by_name(tmp_path):
+    shm = "/dev/shm"
+    with open("/proc/mounts") as f:
+        if not any(line.split()[1] == shm and line.split()[2] == "tmpfs" for line in f):
+            pytest.skip("/dev/shm is not tmpfs here")
+    target = os.path.join(shm, f"ebbtide-compat-{os.getpid()}")
+    try:
+        with pytest.raises(InvalidArgumentError, match="tmpfs"):
+            ours.torch_memory_saver.set_disk_backup_dir(target)
+    finally:
+        os.rmdir(target) if os.path.isdir(target) else None
+    real = tmp_path / "backups"
+    ours.torch_memory_saver.set_disk_backup_dir(str(real))  # created; a real disk (unless tmp is tmpfs)
+    import ebbtide.memory as em  # noqa: PLC0415
+
+    assert em.disk_backup_dir() == str(real)
 
 
 @pytest.mark.skipif(not FAKE.exists(), reason="fake driver not built")

@@ -34,7 +34,8 @@ def run(scenario: str, *args: str, env: dict | None = None) -> None:
 
 def test_every_scenario_is_run():
     # A scenario defined in a program but named by no test would never run.
-    run_by_tests = set(spec.SIMPLE) | set(spec.COALESCE) | set(spec.RECLAIM) | set(spec.OWN_TESTS)
+    run_by_tests = (set(spec.SIMPLE) | set(spec.COALESCE) | set(spec.RECLAIM) | set(spec.OWN_TESTS)
+                    | set(spec.TRANSIENT) | set(spec.DISK))
     assert set(spec.PROGRAM) == run_by_tests, (set(spec.PROGRAM) ^ run_by_tests)
 
 

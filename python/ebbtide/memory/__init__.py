@@ -6,6 +6,10 @@
     em.pause("weights")                       # GPU memory released; content kept in pinned host memory
     em.resume("weights")                      # same data_ptr()s, content restored
 
+CPU backups default to a persistent pinned host arena (fastest; its host memory stays held while the tensors are
+active: ``host_memory()`` shows it, ``release_host_memory()`` gives it back); ``host="transient"`` gives it back at
+every resume (torch_memory_saver's semantics); ``backup="disk"`` writes to a file instead.
+
 Two hook modes, one API: "torch" (in-process, PyTorch pluggable allocator + one MemPool per tag and device; the
 default) and "preload" (libebbtide.so in LD_PRELOAD interposes cudaMalloc/cudaFree for the whole process; start
 children with ``preload_env()`` / ``configure_subprocess()``). Architecture and state machine: memory/NOTES.md.
@@ -20,6 +24,8 @@ from ._check import check, check_paused_blocks, set_checking
 from ._cupy import cupy_allocator
 from ._hooks import (configure_subprocess, disable, graph, hook_mode, preload_env, region, set_default_region,
                      set_hook_mode)
+from ._host import (HostMemory, disk_backup_dir, host_memory, host_retention, set_disk_backup_dir,
+                    set_host_retention)
 from ._ipc import ImportedTensor, SharedHandle, check_handle, export_tensor, import_tensor
 from ._report import ReleaseReport, release_report
 
@@ -30,5 +36,6 @@ __all__ = [
     "configure_subprocess", "set_background_pinning", "wait_background_pinning", "get_cpu_backup",
     "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
     "export_tensor", "import_tensor", "check_handle", "SharedHandle", "ImportedTensor", "cupy_allocator",
-    "set_coalescing", "coalescing",
+    "set_coalescing", "coalescing", "host_memory", "HostMemory", "set_host_retention", "host_retention",
+    "set_disk_backup_dir", "disk_backup_dir",
 ]

@@ -12,9 +12,13 @@ from typing import Optional
 from .. import _native
 from ..errors import InvalidArgumentError
 
-__all__ = ["BACKUPS", "mem", "backup_code", "check_tag", "torch_cuda", "expandable_segments_requested"]
+__all__ = ["BACKUPS", "HOSTS", "mem", "backup_code", "check_tag", "torch_cuda", "expandable_segments_requested"]
 
-BACKUPS = {"none": 0, "cpu": 1}
+BACKUPS = {"none": 0, "cpu": 1, "disk": 2}
+# Where a CPU backup's host copy lives (memory/ebbtide_memory.h): the persistent pinned arena (ebbtide's default),
+# a transient copy made by each pause and given back by the resume (torch_memory_saver's semantics), or the same
+# kept pageable while paused (its "mmap" backend).
+HOSTS = {"arena": 0, "transient": 0x200, "pageable": 0x200 | 0x400}
 
 
 def mem():
@@ -22,10 +26,16 @@ def mem():
     return _native.load().memory
 
 
-def backup_code(backup: str) -> int:
+def backup_code(backup: str, host: str = "arena") -> int:
+    """The native code of a backup policy: ``backup`` ("none", "cpu", "disk") and, for "cpu", where the host copy
+    lives (``host``: "arena", "transient", "pageable")."""
     if backup not in BACKUPS:
         raise InvalidArgumentError(f"backup must be one of {sorted(BACKUPS)}, not {backup!r}")
-    return BACKUPS[backup]
+    if host not in HOSTS:
+        raise InvalidArgumentError(f"host must be one of {sorted(HOSTS)}, not {host!r}")
+    if host != "arena" and backup != "cpu":
+        raise InvalidArgumentError(f"host={host!r} applies to backup='cpu' only (backup is {backup!r})")
+    return BACKUPS[backup] | HOSTS[host]
 
 
 def check_tag(tag: Optional[str], *, allow_none: bool) -> None:

@@ -82,8 +82,8 @@ def _raise_typed(e: Exception, kind: str, tag: Optional[str]):
         rep = getattr(e, "report", None) or {}
         dev = rep.get("oom_device", -1)
         holders = _holders(dev) if dev is not None and dev >= 0 else {}
-        err = OutOfMemoryError(str(e), needed=rep.get("oom_needed") or None, free=rep.get("oom_free"),
-                               holders=holders)
+        err = type(e)(str(e), needed=rep.get("oom_needed") or None, free=rep.get("oom_free"),
+                      holders=holders)  # HostOutOfMemoryError stays one
         err.report = rep
         err.device = dev
         raise err from None

@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, UnsupportedError
 from ._common import backup_code, check_tag, expandable_segments_requested, mem as _mem, torch_cuda as _torch_cuda
 
 __all__ = ["region", "disable", "graph", "hook_mode", "set_hook_mode", "set_default_region", "preload_env",
-           "configure_subprocess"]
+           "configure_subprocess", "region_with_code", "new_pool"]
 
 _lock = threading.Lock()           # guards the state below
 _mode: Optional[str] = None        # "preload" | "torch", fixed at first use
@@ -74,41 +74,45 @@ def pool_epoch(tag: str):
     return ("paused", pauses)
 
 
-def region_pool_kind(mode: str, backup: str, shareable: bool) -> str:
+def region_pool_kind(mode: str, code: int) -> str:
     """Regions of one tag with different backup policies (or shareability) use different pools: a cached block of
     a CPU-backed segment must never serve a discard-mode tensor or the other way round (the segment's policy
-    decides what a pause keeps)."""
-    return f"{mode}/{backup}" + ("/shareable" if shareable else "")
+    decides what a pause keeps). ``code`` is the native backup code (base and flags)."""
+    return f"{mode}/{code:#x}"
+
+
+def new_pool(torch, mode: str, device: int):
+    """A MemPool on ``device`` for regions in hook mode ``mode``: its allocator is ebbtide's pluggable one in torch
+    mode (plain in preload mode, where the shim takes the pool's cudaMalloc calls)."""
+    global _pluggable
+    with torch.cuda.device(device):
+        if mode != "torch":
+            return torch.cuda.MemPool()
+        with _lock:
+            if _pluggable is None:
+                _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+                    _native.runtime_library_path(), "ebt_torch_malloc", "ebt_torch_free")
+        return torch.cuda.MemPool(allocator=_pluggable.allocator())
 
 
 def _pool(torch, kind: str, tag: str, device: int, epoch="main"):
-    global _pluggable
     key = (kind, tag, device, epoch)
     with _lock:
         pool = _pools.get(key)
         if pool is not None:
             return pool
-        if kind.startswith(("torch", "graph-torch")):
-            if _pluggable is None:
-                _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
-                    _native.runtime_library_path(), "ebt_torch_malloc", "ebt_torch_free")
-            with torch.cuda.device(device):
-                pool = torch.cuda.MemPool(allocator=_pluggable.allocator())
-        else:
-            with torch.cuda.device(device):
-                pool = torch.cuda.MemPool()
-        _pools[key] = pool
-        return pool
+    mode = "torch" if kind.startswith(("torch", "graph-torch")) else "preload"
+    pool = new_pool(torch, mode, device)
+    with _lock:
+        return _pools.setdefault(key, pool)
 
 
 @contextlib.contextmanager
-def region(tag: str = "default", backup: str = "none", *, device: Optional[int] = None, shareable: bool = False):
-    """Allocations this thread makes inside land in ``tag`` and become pausable. ``backup="cpu"`` keeps their
-    content across pause/resume (pinned host copy); ``"none"`` discards it. Regions nest. ``device`` picks the
-    CUDA device whose pool to use (default: current). ``shareable=True`` makes the memory exportable to other
-    processes (``ebbtide.memory.export_tensor``); it comes from a pool of its own."""
+def region_with_code(tag: str, code: int, *, device: Optional[int] = None, pool=None):
+    """The body of region(): allocations of this thread land in ``tag`` with native backup ``code``. ``pool``:
+    the MemPool to use while the tag is active (the caller keeps it alive); while the tag is paused the region
+    uses a pool of that pause's own either way (the paused-block guard, ``pool_epoch``)."""
     check_tag(tag, allow_none=False)
-    code = backup_code(backup) | (_mem().SHAREABLE if shareable else 0)
     mode = hook_mode()
     _refuse_expandable_segments(mode)
     mem = _mem()
@@ -119,11 +123,30 @@ def region(tag: str = "default", backup: str = "none", *, device: Optional[int] 
             yield
             return
         dev = torch.cuda.current_device() if device is None else int(device)
-        pool = _pool(torch, region_pool_kind(mode, backup, shareable), tag, dev, pool_epoch(tag))
+        epoch = pool_epoch(tag)
+        if pool is None or epoch != "main":
+            pool = _pool(torch, region_pool_kind(mode, code), tag, dev, epoch)
         with torch.cuda.use_mem_pool(pool, device=dev):
             yield
     finally:
         mem.region_pop(token)
+
+
+@contextlib.contextmanager
+def region(tag: str = "default", backup: str = "none", *, host: str = "arena", device: Optional[int] = None,
+           shareable: bool = False):
+    """Allocations this thread makes inside land in ``tag`` and become pausable. ``backup``: "none" discards their
+    content at pause; "cpu" keeps it in host memory; "disk" writes it to a file in the disk-backup directory
+    (``set_disk_backup_dir``) and reads it back at resume. ``host`` (with "cpu"): "arena" (the default, ebbtide's
+    fastest: a persistent pinned arena, so its host memory stays held while the tensor is active; see
+    ``host_memory()`` and ``release_host_memory()``), "transient" (torch_memory_saver's semantics: a host copy made
+    by each pause and given back by the resume, unless ``set_host_retention(True)``) or "pageable" (transient, and
+    pageable while paused). Regions nest. ``device`` picks the CUDA device whose pool to use (default: current).
+    ``shareable=True`` makes the memory exportable to other processes (``ebbtide.memory.export_tensor``); it comes
+    from a pool of its own."""
+    code = backup_code(backup, host) | (_mem().SHAREABLE if shareable else 0)
+    with region_with_code(tag, code, device=device):
+        yield
 
 
 def _refuse_expandable_segments(mode: str) -> None:
@@ -134,7 +157,7 @@ def _refuse_expandable_segments(mode: str) -> None:
 
 
 @contextlib.contextmanager
-def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", pool=None, stream=None,
+def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", host: str = "arena", pool=None, stream=None,
           capture_error_mode: str = "global", device: Optional[int] = None):
     """``torch.cuda.graph(cuda_graph, ...)`` whose private memory is pausable: the capture allocates from a
     graph pool of ``tag`` (engine memory in both hook modes), so ``pause(tag)`` releases the graph's buffers and
@@ -148,7 +171,7 @@ def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", pool=None, st
     if torch is None:
         raise UnsupportedError("ebbtide.memory.graph needs torch with a CUDA device")
     check_tag(tag, allow_none=False)
-    code = backup_code(backup)
+    code = backup_code(backup, host)
     mode = hook_mode()
     _refuse_expandable_segments(mode)
     dev = torch.cuda.current_device() if device is None else int(device)
@@ -163,7 +186,7 @@ def graph(cuda_graph, *, tag: str = "graph", backup: str = "none", pool=None, st
     token = mem.region_push(tag, code)
     try:
         if pool is None:
-            pool = _pool(torch, "graph-" + region_pool_kind(mode, backup, False), tag, dev, pool_epoch(tag)).id
+            pool = _pool(torch, "graph-" + region_pool_kind(mode, code), tag, dev, pool_epoch(tag)).id
         with torch.cuda.device(dev), torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                                                      capture_error_mode=capture_error_mode):
             yield
@@ -199,15 +222,16 @@ def disable(*, device: Optional[int] = None, transient_pool: bool = False):
         mem.set_disabled(prev)
 
 
-def set_default_region(tag: Optional[str], backup: str = "none") -> None:
+def set_default_region(tag: Optional[str], backup: str = "none", host: str = "arena") -> None:
     """Process-wide region for threads that have none (autograd and NCCL threads); None clears it. Preload mode
-    captures every such cudaMalloc; in torch mode it only applies to ebt_torch_malloc calls."""
+    captures every such cudaMalloc; in torch mode it only applies to ebt_torch_malloc calls. ``backup`` and
+    ``host`` as for region()."""
     if tag is None:
         _mem().set_default_region(None, 0)
         return
     check_tag(tag, allow_none=False)
     _refuse_expandable_segments(hook_mode())
-    _mem().set_default_region(tag, backup_code(backup))
+    _mem().set_default_region(tag, backup_code(backup, host))
 
 
 def preload_env(env: Optional[dict] = None, *, default_tag: Optional[str] = None,
