@@ -118,6 +118,21 @@ ebt_status_t Engine::disk_staging(size_t chunk, size_t slots, CUcontext ctx, std
   return EBT_SUCCESS;
 }
 
+// One device copy between a staging slot and device memory, cut where the slot's arena block crosses a host
+// registration piece (each copy must lie inside one registration: HostArena::piece_remaining). disk_mu_ held.
+static CUresult copy_slot(const ebt_driver_table_t* drv, const HostArena& arena, const HostArena::Block& block,
+                          char* slot, CUdeviceptr dev, size_t n, CUstream stream, bool to_host) {
+  const size_t base = static_cast<size_t>(slot - block.ptr);
+  for (size_t off = 0; off < n;) {
+    const size_t len = std::min(n - off, arena.piece_remaining(block, base + off));
+    CUresult res = to_host ? drv->cuMemcpyDtoHAsync(slot + off, dev + off, len, stream)
+                           : drv->cuMemcpyHtoDAsync(dev + off, slot + off, len, stream);
+    if (res != CUDA_SUCCESS) return res;
+    off += len;
+  }
+  return CUDA_SUCCESS;
+}
+
 ebt_status_t Engine::disk_pause(const std::vector<Allocation*>& allocs, const std::vector<Device*>& devs,
                                 ebt_mem_report_t* r) {
   std::vector<Allocation*> disk;
@@ -209,7 +224,8 @@ ebt_status_t Engine::disk_pause(const std::vector<Allocation*>& allocs, const st
       st = EBT_ERROR_DRIVER;
       break;
     }
-    CUresult res = drv->cuMemcpyDtoHAsync(slot[c % slots], a->va + ch.off, ch.n, d->d2h);
+    CUresult res = copy_slot(drv, arena_, disk_staging_[c % slots], slot[c % slots], a->va + ch.off, ch.n, d->d2h,
+                             true);
     if (res == CUDA_SUCCESS) res = drv->cuEventRecord(events[c], d->d2h);
     if (res != CUDA_SUCCESS) {
       st = ebt_cu_error(res, "cuMemcpyDtoHAsync (disk pause)", __FILE__, __LINE__);
@@ -341,7 +357,8 @@ ebt_status_t Engine::disk_resume(const std::vector<Allocation*>& allocs, ebt_mem
       st = EBT_ERROR_DRIVER;
       break;
     }
-    CUresult res = drv->cuMemcpyHtoDAsync(disk[ch.alloc]->va + ch.off, slot[c % slots], ch.n, d->h2d);
+    CUresult res = copy_slot(drv, arena_, disk_staging_[c % slots], slot[c % slots], disk[ch.alloc]->va + ch.off,
+                             ch.n, d->h2d, false);
     if (res == CUDA_SUCCESS) res = drv->cuEventRecord(events[c], d->h2d);
     if (res != CUDA_SUCCESS) {
       st = ebt_cu_error(res, "cuMemcpyHtoDAsync (disk resume)", __FILE__, __LINE__);

@@ -200,7 +200,7 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
       std::vector<size_t> sizes;
       std::vector<size_t> idx;
       for (size_t k : which) {
-        if (live[k]->backup == EBT_MEM_BACKUP_CPU && live[k]->host.ptr) {
+        if (live[k]->backup == EBT_MEM_BACKUP_CPU && live[k]->host.ptr && arena_.registered(live[k]->host)) {
           staging[k] = live[k]->host;
           own[k] = true;
         } else {
@@ -353,6 +353,7 @@ ebt_status_t Engine::reclaim_segment(const std::shared_ptr<Segment>& s, std::vec
         a->state = AllocState::kPaused;
         a->host_clean = false;
         if (a->backup == EBT_MEM_BACKUP_CPU && saved[k]) {  // its content is in staging[k]: its backup now
+          if (a->host.ptr && a->host.ptr != staging[k].ptr) arena_.free(a->host);  // an unpinned copy it had
           a->host = staging[k];
           a->host_valid = true;
           own[k] = true;

@@ -312,6 +312,15 @@ void HostArena::release_piece(const ebt_driver_table_t* drv, const Block& b, siz
   s->state[k] = kReleased;
 }
 
+bool HostArena::registered(const Block& b) const {
+  const Segment* s = segment_of(b);
+  if (!s) return false;
+  if (!s->priv) return true;
+  for (unsigned char st : s->state)
+    if (!(st & kRegistered)) return false;
+  return true;
+}
+
 size_t HostArena::private_segments() const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;

@@ -68,6 +68,7 @@ class HostArena {
   size_t pieces(const Block& b) const;                  // private: how many pieces; arena block: 0
   size_t piece_index(const Block& b, size_t offset) const;  // private: the piece holding b.ptr + offset
   bool piece_registered(const Block& b, size_t k) const;
+  bool registered(const Block& b) const;  // copies may use it as pinned memory (an arena block; a private one whole)
   // Populate piece k (how: Settings::shadow_populate) and register it; no-op for what is done already.
   // HOST_OUT_OF_MEMORY when the host has no memory for it. The caller's thread has a context current.
   ebt_status_t prepare_piece(const ebt_driver_table_t* drv, const Block& b, size_t k);

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["get_device", "empty_cache", "get_and_print_gpu_memory"]
+from torch_memory_saver.utils import is_xpu  # noqa: F401 (the suite imports it from here)
+
+__all__ = ["get_device", "empty_cache", "get_and_print_gpu_memory", "is_xpu"]
 
 
 def get_device() -> str:
