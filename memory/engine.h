@@ -202,7 +202,8 @@ class Engine {
   // Give back a's host copy (its content is safe elsewhere, or not needed).
   void shadow_drop(Allocation* a);
   // disk tier (engine_disk.cc)
-  ebt_status_t disk_pause(const std::vector<Allocation*>& allocs, const std::vector<Device*>& devs, ebt_mem_report_t* r);
+  ebt_status_t disk_pause(const std::vector<Allocation*>& allocs, const std::vector<Device*>& devs,
+                          ebt_mem_report_t* r);
   ebt_status_t disk_check(const std::vector<Allocation*>& allocs);  // resume pre-flight: every file valid
   ebt_status_t disk_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
   void disk_forget(Allocation* a);  // remove a's file (free, resume commit, failed pause)

@@ -280,8 +280,9 @@ ebt_status_t Engine::disk_check(const std::vector<Allocation*>& allocs) {
     EBT_CHECK(f.open_read(a->disk_path));
     const off_t want = static_cast<off_t>(disk::file_bytes(a->size));
     if (f.size() < want)
-      return ebt_set_error(EBT_ERROR_INVALID_STATE, "disk backup %s is truncated (%lld of %lld bytes): refused, the tag "
-                           "stays paused", a->disk_path.c_str(), static_cast<long long>(f.size()),
+      return ebt_set_error(EBT_ERROR_INVALID_STATE,
+                           "disk backup %s is truncated (%lld of %lld bytes): refused, the tag stays paused",
+                           a->disk_path.c_str(), static_cast<long long>(f.size()),
                            static_cast<long long>(want));
     EBT_CHECK(f.read_at(scratch.get(), disk::kBlock, 0));
     std::string why;  // the chunk size is the process's (settings are read once), as when it was written
@@ -328,7 +329,8 @@ ebt_status_t Engine::disk_resume(const std::vector<Allocation*>& allocs, ebt_mem
   io.start(chunks.size(), ds.threads, runtime_worker_init(drv, ddev[0]->ctx), [&](size_t c) -> ebt_status_t {
     const Chunk& ch = chunks[c];
     if (c >= slots) {  // the slot's previous chunk must have left it
-      if (!copied.wait(c - slots)) return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: stopped after an earlier failure");
+      if (!copied.wait(c - slots))
+        return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: stopped after an earlier failure");
       CtxGuard ctx(drv, ddev[chunks[c - slots].alloc]->ctx);
       CUresult res = drv->cuEventSynchronize(events[c - slots]);
       if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuEventSynchronize (disk resume)", __FILE__, __LINE__);

@@ -129,7 +129,8 @@ ebt_status_t load_all(Settings* s) {
   } else if (tms >= kTmsFirstTrue) {
     s->default_tag = "default";
     if (tms_cpu >= kTmsFirstTrue)
-      s->default_backup = EBT_MEM_BACKUP_CPU | EBT_MEM_HOST_TRANSIENT | (s->default_pageable ? EBT_MEM_HOST_PAGEABLE : 0);
+      s->default_backup =
+          EBT_MEM_BACKUP_CPU | EBT_MEM_HOST_TRANSIENT | (s->default_pageable ? EBT_MEM_HOST_PAGEABLE : 0);
     else if (tms_disk >= kTmsFirstTrue)
       s->default_backup = EBT_MEM_BACKUP_DISK;
     else

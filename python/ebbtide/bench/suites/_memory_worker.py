@@ -1,6 +1,7 @@
 """Measurement worker of the `memory` suite: ``python -m ebbtide.bench.suites._memory_worker ours|tms <bytes>
-<counts>`` (counts: comma-separated allocation counts for the discard rows) prints one JSON object of timings
-(seconds) on its last line.
+<counts>`` (counts: comma-separated allocation counts for the discard rows), ``dropin-ours|dropin-tms <bytes>`` (CPU
+backup under torch_memory_saver's defaults) or ``disk-ours|disk-tms|disk-probe <bytes> <dir>`` (the disk tier, and
+the direct-I/O probe of the same directory) prints one JSON object of timings (seconds) on its last line.
 
 Each side runs in its own process so neither inherits the other's GPU pools, pinned host memory or caches; both
 follow the same order (discard tags first and left paused, then CPU-backed tags), time wall-clock around the
@@ -211,9 +212,150 @@ def tms(total: int, counts: list) -> dict:
     return out
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _held_after_resume(rss0: int, total: int, wait_s: float = 2.0) -> tuple[int, float | None]:
+    """RSS above its level before the pause right after a resume returned, and how long after the return it
+    fell back to within 1% of the tensors' bytes of that level (None: not within ``wait_s``)."""
+    t0 = time.perf_counter()
+    held = _rss() - rss0
+    while True:
+        now = _rss() - rss0
+        if now <= 0.01 * total:
+            return held, time.perf_counter() - t0
+        if time.perf_counter() - t0 > wait_s:
+            return held, None
+        time.sleep(0.01)
+
+
+def _dropin_cycles(saver, total: int, cycles: int) -> dict:
+    """CPU-backed pause/resume of `total` bytes in 8 tensors under torch_memory_saver's defaults (no retention, so
+    every cycle makes and gives back its host copy), timed around the calls; the host memory left held after each
+    resume and when it came back."""
+    saver.hook_mode = "torch"
+    keep = _tensors(saver.region(tag="w", enable_cpu_backup=True), 8, total)
+    out: dict = {"pause": [], "resume": [], "held": [], "back_s": []}
+    for _ in range(cycles):
+        torch.cuda.synchronize()
+        rss0 = _rss()
+        out["pause"].append(_t(lambda: saver.pause("w")))
+        out["resume"].append(_t(lambda: saver.resume("w")))
+        held, back = _held_after_resume(rss0, total)
+        out["held"].append(held)
+        out["back_s"].append(back)
+    assert all(bool((t == 7).all()) for t in keep[:1]), "content lost across the cycles"
+    return {"pause": statistics.median(out["pause"]), "resume": statistics.median(out["resume"]),
+            "held_max": max(out["held"]), "back_s": out["back_s"], "cycles": cycles}
+
+
+def dropin_ours(total: int) -> dict:
+    import ebbtide.memory as em  # noqa: PLC0415
+    from ebbtide.compat.torch_memory_saver import torch_memory_saver as saver  # noqa: PLC0415
+
+    r = _dropin_cycles(saver, total, 3)
+    row = [x for x in em.stats()["tags"] if x["tag"] == "w"][0]
+    r["phases"] = {"pause_copy_s": row["last_pause"]["copy_s"], "pause_host_wait_s": row["last_pause"]["host_wait_s"],
+                   "resume_copy_s": row["last_resume"]["copy_s"],
+                   "resume_host_release_s": row["last_resume"]["host_release_s"]}
+    r["host_now"] = em.host_memory().held
+    return r
+
+
+def dropin_tms(total: int) -> dict:
+    from torch_memory_saver import torch_memory_saver as saver  # noqa: PLC0415
+
+    return _dropin_cycles(saver, total, 2)  # seconds per cycle: two
+
+
+def _disk_cycles(saver, total: int, directory: str, cycles: int) -> dict:
+    saver.hook_mode = "torch"
+    saver.set_disk_backup_dir(directory)
+    keep = _tensors(saver.region(tag="d", enable_disk_backup=True), 8, total)
+    ps, rs = _cycles(lambda: saver.pause("d"), lambda: saver.resume("d"), cycles)
+    assert bool((keep[0] == 7).all()) and bool((keep[-1] == 7).all()), "content lost across the disk cycles"
+    return {"pause": statistics.median(ps), "resume": statistics.median(rs), "cycles": cycles}
+
+
+def disk_ours(total: int, directory: str) -> dict:
+    import ebbtide.memory as em  # noqa: PLC0415
+    from ebbtide.compat.torch_memory_saver import torch_memory_saver as saver  # noqa: PLC0415
+
+    r = _disk_cycles(saver, total, directory, 2)
+    row = [x for x in em.stats()["tags"] if x["tag"] == "d"][0]
+    r["direct"] = em.host_memory().disk_direct
+    r["phases"] = {"pause_disk_s": row["last_pause"]["disk_s"], "resume_disk_s": row["last_resume"]["disk_s"]}
+    return r
+
+
+def disk_tms(total: int, directory: str) -> dict:
+    from torch_memory_saver import torch_memory_saver as saver  # noqa: PLC0415
+
+    return _disk_cycles(saver, total, directory, 1)
+
+
+def disk_probe(total: int, directory: str, chunk: int = 64 << 20, threads: int = 2) -> dict:
+    """The directory's own sequential bandwidth: `total` bytes written then read with O_DIRECT in `chunk`-byte
+    requests from `threads` threads (each keeps one request in flight), file allocated first; page-aligned
+    buffers of random bytes."""
+    import mmap  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    path = os.path.join(directory, f"ebbtide-probe-{os.getpid()}.bin")
+    n = max(1, total // chunk)
+    bufs = []
+    for _ in range(threads):
+        b = mmap.mmap(-1, chunk)
+        b.write(os.urandom(1 << 20) * (chunk >> 20))
+        bufs.append(b)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, n * chunk)
+
+        def run(op):
+            errs = []
+
+            def work(w):
+                try:
+                    for i in range(w, n, threads):
+                        done = op(fd, [bufs[w]], i * chunk)
+                        if done != chunk:
+                            raise OSError(f"short transfer {done} of {chunk}")
+                except OSError as e:
+                    errs.append(e)
+
+            ts = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            if errs:
+                raise errs[0]
+            return time.perf_counter() - t0
+
+        w = run(os.pwritev)
+        r = run(os.preadv)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return {"bytes": n * chunk, "write_s": w, "read_s": r, "chunk": chunk, "threads": threads}
+
+
 if __name__ == "__main__":
-    which, total, counts = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
+    which, total = sys.argv[1], int(sys.argv[2])
+    if which == "disk-probe":  # no GPU needed
+        print(json.dumps(disk_probe(total, sys.argv[3])), flush=True)
+        os._exit(0)
     torch.cuda.init()
-    result = {"ours": ours, "tms": tms}[which](total, counts)
+    if which.startswith("dropin-"):
+        result = {"dropin-ours": dropin_ours, "dropin-tms": dropin_tms}[which](total)
+    elif which.startswith("disk-"):
+        result = {"disk-ours": disk_ours, "disk-tms": disk_tms}[which](total, sys.argv[3])
+    else:
+        counts = [int(c) for c in sys.argv[3].split(",")]
+        result = {"ours": ours, "tms": tms}[which](total, counts)
     print(json.dumps(result), flush=True)
     os._exit(0)  # skip interpreter teardown: pools and pinned memory go back with the process

@@ -1,6 +1,15 @@
 """Suite `memory`: pause/resume of 16 GiB (2 GiB with --quick) with and without CPU backup, beside
 torch_memory_saver (default and retain_cpu_backup=True) measured in the same run, and the pinned PCIe limits.
 
+Drop-in rows (torch_memory_saver's semantics, through ebbtide.compat.torch_memory_saver): CPU-backed pause/resume
+with no retention, every cycle making and giving back its host copy, beside torch_memory_saver's default and the
+pinned limits; the host memory still held after the resume (RSS over its level before the pause) and how soon it
+came back; the disk tier beside torch_memory_saver's disk backup and a direct-I/O probe of the same directory (16
+GiB, fewer where the directory is too slow or small for that: the row says the size).
+EBBTIDE_BENCH_MEMORY_ROWS picks "dropin" rows, "engine" rows (the rest) or "all" (default);
+EBBTIDE_BENCH_DISK_DIR the directory (default: TMPDIR, /tmp or /var/tmp, the first not on tmpfs, else the working
+directory).
+
 Rows: CPU-backup pause/resume first cycle and warm cycles (GB/s of the tag's bytes, wall-clock around the call);
 discard-mode pause/resume in 8, 64, 1024 and 16384 allocations (ms) with default settings and with
 EBBTIDE_MEM_COALESCE=0, each with the engine's breakdown of where the time went; a trainer->rollout switch (pause
@@ -12,12 +21,22 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 
+from ... import settings
 from ..registry import Row, Skip, suite
 from ._process import run_json_worker
 
 GB = 1e9
 GiB = 1 << 30
+
+ROWS = settings.declare("EBBTIDE_BENCH_MEMORY_ROWS", settings.parse_choice("all", "dropin", "engine"), "all",
+                        "which rows `ebbtide bench memory` runs: all, dropin (torch_memory_saver's semantics and "
+                        "the disk tier) or engine (the rest)")
+DISK_DIR = settings.declare("EBBTIDE_BENCH_DISK_DIR", settings.parse_path, "",
+                            "directory of the memory suite's disk-tier rows (default: TMPDIR, /tmp or /var/tmp, the "
+                            "first not on tmpfs, else the working directory)")
+DISK_SECONDS = 12.0  # a disk row's size is capped so one direction takes about this long at the probe's speed
 
 
 def _worker(which: str, total: int, counts: tuple, log) -> tuple[dict | None, str]:
@@ -57,10 +76,134 @@ def breakdown(op: str, wall: float, ph: dict) -> str:
     return "ms: " + ", ".join(parts)
 
 
+def _on_tmpfs(path: str) -> bool:
+    best, kind = "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            mnt, fs = line.split()[1], line.split()[2]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                best, kind = mnt, fs
+    return kind in ("tmpfs", "ramfs")
+
+
+def _disk_dir() -> str:
+    chosen = settings.get(DISK_DIR)
+    if chosen:
+        return os.path.abspath(chosen)
+    for cand in (tempfile.gettempdir(), "/tmp", "/var/tmp"):
+        if os.path.isdir(cand) and not _on_tmpfs(os.path.realpath(cand)):
+            return cand
+    return os.getcwd()
+
+
+def _run_worker(which: str, args: list, log, what: str) -> tuple[dict | None, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.startswith("TMS_")}
+    log(f"memory: {what} ...")
+    return run_json_worker("ebbtide.bench.suites._memory_worker", [which, *map(str, args)], env, timeout=1800)
+
+
+def _dropin_rows(ctx, total: int, d2h: float, h2d: float):
+    """CPU backup under torch_memory_saver's defaults (no retention), ours through the drop-in vs the real package."""
+    size = f"{total / GiB:.0f} GiB"
+    ours, why = _run_worker("dropin-ours", [total], ctx.progress, f"drop-in CPU backup, {size}, ebbtide")
+    if ours is None:
+        raise Skip(f"ebbtide drop-in worker: {why}")
+    have_tms = importlib.util.find_spec("torch_memory_saver") is not None
+    tms, tms_note = (_run_worker("dropin-tms", [total], ctx.progress, f"drop-in CPU backup, {size}, "
+                                 "torch_memory_saver") if have_tms else (None, "not installed"))
+    tms = tms or {}
+    ph = ours.get("phases", {})
+    p = {"bytes": total, "allocations": 8, "hook_mode": "torch", "retain_cpu_backup": False}
+
+    def gbps(d, k):
+        return total / d[k] / GB if d.get(k) else None
+
+    yield Row("memory", f"pause, CPU backup, torch_memory_saver defaults (no retention), every cycle ({size})", "GB/s",
+              gbps(ours, "pause"), anchor=gbps(tms, "pause"), anchor_name="torch_memory_saver default",
+              anchor_note="" if tms.get("pause") else tms_note, limit=d2h, limit_name="pinned D2H", params=p,
+              note=f"median of {ours.get('cycles')} cycles; fresh host memory populated and registered in pieces while "
+                   f"the copies ran (copies waited {ph.get('pause_host_wait_s', 0) * 1e3:.0f} ms for pieces)")
+    yield Row("memory", f"resume, CPU backup, torch_memory_saver defaults (no retention), every cycle ({size})",
+              "GB/s", gbps(ours, "resume"), anchor=gbps(tms, "resume"), anchor_name="torch_memory_saver default",
+              anchor_note="" if tms.get("resume") else tms_note, limit=h2d, limit_name="pinned H2D", params=p,
+              note=f"host copy given back before the resume returned ({ph.get('resume_host_release_s', 0) * 1e3:.0f} "
+                   "ms after the last copy landed)")
+
+    def back(d):
+        bs = d.get("back_s") or []
+        if not bs:
+            return "n/a"
+        if any(b is None for b in bs):
+            return "not back within 2 s of the resume returning"
+        return f"back {max(bs) * 1e3:.0f} ms after the resume returned"
+
+    held, a_held = ours.get("held_max"), tms.get("held_max")
+    yield Row("memory", f"host memory still held after resume, CPU backup, no retention ({size})", "GiB",
+              max(held, 0) / GiB if held is not None else None, higher_is_better=False,
+              anchor=max(a_held, 0) / GiB if a_held is not None else None, anchor_name="torch_memory_saver default",
+              anchor_note="" if a_held is not None else tms_note, params=p,
+              note=f"RSS over its level before the pause, right after resume(): ebbtide {back(ours)}; "
+                   f"torch_memory_saver {back(tms) if tms else tms_note}")
+
+
+def _disk_rows(ctx, total: int):
+    """The disk tier vs torch_memory_saver's disk backup vs a direct-I/O probe of the same directory."""
+    directory = _disk_dir()
+    if _on_tmpfs(os.path.realpath(directory)):
+        raise Skip(f"disk rows: {directory} is on tmpfs (set EBBTIDE_BENCH_DISK_DIR to a directory on a disk)")
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    quick, why = _run_worker("disk-probe", [min(total, GiB), directory], ctx.progress,
+                             f"sizing the disk rows (direct I/O in {directory})")
+    if quick is None:
+        raise Skip(f"disk probe in {directory}: {why}")
+    slow = min(quick["bytes"] / quick["write_s"], quick["bytes"] / quick["read_s"])
+    size_b = min(total, int(slow * DISK_SECONDS), free // 3)
+    size_b = max(size_b // GiB, 1) * GiB
+    if size_b * 3 > free:
+        raise Skip(f"disk rows: {directory} has {free / GiB:.1f} GiB free, too little for a 1 GiB backup and its "
+                   "anchor")
+    why_smaller = "" if size_b == total else (f" (not {total / GiB:.0f} GiB: the directory writes/reads at "
+                                              f"{slow / GB:.2f} GB/s and has {free / GiB:.0f} GiB free)")
+    size = f"{size_b / GiB:.0f} GiB"
+    probe, why = _run_worker("disk-probe", [size_b, directory], ctx.progress, f"direct-I/O probe, {size}")
+    if probe is None:
+        raise Skip(f"disk probe in {directory}: {why}")
+    ours, why = _run_worker("disk-ours", [size_b, directory], ctx.progress, f"disk tier, {size}, ebbtide")
+    if ours is None:
+        raise Skip(f"ebbtide disk worker: {why}")
+    have_tms = importlib.util.find_spec("torch_memory_saver") is not None
+    tms, tms_note = (_run_worker("disk-tms", [size_b, directory], ctx.progress, f"disk backup, {size}, "
+                                 "torch_memory_saver") if have_tms else (None, "not installed"))
+    tms = tms or {}
+    p = {"bytes": size_b, "allocations": 8, "dir": directory, "direct_io": ours.get("direct")}
+
+    def gbps(d, k):
+        return size_b / d[k] / GB if d.get(k) else None
+
+    io = f"{probe['threads']} threads x {probe['chunk'] >> 20} MiB requests"
+    for op, limit_key, lname in (("pause", "write_s", "O_DIRECT write"), ("resume", "read_s", "O_DIRECT read")):
+        yield Row("memory", f"{op}, disk backup ({size}){why_smaller}", "GB/s", gbps(ours, op),
+                  anchor=gbps(tms, op), anchor_name="torch_memory_saver disk backup",
+                  anchor_note="" if tms.get(op) else tms_note, limit=probe["bytes"] / probe[limit_key] / GB,
+                  limit_name=f"{lname} of {directory} ({io})", params=p,
+                  note=("direct I/O" if ours.get("direct") else "buffered I/O (the filesystem refused O_DIRECT)")
+                  + f", median of {ours.get('cycles')} cycles")
+
+
 @suite("memory", needs="gpu", description="VMM pause/resume: CPU backup bandwidth, discard cost, overlap, hook cost")
 def run(ctx):
     ctx.require_gpu()
+    rows = settings.get(ROWS)
     total = (2 if ctx.quick else 16) * GiB
+    if rows in ("all", "dropin"):
+        yield from _dropin_rows(ctx, total, ctx.limits.d2h_gbps(), ctx.limits.h2d_gbps())
+        try:
+            yield from _disk_rows(ctx, (1 if ctx.quick else 16) * GiB)
+        except Skip as e:
+            ctx.note_skip("memory: disk tier rows", str(e))
+    if rows == "dropin":
+        return
     # 16 GiB in 8 .. 16384 tensors (1 MiB to 2 GiB; 1 MiB tensors share 2 MiB caching-allocator segments, so 16384
     # of them are 8192 driver allocations); --quick: 2 GiB, the same tensor sizes up to 2048 of them.
     counts = (8, 64, 1024, 16384) if not ctx.quick else (8, 64, 128, 2048)
