@@ -36,7 +36,7 @@ ROWS = settings.declare("EBBTIDE_BENCH_MEMORY_ROWS", settings.parse_choice("all"
 DISK_DIR = settings.declare("EBBTIDE_BENCH_DISK_DIR", settings.parse_path, "",
                             "directory of the memory suite's disk-tier rows (default: TMPDIR, /tmp or /var/tmp, the "
                             "first not on tmpfs, else the working directory)")
-DISK_SECONDS = 12.0  # a disk row's size is capped so one direction takes about this long at the probe's speed
+DISK_SECONDS = 8.0  # a disk row's size is capped so one direction takes about this long at the probe's speed
 
 
 def _worker(which: str, total: int, counts: tuple, log) -> tuple[dict | None, str]:
