@@ -174,17 +174,22 @@ std::string file_name(const std::string& dir, unsigned long long id) {
   return dir + buf;
 }
 
-ebt_status_t File::create(const std::string& path, size_t bytes) {
+ebt_status_t File::open_direct(const std::string& path, int flags, const char* what) {
   close();
   path_ = path;
   direct_ = true;
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600);
+  fd_ = ::open(path.c_str(), flags | O_CLOEXEC | O_DIRECT, 0600);
   if (fd_ < 0 && errno == EINVAL) {  // the filesystem takes no direct I/O
     direct_ = false;
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    fd_ = ::open(path.c_str(), flags | O_CLOEXEC, 0600);
   }
   if (fd_ < 0)
-    return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: cannot create %s: %s", path.c_str(), std::strerror(errno));
+    return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: cannot %s %s: %s", what, path.c_str(), std::strerror(errno));
+  return EBT_SUCCESS;
+}
+
+ebt_status_t File::create(const std::string& path, size_t bytes) {
+  EBT_CHECK(open_direct(path, O_RDWR | O_CREAT | O_EXCL, "create"));
   int err = posix_fallocate(fd_, 0, static_cast<off_t>(bytes));
   if (err == EOPNOTSUPP || err == EINVAL) err = ftruncate(fd_, static_cast<off_t>(bytes)) == 0 ? 0 : errno;
   if (err != 0) {
@@ -197,47 +202,28 @@ ebt_status_t File::create(const std::string& path, size_t bytes) {
   return EBT_SUCCESS;
 }
 
-ebt_status_t File::open_read(const std::string& path) {
-  close();
-  path_ = path;
-  direct_ = true;
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (fd_ < 0 && errno == EINVAL) {
-    direct_ = false;
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+ebt_status_t File::open_read(const std::string& path) { return open_direct(path, O_RDONLY, "open"); }
+
+ebt_status_t File::transfer(char* buf, size_t n, off_t off, bool write) {
+  size_t done = 0;
+  while (done < n) {
+    const off_t at = off + static_cast<off_t>(done);
+    ssize_t k = write ? pwrite(fd_, buf + done, n - done, at) : pread(fd_, buf + done, n - done, at);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0)
+      return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: %s %zu bytes at %lld of %s: %s",
+                           write ? "writing" : "reading", n - done, static_cast<long long>(at), path_.c_str(),
+                           k < 0 ? std::strerror(errno) : write ? "nothing written" : "the file ends early (truncated)");
+    done += static_cast<size_t>(k);
   }
-  if (fd_ < 0)
-    return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: cannot open %s: %s", path.c_str(), std::strerror(errno));
   return EBT_SUCCESS;
 }
 
 ebt_status_t File::write_at(const void* buf, size_t n, off_t off) {
-  size_t done = 0;
-  while (done < n) {
-    ssize_t w = pwrite(fd_, static_cast<const char*>(buf) + done, n - done, off + static_cast<off_t>(done));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0)
-      return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: writing %zu bytes at %lld of %s: %s", n - done,
-                           static_cast<long long>(off + static_cast<off_t>(done)), path_.c_str(),
-                           w < 0 ? std::strerror(errno) : "nothing written");
-    done += static_cast<size_t>(w);
-  }
-  return EBT_SUCCESS;
+  return transfer(const_cast<char*>(static_cast<const char*>(buf)), n, off, true);
 }
 
-ebt_status_t File::read_at(void* buf, size_t n, off_t off) {
-  size_t done = 0;
-  while (done < n) {
-    ssize_t r = pread(fd_, static_cast<char*>(buf) + done, n - done, off + static_cast<off_t>(done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0)
-      return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: reading %zu bytes at %lld of %s: %s", n - done,
-                           static_cast<long long>(off + static_cast<off_t>(done)), path_.c_str(),
-                           r < 0 ? std::strerror(errno) : "the file ends early (truncated)");
-    done += static_cast<size_t>(r);
-  }
-  return EBT_SUCCESS;
-}
+ebt_status_t File::read_at(void* buf, size_t n, off_t off) { return transfer(static_cast<char*>(buf), n, off, false); }
 
 void File::drop_cache(off_t off, size_t n, bool written) {
   if (direct_ || fd_ < 0) return;

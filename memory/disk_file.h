@@ -65,6 +65,9 @@ class File {
   const std::string& path() const { return path_; }
 
  private:
+  // open(2) with O_DIRECT, without it where the filesystem refuses it (EINVAL); `what` names the act in errors.
+  ebt_status_t open_direct(const std::string& path, int flags, const char* what);
+  ebt_status_t transfer(char* buf, size_t n, off_t off, bool write);  // whole, EINTR and short counts retried
   int fd_ = -1;
   bool direct_ = false;
   std::string path_;

@@ -121,6 +121,7 @@ struct Plan {
 ebt_status_t check_backup_code(int backup);
 
 struct PieceRelease;  // engine_internal.h
+struct DiskCopies;    // engine_disk.cc
 class OrderedWork;   // memory/ordered_work.h
 
 class Engine {
@@ -202,13 +203,25 @@ class Engine {
   // Give back a's host copy (its content is safe elsewhere, or not needed).
   void shadow_drop(Allocation* a);
   // disk tier (engine_disk.cc)
-  ebt_status_t disk_pause(const std::vector<Allocation*>& allocs, const std::vector<Device*>& devs,
-                          ebt_mem_report_t* r);
+  // The disk part of a pause (write every DISK allocation's file; resume = false) or of a resume (read them back).
+  ebt_status_t disk_phase(const std::vector<Allocation*>& allocs, bool resume, ebt_mem_report_t* r);
+  ebt_status_t disk_write(const std::vector<Allocation*>& disk, const std::vector<Device*>& devs,
+                          const ebt_driver_table_t* drv, const DiskSettings& ds, const std::string& dir);
+  ebt_status_t disk_read(const std::vector<Allocation*>& disk, const std::vector<Device*>& devs,
+                         const ebt_driver_table_t* drv, const DiskSettings& ds);  // disk_mu_ held (both)
+  // The op's disk allocations (a resume's: those with a file) with their devices; the driver and the disk settings
+  // where there is any.
+  ebt_status_t disk_members(const std::vector<Allocation*>& allocs, bool resume, std::vector<Allocation*>* disk,
+                            std::vector<Device*>* devs, const ebt_driver_table_t** drv, DiskSettings* ds);
   ebt_status_t disk_check(const std::vector<Allocation*>& allocs);  // resume pre-flight: every file valid
-  ebt_status_t disk_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r);
   void disk_forget(Allocation* a);  // remove a's file (free, resume commit, failed pause)
   void disk_stats(ebt_mem_global_stats_t* out);
   ebt_status_t disk_staging(size_t chunk, size_t slots, CUcontext ctx, std::vector<char*>* out);  // disk_mu_ held
+  // The staging slots of a disk phase: 2 x ds.threads of ds.chunk_bytes, 4 KiB-aligned (disk_mu_ held).
+  ebt_status_t disk_slots(const DiskSettings& ds, Device* d, std::vector<char*>* out);
+  ebt_status_t disk_copy(DiskCopies& p, size_t chunk, bool to_host);  // one chunk's copy + event (disk_mu_ held)
+  // The end of a disk phase: stop the I/O threads (after a failure), wait for every copy, return the events.
+  ebt_status_t disk_finish(DiskCopies& p, OrderedWork& io, ebt_status_t st);
   // rollback: mapping back what a failed pause released (the memory margin does not apply).
   ebt_status_t run_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r, bool rollback = false);
   // Create + map + release every unit, then grant access; on failure nothing stays mapped.

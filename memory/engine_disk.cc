@@ -34,10 +34,8 @@
 
 namespace ebbtide::memory {
 
-namespace {
-
 // One chunk of one allocation's file.
-struct Chunk {
+struct DiskChunk {
   size_t alloc;  // index into the op's disk allocations
   size_t index;  // chunk number within that allocation
   size_t off;    // byte offset within the allocation
@@ -45,12 +43,12 @@ struct Chunk {
 };
 
 // The handoff between this thread and the I/O threads: per-chunk flags, and an abort that wakes every waiter.
-struct Handoff {
+struct DiskHandoff {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<char> flag;
   bool aborted = false;
-  explicit Handoff(size_t n) : flag(n, 0) {}
+  explicit DiskHandoff(size_t n) : flag(n, 0) {}
   void set(size_t i) {
     std::lock_guard<std::mutex> lock(mu);
     flag[i] = 1;
@@ -68,17 +66,99 @@ struct Handoff {
   }
 };
 
+namespace {
+
 size_t up(size_t n) { return (n + disk::kBlock - 1) / disk::kBlock * disk::kBlock; }
 
-std::vector<Chunk> plan_chunks(const std::vector<Allocation*>& disk, size_t chunk) {
-  std::vector<Chunk> out;
+std::vector<DiskChunk> plan_chunks(const std::vector<Allocation*>& disk, size_t chunk) {
+  std::vector<DiskChunk> out;
   for (size_t i = 0; i < disk.size(); ++i)
     for (size_t off = 0, k = 0; off < disk[i]->size; off += chunk, ++k)
-      out.push_back(Chunk{i, k, off, std::min(chunk, disk[i]->size - off)});
+      out.push_back(DiskChunk{i, k, off, std::min(chunk, disk[i]->size - off)});
   return out;
 }
 
+// One device copy between a staging slot and device memory, cut where the slot's arena block crosses a host
+// registration piece (each copy must lie inside one registration: HostArena::piece_remaining). The caller holds disk_mu_.
+CUresult copy_slot(const ebt_driver_table_t* drv, const HostArena& arena, const HostArena::Block& block,
+                          char* slot, CUdeviceptr dev, size_t n, CUstream stream, bool to_host) {
+  const size_t base = static_cast<size_t>(slot - block.ptr);
+  for (size_t off = 0; off < n;) {
+    const size_t len = std::min(n - off, arena.piece_remaining(block, base + off));
+    CUresult res = to_host ? drv->cuMemcpyDtoHAsync(slot + off, dev + off, len, stream)
+                           : drv->cuMemcpyHtoDAsync(dev + off, slot + off, len, stream);
+    if (res != CUDA_SUCCESS) return res;
+    off += len;
+  }
+  return CUDA_SUCCESS;
+}
+
 }  // namespace
+
+// The device side of one disk phase: a copy per chunk between its staging slot and the device, each followed by an
+// event (events[c]) that the I/O threads wait on; `ready` tells them a chunk's copy was issued.
+struct DiskCopies {
+  const ebt_driver_table_t* drv;
+  const std::vector<DiskChunk>& chunks;
+  const std::vector<Allocation*>& disk;
+  const std::vector<Device*>& dev;
+  const std::vector<char*>& slot;
+  std::vector<CUevent> events;
+  DiskHandoff ready;
+  DiskCopies(const ebt_driver_table_t* d, const std::vector<DiskChunk>& c, const std::vector<Allocation*>& a,
+             const std::vector<Device*>& v, const std::vector<char*>& s)
+      : drv(d), chunks(c), disk(a), dev(v), slot(s), events(c.size(), nullptr), ready(c.size()) {}
+};
+
+ebt_status_t Engine::disk_copy(DiskCopies& p, size_t c, bool to_host) {
+  const DiskChunk& ch = p.chunks[c];
+  Device* d = p.dev[ch.alloc];
+  const size_t s = c % p.slot.size();
+  CtxGuard ctx(p.drv, d->ctx);
+  p.events[c] = take_event(d);
+  if (!p.events[c]) return EBT_ERROR_DRIVER;
+  CUstream stream = to_host ? d->d2h : d->h2d;
+  CUresult res = copy_slot(p.drv, arena_, disk_staging_[s], p.slot[s], p.disk[ch.alloc]->va + ch.off, ch.n, stream,
+                           to_host);
+  if (res == CUDA_SUCCESS) res = p.drv->cuEventRecord(p.events[c], stream);
+  if (res != CUDA_SUCCESS)
+    return ebt_cu_error(res, to_host ? "cuMemcpyDtoHAsync (disk pause)" : "cuMemcpyHtoDAsync (disk resume)",
+                        __FILE__, __LINE__);
+  p.ready.set(c);
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::disk_finish(DiskCopies& p, OrderedWork& io, ebt_status_t st) {
+  std::string msg = st != EBT_SUCCESS ? ebt_last_error() : "";
+  if (st != EBT_SUCCESS) p.ready.abort();  // I/O threads waiting for a copy stop
+  ebt_status_t wst = io.join();
+  if (st == EBT_SUCCESS) st = wst;
+  else ebt_set_error(st, "%s", msg.c_str());
+  for (size_t c = 0; c < p.chunks.size(); ++c) {
+    if (!p.events[c]) continue;
+    Device* d = p.dev[p.chunks[c].alloc];
+    CtxGuard ctx(p.drv, d->ctx);
+    CUresult res = p.drv->cuEventSynchronize(p.events[c]);  // landed: no copy still uses a slot
+    if (st == EBT_SUCCESS && res != CUDA_SUCCESS)
+      st = ebt_cu_error(res, "cuEventSynchronize (disk copy)", __FILE__, __LINE__);
+    give_event(d, p.events[c]);
+  }
+  return st;
+}
+
+ebt_status_t Engine::disk_members(const std::vector<Allocation*>& allocs, bool resume, std::vector<Allocation*>* disk,
+                                  std::vector<Device*>* devs, const ebt_driver_table_t** drv, DiskSettings* ds) {
+  for (Allocation* a : allocs) {
+    if (a->backup != EBT_MEM_BACKUP_DISK || (resume && a->disk_path.empty())) continue;
+    Device* d;
+    EBT_CHECK(device(a->device, &d));
+    disk->push_back(a);
+    devs->push_back(d);
+  }
+  if (disk->empty()) return EBT_SUCCESS;
+  EBT_CHECK(driver(drv));
+  return disk_settings(ds);
+}
 
 ebt_status_t Engine::set_disk_dir(const char* dir) {
   EBT_REQUIRE_ARG(dir && *dir, "disk backup directory must be a non-empty path");
@@ -101,6 +181,13 @@ ebt_status_t Engine::disk_dir(std::string* out) {
   return EBT_SUCCESS;
 }
 
+ebt_status_t Engine::disk_slots(const DiskSettings& ds, Device* d, std::vector<char*>* out) {
+  const ebt_driver_table_t* drv;
+  EBT_CHECK(driver(&drv));
+  CtxGuard ctx(drv, d->ctx);
+  return disk_staging(ds.chunk_bytes, static_cast<size_t>(ds.threads) * 2, d->ctx, out);
+}
+
 ebt_status_t Engine::disk_staging(size_t chunk, size_t slots, CUcontext ctx, std::vector<char*>* out) {
   const ebt_driver_table_t* drv;
   EBT_CHECK(driver(&drv));
@@ -118,39 +205,25 @@ ebt_status_t Engine::disk_staging(size_t chunk, size_t slots, CUcontext ctx, std
   return EBT_SUCCESS;
 }
 
-// One device copy between a staging slot and device memory, cut where the slot's arena block crosses a host
-// registration piece (each copy must lie inside one registration: HostArena::piece_remaining). disk_mu_ held.
-static CUresult copy_slot(const ebt_driver_table_t* drv, const HostArena& arena, const HostArena::Block& block,
-                          char* slot, CUdeviceptr dev, size_t n, CUstream stream, bool to_host) {
-  const size_t base = static_cast<size_t>(slot - block.ptr);
-  for (size_t off = 0; off < n;) {
-    const size_t len = std::min(n - off, arena.piece_remaining(block, base + off));
-    CUresult res = to_host ? drv->cuMemcpyDtoHAsync(slot + off, dev + off, len, stream)
-                           : drv->cuMemcpyHtoDAsync(dev + off, slot + off, len, stream);
-    if (res != CUDA_SUCCESS) return res;
-    off += len;
-  }
-  return CUDA_SUCCESS;
-}
-
-ebt_status_t Engine::disk_pause(const std::vector<Allocation*>& allocs, const std::vector<Device*>& devs,
-                                ebt_mem_report_t* r) {
+ebt_status_t Engine::disk_phase(const std::vector<Allocation*>& allocs, bool resume, ebt_mem_report_t* r) {
   std::vector<Allocation*> disk;
   std::vector<Device*> ddev;
-  for (size_t i = 0; i < allocs.size(); ++i)
-    if (allocs[i]->backup == EBT_MEM_BACKUP_DISK) {
-      disk.push_back(allocs[i]);
-      ddev.push_back(devs[i]);
-    }
+  const ebt_driver_table_t* drv = nullptr;
+  DiskSettings ds;
+  EBT_CHECK(disk_members(allocs, resume, &disk, &ddev, &drv, &ds));
   if (disk.empty()) return EBT_SUCCESS;
   const auto t0 = Clock::now();
-  const ebt_driver_table_t* drv;
-  EBT_CHECK(driver(&drv));
-  DiskSettings ds;
-  EBT_CHECK(disk_settings(&ds));
   std::string dir;
-  EBT_CHECK(disk_dir(&dir));
+  if (!resume) EBT_CHECK(disk_dir(&dir));
   std::lock_guard<std::mutex> lock(disk_mu_);
+  EBT_CHECK(resume ? disk_read(disk, ddev, drv, ds) : disk_write(disk, ddev, drv, ds, dir));
+  for (Allocation* a : disk) r->bytes_disk += a->size;
+  r->disk_s += since(t0);
+  return EBT_SUCCESS;
+}
+
+ebt_status_t Engine::disk_write(const std::vector<Allocation*>& disk, const std::vector<Device*>& ddev,
+                                const ebt_driver_table_t* drv, const DiskSettings& ds, const std::string& dir) {
   if (!disk_dir_checked_) {
     EBT_CHECK(disk::check_dir(dir));
     disk_dir_checked_ = true;
@@ -162,12 +235,9 @@ ebt_status_t Engine::disk_pause(const std::vector<Allocation*>& allocs, const st
     return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: %s has %zu bytes free, the pause needs %zu; nothing was "
                          "released", dir.c_str(), have, need);
   const size_t chunk = ds.chunk_bytes;
-  const size_t slots = static_cast<size_t>(ds.threads) * 2;
   std::vector<char*> slot;
-  {
-    CtxGuard ctx(drv, ddev[0]->ctx);
-    EBT_CHECK(disk_staging(chunk, slots, ddev[0]->ctx, &slot));
-  }
+  EBT_CHECK(disk_slots(ds, ddev[0], &slot));
+  const size_t slots = slot.size();
   // Files first, whole: a full disk fails here.
   std::vector<std::unique_ptr<disk::File>> files(disk.size());
   auto remove_all = [&] {
@@ -188,18 +258,17 @@ ebt_status_t Engine::disk_pause(const std::vector<Allocation*>& allocs, const st
     }
     disk::track(files[i]->path(), disk::file_bytes(disk[i]->size));
   }
-  const std::vector<Chunk> chunks = plan_chunks(disk, chunk);
+  const std::vector<DiskChunk> chunks = plan_chunks(disk, chunk);
   std::vector<std::vector<uint32_t>> crcs(disk.size());
   for (size_t i = 0; i < disk.size(); ++i) crcs[i].assign((disk[i]->size + chunk - 1) / chunk, 0);
-  std::vector<CUevent> events(chunks.size(), nullptr);
-  Handoff issued(chunks.size());
+  DiskCopies copies(drv, chunks, disk, ddev, slot);
   OrderedWork io;
   io.start(chunks.size(), ds.threads, runtime_worker_init(drv, ddev[0]->ctx), [&](size_t c) -> ebt_status_t {
-    const Chunk& ch = chunks[c];
-    if (!issued.wait(c)) return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: stopped after an earlier failure");
+    const DiskChunk& ch = chunks[c];
+    if (!copies.ready.wait(c)) return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: stopped after an earlier failure");
     {
       CtxGuard ctx(drv, ddev[ch.alloc]->ctx);
-      CUresult res = drv->cuEventSynchronize(events[c]);
+      CUresult res = drv->cuEventSynchronize(copies.events[c]);
       if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuEventSynchronize (disk pause)", __FILE__, __LINE__);
     }
     char* buf = slot[c % slots];
@@ -213,37 +282,11 @@ ebt_status_t Engine::disk_pause(const std::vector<Allocation*>& allocs, const st
   });
   ebt_status_t st = EBT_SUCCESS;
   for (size_t c = 0; c < chunks.size() && st == EBT_SUCCESS; ++c) {
-    const Chunk& ch = chunks[c];
     if (c >= slots) st = io.wait(c - slots);  // the slot's previous chunk is written
-    if (st != EBT_SUCCESS) break;
-    Allocation* a = disk[ch.alloc];
-    Device* d = ddev[ch.alloc];
-    CtxGuard ctx(drv, d->ctx);
-    events[c] = take_event(d);
-    if (!events[c]) {
-      st = EBT_ERROR_DRIVER;
-      break;
-    }
-    CUresult res = copy_slot(drv, arena_, disk_staging_[c % slots], slot[c % slots], a->va + ch.off, ch.n, d->d2h,
-                             true);
-    if (res == CUDA_SUCCESS) res = drv->cuEventRecord(events[c], d->d2h);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemcpyDtoHAsync (disk pause)", __FILE__, __LINE__);
-      break;
-    }
-    issued.set(c);
+    if (st == EBT_SUCCESS) st = disk_copy(copies, c, true);
   }
-  std::string msg = st != EBT_SUCCESS ? ebt_last_error() : "";
-  if (st != EBT_SUCCESS) issued.abort();
-  ebt_status_t wst = io.join();
-  if (st == EBT_SUCCESS) st = wst;
-  else ebt_set_error(st, "%s", msg.c_str());
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    if (!events[c]) continue;
-    CtxGuard ctx(drv, ddev[chunks[c].alloc]->ctx);
-    drv->cuEventSynchronize(events[c]);  // no copy still writes into a slot
-    give_event(ddev[chunks[c].alloc], events[c]);
-  }
+  st = disk_finish(copies, io, st);
+  std::string msg;
   // The headers, last: a file is whole only once its header is there.
   for (size_t i = 0; i < disk.size() && st == EBT_SUCCESS; ++i) {
     disk::make_header(slot[0], disk[i]->id, disk[i]->size, chunk);
@@ -260,9 +303,7 @@ ebt_status_t Engine::disk_pause(const std::vector<Allocation*>& allocs, const st
     files[i]->close();
     disk[i]->disk_path = files[i]->path();
     disk[i]->disk_crc = std::move(crcs[i]);
-    r->bytes_disk += disk[i]->size;
   }
-  r->disk_s += since(t0);
   return EBT_SUCCESS;
 }
 
@@ -293,46 +334,27 @@ ebt_status_t Engine::disk_check(const std::vector<Allocation*>& allocs) {
   return EBT_SUCCESS;
 }
 
-ebt_status_t Engine::disk_resume(const std::vector<Allocation*>& allocs, ebt_mem_report_t* r) {
-  std::vector<Allocation*> disk;
-  std::vector<Device*> ddev;
-  for (Allocation* a : allocs) {
-    if (a->backup != EBT_MEM_BACKUP_DISK || a->disk_path.empty()) continue;
-    Device* d;
-    EBT_CHECK(device(a->device, &d));
-    disk.push_back(a);
-    ddev.push_back(d);
-  }
-  if (disk.empty()) return EBT_SUCCESS;
-  const auto t0 = Clock::now();
-  const ebt_driver_table_t* drv;
-  EBT_CHECK(driver(&drv));
-  DiskSettings ds;
-  EBT_CHECK(disk_settings(&ds));
-  std::lock_guard<std::mutex> lock(disk_mu_);
+ebt_status_t Engine::disk_read(const std::vector<Allocation*>& disk, const std::vector<Device*>& ddev,
+                               const ebt_driver_table_t* drv, const DiskSettings& ds) {
   const size_t chunk = ds.chunk_bytes;
-  const size_t slots = static_cast<size_t>(ds.threads) * 2;
   std::vector<char*> slot;
-  {
-    CtxGuard ctx(drv, ddev[0]->ctx);
-    EBT_CHECK(disk_staging(chunk, slots, ddev[0]->ctx, &slot));
-  }
+  EBT_CHECK(disk_slots(ds, ddev[0], &slot));
+  const size_t slots = slot.size();
   std::vector<std::unique_ptr<disk::File>> files(disk.size());
   for (size_t i = 0; i < disk.size(); ++i) {
     files[i] = std::make_unique<disk::File>();
     EBT_CHECK(files[i]->open_read(disk[i]->disk_path));
   }
-  const std::vector<Chunk> chunks = plan_chunks(disk, chunk);
-  std::vector<CUevent> events(chunks.size(), nullptr);
-  Handoff copied(chunks.size());  // chunk c's copy out of its slot was issued (events[c] then marks its end)
+  const std::vector<DiskChunk> chunks = plan_chunks(disk, chunk);
+  DiskCopies copies(drv, chunks, disk, ddev, slot);  // ready[c]: chunk c's copy out of its slot was issued
   OrderedWork io;
   io.start(chunks.size(), ds.threads, runtime_worker_init(drv, ddev[0]->ctx), [&](size_t c) -> ebt_status_t {
-    const Chunk& ch = chunks[c];
+    const DiskChunk& ch = chunks[c];
     if (c >= slots) {  // the slot's previous chunk must have left it
-      if (!copied.wait(c - slots))
+      if (!copies.ready.wait(c - slots))
         return ebt_set_error(EBT_ERROR_SYSTEM, "disk backup: stopped after an earlier failure");
       CtxGuard ctx(drv, ddev[chunks[c - slots].alloc]->ctx);
-      CUresult res = drv->cuEventSynchronize(events[c - slots]);
+      CUresult res = drv->cuEventSynchronize(copies.events[c - slots]);
       if (res != CUDA_SUCCESS) return ebt_cu_error(res, "cuEventSynchronize (disk resume)", __FILE__, __LINE__);
     }
     char* buf = slot[c % slots];
@@ -350,41 +372,11 @@ ebt_status_t Engine::disk_resume(const std::vector<Allocation*>& allocs, ebt_mem
   ebt_status_t st = EBT_SUCCESS;
   for (size_t c = 0; c < chunks.size() && st == EBT_SUCCESS; ++c) {
     st = io.wait(c);  // read and checked
-    if (st != EBT_SUCCESS) break;
-    const Chunk& ch = chunks[c];
-    Device* d = ddev[ch.alloc];
-    CtxGuard ctx(drv, d->ctx);
-    events[c] = take_event(d);
-    if (!events[c]) {
-      st = EBT_ERROR_DRIVER;
-      break;
-    }
-    CUresult res = copy_slot(drv, arena_, disk_staging_[c % slots], slot[c % slots], disk[ch.alloc]->va + ch.off,
-                             ch.n, d->h2d, false);
-    if (res == CUDA_SUCCESS) res = drv->cuEventRecord(events[c], d->h2d);
-    if (res != CUDA_SUCCESS) {
-      st = ebt_cu_error(res, "cuMemcpyHtoDAsync (disk resume)", __FILE__, __LINE__);
-      break;
-    }
-    copied.set(c);
+    if (st == EBT_SUCCESS) st = disk_copy(copies, c, false);
   }
-  std::string msg = st != EBT_SUCCESS ? ebt_last_error() : "";
-  if (st != EBT_SUCCESS) copied.abort();
-  ebt_status_t wst = io.join();
-  if (st == EBT_SUCCESS) st = wst;
-  else ebt_set_error(st, "%s", msg.c_str());
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    if (!events[c]) continue;
-    CtxGuard ctx(drv, ddev[chunks[c].alloc]->ctx);
-    CUresult res = drv->cuEventSynchronize(events[c]);  // landed: the slot is free, the content in place
-    if (st == EBT_SUCCESS && res != CUDA_SUCCESS)
-      st = ebt_cu_error(res, "cuEventSynchronize (disk resume)", __FILE__, __LINE__);
-    give_event(ddev[chunks[c].alloc], events[c]);
-  }
+  st = disk_finish(copies, io, st);
   if (st != EBT_SUCCESS) return st;
   disk_direct_.store(files[0]->direct() ? 1 : 0);
-  for (size_t i = 0; i < disk.size(); ++i) r->bytes_disk += disk[i]->size;
-  r->disk_s += since(t0);
   return EBT_SUCCESS;
 }
 

@@ -155,7 +155,7 @@ ebt_status_t Engine::run_pause(Plan& plan, ebt_mem_report_t* r) {
   }
   r->sync_s = since(t_sync) - r->meminfo_s;
   // 2. Disk backups first, whole (engine_disk.cc): a failure there has released nothing.
-  EBT_CHECK(disk_pause(allocs, devs, r));
+  EBT_CHECK(disk_phase(allocs, false, r));
   // 3. Host blocks for backups that have none yet (one arena growth for the whole batch); transient copies get a
   //    private segment each, prepared piece by piece on runtime threads while the copies run (engine_transient.cc).
   std::vector<bool> copy(allocs.size(), false);

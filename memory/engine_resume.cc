@@ -259,7 +259,7 @@ ebt_status_t Engine::run_resume(const std::vector<Allocation*>& allocs, ebt_mem_
   }
   EBT_CHECK_GOTO(reg.work.join(), st, undo);
   // The disk backups: read, checked and copied through pinned staging (engine_disk.cc); nothing given back yet.
-  EBT_CHECK_GOTO(disk_resume(allocs, r), st, undo);
+  EBT_CHECK_GOTO(disk_phase(allocs, true, r), st, undo);
   if (!release.empty()) {
     CtxGuard ctx(drv, release[0].d->ctx);
     shadow_release(release, release[0].d->ctx, &releasing);

@@ -25,10 +25,10 @@ def test_runtime_library_is_installed_beside_the_extension():
     path = Path(_native.runtime_library_path())
     assert path.name == "libebbtide.so" and path.exists()
     out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True)
-    if out.returncode == 0:  # binutils present: the export list is exactly the C API + interposers
+    if out.returncode == 0:  # binutils present: the export list is exactly the C API + interposers + tms_*
         names = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
-        assert {"cudaMalloc", "cudaFree", "ebt_status_string", "ebt_driver_get"} <= names
-        assert all(n.startswith("ebt_") or n in ("cudaMalloc", "cudaFree") for n in names), names
+        assert {"cudaMalloc", "cudaFree", "ebt_status_string", "ebt_driver_get", "tms_pause"} <= names
+        assert all(n.startswith(("ebt_", "tms_")) or n in ("cudaMalloc", "cudaFree") for n in names), names
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),

@@ -67,6 +67,18 @@ def read(p: int, size: int) -> bytes:
     return ctypes.string_at(p, size)
 
 
+def expect_failure(fn, exc, *fragments: str) -> BaseException:
+    """fn() must raise `exc` with every fragment in its message (a refusal that let the call through is the bug);
+    returns the exception."""
+    try:
+        fn()
+    except exc as e:
+        missing = [f for f in fragments if f not in str(e)]
+        assert not missing, f"{type(e).__name__} lacks {missing}: {e}"
+        return e
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc.__name__}")
+
+
 def tag_row(tag: str) -> dict:
     rows = [r for r in em.stats()["tags"] if r["tag"] == tag]
     assert rows, tag

@@ -11,30 +11,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-int cudaMalloc(void** ptr, size_t size);
-int cudaFree(void* ptr);
-void fake_cudart_counts(long* mallocs, long* frees);
+#include "test_prog.h"
 
 typedef int (*op_fn)(const char*, void*);
 typedef int (*lookup_fn)(const void*, void**, size_t*, char*, int*);
 typedef int (*state_fn)(const char*, int*, unsigned long long*);
-
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      fprintf(stderr, "check failed at line %d: %s\n", __LINE__, #cond); \
-      exit(1);                                                           \
-    }                                                                    \
-  } while (0)
-
-static void* sym(const char* name) {
-  void* p = dlsym(RTLD_DEFAULT, name);
-  if (!p) {
-    fprintf(stderr, "%s not found: is libebbtide.so preloaded?\n", name);
-    exit(1);
-  }
-  return p;
-}
 
 int main(int argc, char** argv) {
   CHECK(argc == 2);

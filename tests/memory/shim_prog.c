@@ -11,32 +11,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-int cudaMalloc(void** ptr, size_t size);
-int cudaFree(void* ptr);
-void fake_cudart_counts(long* mallocs, long* frees);
+#include "test_prog.h"
 
 typedef int (*push_fn)(const char*, int, int*);
 typedef int (*pop_fn)(int);
 typedef int (*tag_fn)(const char*, void*);
 typedef int (*active_fn)(int*);
 typedef int (*lookup_fn)(const void*, void**, size_t*, char*, int*);
-
-#define CHECK(cond)                                                  \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      fprintf(stderr, "check failed at line %d: %s\n", __LINE__, #cond); \
-      exit(1);                                                       \
-    }                                                                \
-  } while (0)
-
-static void* sym(const char* name) {
-  void* p = dlsym(RTLD_DEFAULT, name);
-  if (!p) {
-    fprintf(stderr, "%s not found: is libebbtide.so preloaded?\n", name);
-    exit(1);
-  }
-  return p;
-}
 
 int main(void) {
   push_fn push = (push_fn)sym("ebt_mem_region_push");

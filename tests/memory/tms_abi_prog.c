@@ -12,26 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int cudaMalloc(void** ptr, size_t size);
-int cudaFree(void* ptr);
-void fake_cudart_counts(long* mallocs, long* frees);
-
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      fprintf(stderr, "check failed at line %d: %s\n", __LINE__, #cond); \
-      exit(1);                                                           \
-    }                                                                    \
-  } while (0)
-
-static void* sym(const char* name) {
-  void* p = dlsym(RTLD_DEFAULT, name); /* what ctypes.CDLL(None) resolves */
-  if (!p) {
-    fprintf(stderr, "%s not found in the global scope: is libebbtide.so preloaded?\n", name);
-    exit(1);
-  }
-  return p;
-}
+#include "test_prog.h"
 
 int main(int argc, char** argv) {
   const bool cpu = argc > 1 && strcmp(argv[1], "cpu") == 0;
