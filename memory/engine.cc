@@ -46,6 +46,10 @@
  *   1. Engine::reclaim_mu_    one zombie reclaim at a time, held across all of it (which takes the others in
  *                             turn and calls the driver); taken with no other lock held (malloc, resume's
  *                             pre-flight).
+ *   1a. Engine::disk_mu_      the disk tier's directory and staging; held across a disk phase (which takes 4-7 and
+ *                             calls the driver and the filesystem); taken with no other engine lock held (a
+ *                             pause's or resume's execute, the directory calls, release_host after mu_, reset
+ *                             before dev_mu_).
  *   2. Engine::mu_            allocations, tags, counters. The only driver calls under it are export_fd's
  *                             retain/export/release (the allocation must stay mapped meanwhile); reset() drops it
  *                             before its driver work.
@@ -59,7 +63,8 @@
  *                             grow_mu_ (the new segment published).
  *   8. VaSpace::mu_           one device's VA reservations; held across cuMemAddressReserve/Free; taken under
  *                             dev_mu_ (stats, reset) and reclaim_mu_.
- *   Leaves, under any of the above: csrc's ThreadPool (run_mu_, then its mu_), the logger's sink mutex
+ *   Leaves, under any of the above: csrc's ThreadPool (run_mu_, then its mu_), OrderedWork::mu_ (released while a
+ *   step runs), DiskHandoff::mu, disk_file.cc's registry of files to remove at exit, the logger's sink mutex
  *   (csrc/log.cc), the test fake driver's g_mu and g_delay_mu (memory/testing/fake_cuda.cc: the driver is called
  *   under 1, 2, 4, 5 and 8).
  *   Apart from the engine (never held while it is called, nor taken under its locks): ebt_mem_op::mu (api_ops.cc,

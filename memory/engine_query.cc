@@ -243,6 +243,13 @@ ebt_status_t Engine::reset() {
   reclaims_ = 0;
   bytes_reclaimed_ = 0;
   lock.unlock();
+  {
+    std::lock_guard<std::mutex> dk(disk_mu_);  // before dev_mu_ (lock order); no disk phase runs (no op in flight)
+    disk_staging_.clear();  // arena blocks: release_all below returns them
+    disk_staging_chunk_ = 0;
+    disk_dir_.clear();
+    disk_dir_checked_ = false;
+  }
   std::lock_guard<std::mutex> dlock(dev_mu_);
   std::unordered_set<const Segment*> unmapped;  // coalesced mappings: one unmap each, of the whole range
   std::vector<Allocation*> zombies;
@@ -283,13 +290,6 @@ ebt_status_t Engine::reset() {
     EBT_CU_IGNORE(drv->cuDevicePrimaryCtxRelease(d->dev), "reset is best effort");
   }
   devices_.clear();
-  {
-    std::lock_guard<std::mutex> dk(disk_mu_);
-    disk_staging_.clear();  // arena blocks: release_all below returns them
-    disk_staging_chunk_ = 0;
-    disk_dir_.clear();
-    disk_dir_checked_ = false;
-  }
   arena_.release_all(drv);
   return EBT_SUCCESS;
 }
