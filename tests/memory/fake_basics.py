@@ -8,12 +8,14 @@ share). Exit status 0 and "OK" = pass.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import threading
 import warnings
 
 import ebbtide.memory as em
 from ebbtide.errors import InvalidArgumentError, NotFoundError, StateError
+from ebbtide.memory._engine import Report
 
 from _fake_driver import MiB, NATIVE, RUNTIME, alloc, assert_clean, counters, fill, free, read, tag_row, trace
 from _scenario_runner import main
@@ -26,7 +28,16 @@ def va_stability_and_roundtrip():
     data = [fill(p, s, i) for i, (p, s) in enumerate(zip(w, sizes))]
     fill(kv, 4 * MiB, 99)
     before = counters()
-    rep = em.pause("weights")
+    seen: set = set()  # every field the native report carries has a home in the Python Report
+    native_report = Report.from_native.__func__
+    Report.from_native = classmethod(lambda cls, kind, tag, d: (seen.update(d), native_report(cls, kind, tag, d))[1])
+    try:
+        rep = em.pause("weights")
+    finally:
+        Report.from_native = classmethod(native_report)
+    oom = {"oom_needed", "oom_free", "oom_device"}  # carried by OutOfMemoryError, not by a report
+    missing = seen - oom - {f.name for f in dataclasses.fields(Report)}
+    assert seen and not missing, f"native report fields the Python Report drops: {sorted(missing)}"
     assert rep.allocations == 3 and rep.bytes_copied == sum(sizes), rep
     assert rep.bytes == 6 * MiB + 2 * MiB + 2 * MiB, rep
     assert rep.driver_delta == rep.bytes, rep

@@ -52,6 +52,10 @@ class Report:
     meminfo_s: float = 0.0   # cuMemGetInfo calls (resume pre-flight, driver_free_* figures)
     map_call_s: float = 0.0  # resume: cuMemMap + cuMemRelease time (inside map_s)
     prepare_s: float = 0.0   # selection under the engine lock before the op ran (not inside total_s)
+    host_wait_s: float = 0.0     # pause: time the copies waited for fresh host pieces (transient copies)
+    host_release_s: float = 0.0  # resume: time spent giving transient host pieces back
+    disk_s: float = 0.0          # disk tier: file writes (pause) or reads (resume)
+    bytes_disk: int = 0          # disk tier: bytes written (pause) or read (resume)
 
     @classmethod
     def from_native(cls, kind: str, tag: Optional[str], d: dict) -> "Report":
