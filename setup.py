@@ -1,7 +1,9 @@
 """pip entry point: builds the native targets with CMake (all flags and sources live in CMakeLists.txt).
 
-Environment knobs: EBBTIDE_CUDA=AUTO|ON|OFF, EBBTIDE_CUDA_ARCHS (e.g. "90-real;90-virtual" or "native"),
-EBBTIDE_BUILD_TYPE (Release), EBBTIDE_BUILD_JOBS (parallel jobs), CMAKE_ARGS (extra -D flags).
+Environment knobs: EBBTIDE_CUDA=AUTO|ON|OFF, EBBTIDE_CUDA_ARCHS (default "80-real;86-real;89-real;90-real;90-virtual",
+or e.g. "90-real" or "native"), EBBTIDE_BUILD_TYPE (Release), EBBTIDE_BUILD_JOBS (parallel jobs), CMAKE_ARGS (extra -D
+flags). The build's CUDA decision (nvcc found or not, which architectures) is one line, shown even where pip hides
+the build's output (docs/install.md).
 """
 import os
 import shlex
@@ -14,6 +16,25 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+
+
+def tell_user(line: str) -> None:
+    """Print ``line`` and, where pip captures this process's output (it shows a successful build's output only with
+    -v), also write it to the terminal pip runs in, if there is one: the one line a user must see (whether nvcc was
+    found and which GPUs get code) would otherwise be hidden."""
+    print(line, flush=True)
+    if sys.stdout.isatty():
+        return
+    try:
+        fd = os.open("/dev/tty", os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError:  # no controlling terminal (CI, containers): the line is in the build log
+        return
+    try:
+        os.write(fd, (line + "\n").encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class CMakeExtension(Extension):
@@ -56,6 +77,9 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("EBBTIDE_BUILD_JOBS") or str(os.cpu_count() or 2)
         subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
         stamp.write_text(fingerprint)
+        summary = build_dir / "ebbtide-build-summary.txt"
+        if summary.exists():
+            tell_user(summary.read_text().strip() + f" -- building with {jobs} jobs")
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", jobs], check=True)
         self._companions = sorted(p for p in out_dir.glob("*.so") if p.name.startswith("lib"))
 

@@ -2,7 +2,10 @@
 and clear typed errors on bad input (which change nothing)."""
 from __future__ import annotations
 
+import os
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,28 +209,48 @@ def test_cuda_sources_were_compiled_when_nvcc_is_present():
     if shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc"):
         assert info["cuda"] is True, "nvcc is on this machine but the CUDA kernels were not compiled"
         assert any(a.startswith("90") for a in info["cuda_archs"])
+        if not os.environ.get("EBBTIDE_CUDA_ARCHS") and not os.environ.get("CMAKE_ARGS"):
+            # the default build is the fat binary of cmake/EbbtideCudaArchs.cmake, with both kernel variants
+            text = (Path(__file__).resolve().parents[2] / "cmake" / "EbbtideCudaArchs.cmake").read_text()
+            default = re.search(r'set\(EBBTIDE_DEFAULT_CUDA_ARCHS "([^"]+)"\)', text).group(1).split(";")
+            assert info["cuda_archs"] == default
+            assert C.quant.VARIANTS == ["sm90", "portable"]
 
 
 def test_native_launchers_validate_before_launching():
-    """Argument checks run natively, before any CUDA call — so they work (and raise typed errors) with no GPU."""
+    """Argument checks run natively, before any CUDA call — so they work (and raise typed errors) with no GPU — in
+    every variant this build has; an unknown variant is refused by name."""
     C = native_or_skip()
     if not C.quant.WITH_CUDA:
         with pytest.raises(ebbtide.UnsupportedError):
             C.quant.int4_unpack(0, 0, 0, 0, 32, 0, 0, 0)
+        assert C.quant.VARIANTS == []
         return
-    with pytest.raises(InvalidArgumentError, match="multiple of the group"):
-        C.quant.fp8_group_quant(src=16, rows=4, cols=100, ld=100, group=128, q=16, scale=16, scale_mode=0,
-                                scale_layout=0, eps=1e-10, stream=0)
-    with pytest.raises(InvalidArgumentError, match="eps"):
-        C.quant.fp8_block_quant(src=16, experts=1, rows=4, cols=4, ld=4, expert_stride=0, q=16, scale=16,
-                                scale_mode=0, eps=0.0, stream=0)
+    assert C.quant.VARIANTS[-1] == "portable"
+    for name in C.quant.VARIANTS:
+        v = {"sm90": C.quant.VARIANT_SM90, "portable": C.quant.VARIANT_PORTABLE}[name]
+        with pytest.raises(InvalidArgumentError, match="multiple of the group"):
+            C.quant.fp8_group_quant(src=16, rows=4, cols=100, ld=100, group=128, q=16, scale=16, scale_mode=0,
+                                    scale_layout=0, eps=1e-10, variant=v, stream=0)
+        with pytest.raises(InvalidArgumentError, match="eps"):
+            C.quant.fp8_block_quant(src=16, experts=1, rows=4, cols=4, ld=4, expert_stride=0, q=16, scale=16,
+                                    scale_mode=0, eps=0.0, variant=v, stream=0)
+        table = np.zeros((1, 8), dtype=np.int64)
+        table[0] = [16, 16, 16, 4, 4, 4, 5, 0]  # wrong tile prefix
+        with pytest.raises(InvalidArgumentError, match="prefix"):
+            C.quant.fp8_block_quant_list(host_entries=table.ctypes.data, device_entries=16, count=1, eps=1e-4,
+                                         variant=v, stream=0)
+        with pytest.raises(InvalidArgumentError, match="aligned"):
+            C.quant.f32_fp8_encode(src=4, n=4, dst=16, variant=v, stream=0)
     with pytest.raises(InvalidArgumentError, match="divisor"):
         C.quant.int4_quant(src=16, rows=4, cols=128, ld=128, group=128, divisor_x2=16, eps=1e-5, fake_quant=16,
                            packed=0, scale=0, stream=0)
-    table = np.zeros((1, 8), dtype=np.int64)
-    table[0] = [16, 16, 16, 4, 4, 4, 5, 0]  # wrong tile prefix
-    with pytest.raises(InvalidArgumentError, match="prefix"):
-        C.quant.fp8_block_quant_list(host_entries=table.ctypes.data, device_entries=16, count=1, eps=1e-4, stream=0)
+    with pytest.raises(InvalidArgumentError, match="unknown kernel variant 7"):
+        C.quant.fp8_block_dequant(q=16, scale=16, experts=1, rows=4, cols=4, out=16, variant=7, stream=0)
+    if "sm90" not in C.quant.VARIANTS:
+        with pytest.raises(ebbtide.UnsupportedError, match="no sm90 kernels"):
+            C.quant.fp8_block_dequant(q=16, scale=16, experts=1, rows=4, cols=4, out=16,
+                                      variant=C.quant.VARIANT_SM90, stream=0)
 
 
 def test_reference_bad_arguments_are_typed_errors():

@@ -1,14 +1,12 @@
 """CUDA tensors -> the native quant kernels (ebbtide._C.quant). Arguments are validated by the caller (api.py) and
 again natively; this module only allocates outputs, passes pointers/strides/the current stream, and shapes the
-results. Every launch is asynchronous on torch's current stream of the tensor's device."""
+results. Every launch is asynchronous on torch's current stream of the tensor's device; which variant of a kernel
+runs (sm90 or portable) is _dispatch.select's choice for the tensor's device."""
 from __future__ import annotations
-
-import functools
 
 import torch
 
-from .. import _native
-from ..errors import UnsupportedError
+from . import _dispatch
 from .layout import Fp8BucketLayout
 
 MODES = {"fp32": 0, "ue8m0": 1, "ue8m0_packed": 2}
@@ -16,13 +14,8 @@ LAYOUTS = {"row": 0, "mn_major": 1}
 PARAM_ENTRIES = 128  # quant/launchers.h kBlockListParamEntries: longer lists need a device copy of the table
 
 
-@functools.lru_cache(maxsize=None)
 def _q():
-    C = _native.load()
-    if not C.build_info()["cuda"]:
-        raise UnsupportedError("ebbtide was built without CUDA (no nvcc at build time): the quant kernels are "
-                               "unavailable; rebuild with nvcc, or pass CPU tensors to use the reference")
-    return C.quant
+    return _dispatch.native()
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -53,7 +46,8 @@ def fp8_block_quant(w: torch.Tensor, scale: str, eps: float):
     with torch.cuda.device(w.device):
         _q().fp8_block_quant(src=w3.data_ptr(), experts=E, rows=N, cols=K, ld=w3.stride(1),
                              expert_stride=w3.stride(0), q=q.data_ptr(), scale=s.data_ptr(),
-                             scale_mode=MODES[scale], eps=eps, stream=_stream(w))
+                             scale_mode=MODES[scale], eps=eps,
+                             variant=_dispatch.select("fp8_block_quant", w.device), stream=_stream(w))
     return (q[0], s[0]) if squeeze else (q, s)
 
 
@@ -84,7 +78,8 @@ def launch_list(host: torch.Tensor, dev: torch.Tensor | None, count: int, eps: f
     PARAM_ENTRIES entries, ``dev`` None) or is read from ``dev``, a device copy of ``host``."""
     with torch.cuda.device(like.device):
         _q().fp8_block_quant_list(host_entries=host.data_ptr(), device_entries=0 if dev is None else dev.data_ptr(),
-                                  count=count, eps=eps, stream=_stream(like))
+                                  count=count, eps=eps, variant=_dispatch.select("fp8_block_quant_list", like.device),
+                                  stream=_stream(like))
 
 
 def fp8_block_quant_into(tensors: list[torch.Tensor], layout: Fp8BucketLayout, q_buf: torch.Tensor,
@@ -117,7 +112,13 @@ def segment_table(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> torch.T
     return torch.tensor(flat, dtype=torch.int64)
 
 
+def check_segments(device) -> None:
+    """UnsupportedError where the copy kernel cannot run on ``device`` (SegmentCopy then copies per segment)."""
+    _dispatch.select("copy_segments", torch.device(device))
+
+
 def launch_segments(host: torch.Tensor, dev: torch.Tensor, count: int, device) -> None:
+    check_segments(device)
     with torch.cuda.device(device):
         _q().copy_segments(host_segments=host.data_ptr(), device_segments=dev.data_ptr(), count=count,
                            stream=torch.cuda.current_stream(device).cuda_stream)
@@ -132,7 +133,7 @@ def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     with torch.cuda.device(q.device):
         _q().fp8_block_dequant(q=q3.data_ptr(), scale=s.data_ptr(), experts=E, rows=N, cols=K, out=out.data_ptr(),
-                               stream=_stream(q))
+                               variant=_dispatch.select("fp8_block_dequant", q.device), stream=_stream(q))
     return out
 
 
@@ -151,7 +152,7 @@ def fp8_group_quant(x: torch.Tensor, scale_layout: str, scale: str, eps: float):
     with torch.cuda.device(x.device):
         _q().fp8_group_quant(src=x.data_ptr(), rows=M, cols=K, ld=x.stride(0), group=128, q=q.data_ptr(),
                              scale=s.data_ptr(), scale_mode=MODES[scale], scale_layout=LAYOUTS[scale_layout],
-                             eps=eps, stream=_stream(x))
+                             eps=eps, variant=_dispatch.select("fp8_group_quant", x.device), stream=_stream(x))
     return q, s
 
 
@@ -162,6 +163,7 @@ def int4_quant(w: torch.Tensor, group: int, divisor: float, eps: float, *, fake_
     fq = torch.empty((N, K), dtype=torch.bfloat16, device=w.device) if fake_quant else None
     packed = torch.empty((N, K // 8), dtype=torch.int32, device=w.device) if pack else None
     s = torch.empty((N, K // group), dtype=torch.bfloat16, device=w.device)
+    _dispatch.select("int4_quant", w.device)  # raises where this GPU cannot run it
     with torch.cuda.device(w.device):
         _q().int4_quant(src=w.data_ptr(), rows=N, cols=K, ld=w.stride(0), group=group,
                         divisor_x2=int(round(divisor * 2)), eps=eps,
@@ -174,7 +176,18 @@ def int4_quant(w: torch.Tensor, group: int, divisor: float, eps: float, *, fake_
 def int4_unpack(packed: torch.Tensor, s: torch.Tensor, N: int, K: int, group: int, *, want_q: bool):
     out = torch.empty((N, K), dtype=torch.bfloat16, device=packed.device)
     q = torch.empty((N, K), dtype=torch.int8, device=packed.device) if want_q else None
+    _dispatch.select("int4_unpack", packed.device)  # raises where this GPU cannot run it
     with torch.cuda.device(packed.device):
         _q().int4_unpack(packed=packed.data_ptr(), scale=s.data_ptr(), rows=N, cols=K, group=group,
                          out=out.data_ptr(), q=q.data_ptr() if q is not None else 0, stream=_stream(packed))
     return out, q
+
+
+def fp8_encode(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 (satfinite) bytes of a contiguous fp32 CUDA tensor with the selected variant's conversion alone (the
+    test that the portable software conversion equals the sm90 instruction; quant/f32_fp8_encode.cu)."""
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    with torch.cuda.device(x.device):
+        _q().f32_fp8_encode(src=x.data_ptr(), n=x.numel(), dst=out.data_ptr(),
+                            variant=_dispatch.select("fp8_encode", x.device), stream=_stream(x))
+    return out

@@ -3,7 +3,8 @@ QAT fake-quant bitwise identical to the served weight) under one pinned numerics
 
 Policies:
 - One contract, several implementations: CPU tensors run the reference (ebbtide.quant.reference, the oracle);
-  CUDA tensors run the sm90 kernels, which match it with zero mismatching bytes and scales (tests/quant).
+  CUDA tensors run the native kernels, which match it with zero mismatching bytes and scales (tests/quant); the sm90
+  or the portable variant, chosen per GPU in one place (_dispatch.py; EBBTIDE_QUANT_KERNELS).
 - Inputs are bf16 — the exact values being exported, never an fp32 master (quantizing the master is a known
   cause of train/serve drift). Any row stride is accepted; the last dimension must be contiguous.
 - Bad input raises InvalidArgumentError (a ValueError) naming the argument and the value passed, before anything

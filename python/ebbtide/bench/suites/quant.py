@@ -6,6 +6,11 @@ Timing: CUDA events around `reps` back-to-back calls queued behind a GPU sleep, 
 hidden and the figure is device time per call; median of several such measurements, after warm-up. Every tensor
 is at least twice the L2 size in the full run (quick runs use small tensors: a smoke test, cache-resident).
 Engine kernels (sgl-kernel, vLLM) are compared only where installed.
+
+The rows run the kernel variant this GPU runs by default (``params["kernels"]``: sm90 on 8.9+, portable below). On a
+GPU that runs the sm90 variant, the "portable kernels" rows measure the portable variant (the software FP8
+conversion that A100 / A10-class GPUs run) beside the sm90 one as the anchor, in the same run: the cost of
+portability on this GPU.
 """
 from __future__ import annotations
 
@@ -149,6 +154,9 @@ def run(ctx):
     def randn(*shape):
         return torch.randn(*shape, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16)
 
+    from ebbtide.quant import _dispatch  # noqa: PLC0415
+
+    variant = Q.kernels()["fp8"]
     for name, kind, p, nbytes in _cases(ctx.quick):
         ctx.progress(f"quant: {name}")
         try:
@@ -210,7 +218,44 @@ def run(ctx):
         yield Row("quant", name, "GB/s", nbytes / t_ours / GB,
                   anchor=None if t_anchor is None else nbytes / t_anchor / GB, anchor_name=anchor_name,
                   anchor_note=anote, limit=limit, limit_name="device copy (read + write)",
-                  params={"bytes": nbytes, "us": t_ours * 1e6, **same,
+                  params={"bytes": nbytes, "us": t_ours * 1e6, "kernels": variant, **same,
                           "anchor_us": None if t_anchor is None else t_anchor * 1e6, **{k: str(v) for k, v in p.items()}},
                   note=f"{t_ours * 1e6:.1f} us" + ("" if t_anchor is None else f" vs {t_anchor * 1e6:.1f} us")
                   + (f"; a copy of the same bytes: {same['copy_same_bytes_gbps']:.0f} GB/s" if same else ""))
+    if variant == "sm90":
+        yield from _portable_rows(ctx, torch, Q, _dispatch, randn, limit, reps, rounds)
+
+
+def _portable_rows(ctx, torch, Q, dispatch, randn, limit, reps, rounds):
+    """The portable variant beside the sm90 one, same tensors, same run."""
+    W, BIG, ACT = ((1024, 1024), (2048, 2048), (2048, 1024)) if ctx.quick else \
+        ((7168, 7168), (16384, 8192), (16384, 7168))
+    cases = [(f"block {W[0]}x{W[1]} fp32", W, lambda x: Q.fp8_block_quant(x), 3, 4 / (128 * 128)),
+             (f"block {BIG[0]}x{BIG[1]} fp32", BIG, lambda x: Q.fp8_block_quant(x), 3, 4 / (128 * 128)),
+             (f"group {ACT[0]}x{ACT[1]} mn_major fp32", ACT, lambda x: Q.fp8_group_quant(x, scale_layout="mn_major"),
+              3, 4 / 128),
+             (f"block dequant {W[0]}x{W[1]}", W, None, 3, 4 / (128 * 128))]
+    for name, shape, fn, per_elem, scale_per_elem in cases:
+        ctx.progress(f"quant: {name}, portable kernels")
+        try:
+            x = randn(*shape)
+            if fn is None:  # dequant of the block quant's output
+                q, s = Q.fp8_block_quant(x)
+                fn = lambda _x, q=q, s=s: Q.fp8_block_dequant(q, s)  # noqa: E731
+            nbytes = int(x.numel() * (per_elem + scale_per_elem))
+            times = {}
+            for v in ("sm90", "portable"):
+                with dispatch.forced(v):
+                    times[v] = _timer(torch, lambda: fn(x), reps, rounds)
+        except torch.cuda.OutOfMemoryError as e:
+            yield Row("quant", f"{name}, portable kernels", "GB/s", None, note=f"skipped: out of memory ({e})")
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        yield Row("quant", f"{name}, portable kernels (software FP8 conversion)", "GB/s",
+                  nbytes / times["portable"] / GB, anchor=nbytes / times["sm90"] / GB,
+                  anchor_name="sm90 kernels (hardware FP8 conversion), same run", limit=limit,
+                  limit_name="device copy (read + write)",
+                  params={"bytes": nbytes, "us": times["portable"] * 1e6, "sm90_us": times["sm90"] * 1e6,
+                          "kernels": "portable"},
+                  note=f"{times['portable'] * 1e6:.1f} us vs {times['sm90'] * 1e6:.1f} us for the sm90 variant")

@@ -1,5 +1,5 @@
 /*
- * sm90_bf16_fp8_group_quant.cu — FP8 e4m3 1x128 per-token-group quant of bf16 activations with the scale layout
+ * bf16_fp8_group_quant.cu — FP8 e4m3 1x128 per-token-group quant of bf16 activations with the scale layout
  * fused into the store: row-major fp32, MN-major TMA-aligned fp32 (DeepGEMM SFA), UE8M0 in an fp32 container,
  * or packed UE8M0 (4 K-groups per int32, MN-major).
  *
@@ -10,10 +10,11 @@
  * through shared memory and leave in the layout's order: row-major 8 consecutive floats per row, MN-major 16
  * consecutive floats per K-group, packed UE8M0 16 consecutive int32 words per 4 K-groups (padding rows and bytes
  * written as 0 by the tile that holds them).
- * Contract: launchers.h; numerics in sm90_common.cuh (the same fp8_scale/fp8_quant8 as the block kernels).
+ * Contract: launchers.h; numerics in common.cuh (the same fp8_scale/fp8_quant8 as the block kernels); built as
+ * the sm90 and the portable variant (common.cuh).
  */
-#include "quant/sm90_common.cuh"
-#include "quant/sm90_launch.cuh"
+#include "quant/common.cuh"
+#include "quant/launch.cuh"
 
 namespace ebbtide::quant {
 namespace {
@@ -105,9 +106,9 @@ __global__ void __launch_bounds__(kThreads, 4)
 
 }  // namespace
 
-ebt_status_t sm90_bf16_fp8_group_quant(const void* src, int64_t rows, int64_t cols, int64_t ld, int64_t group,
-                                       void* q, void* scale, int scale_mode, int scale_layout, float eps,
-                                       void* stream) {
+ebt_status_t EBT_QUANT_VARIANT(bf16_fp8_group_quant)(const void* src, int64_t rows, int64_t cols, int64_t ld,
+                                                     int64_t group, void* q, void* scale, int scale_mode,
+                                                     int scale_layout, float eps, void* stream) {
   EBT_QUANT_REQUIRE(rows >= 0 && cols >= 0, "fp8_group_quant: negative size (%lld, %lld)", (long long)rows,
                     (long long)cols);
   EBT_QUANT_REQUIRE(group == 128, "fp8_group_quant: group must be 128 (got %lld)", (long long)group);

@@ -1,13 +1,14 @@
 /*
- * sm90_bf16_fp8_block_dequant.cu — bf16 = RNbf16(RN32(float(q) * s)) for 128x128 block-scaled e4m3 weights,
+ * bf16_fp8_block_dequant.cu — bf16 = RNbf16(RN32(float(q) * s)) for 128x128 block-scaled e4m3 weights,
  * single matrix or [E, N, K] in one launch.
  *
  * Mapping: one thread per 8 consecutive elements of a row (8-byte load, 16-byte store), kUnroll chunks per
  * thread with grid-stride-free indexing; rows whose length is not a multiple of 8 take the per-element kernel.
- * e4m3 -> fp32 goes through cvt.rn.f16x2.e4m3x2 (exact: f16 holds every e4m3 value), NaN codes give 0x7FC0.
+ * e4m3 -> fp32 is exact in both variants (sm90: cvt.rn.f16x2.e4m3x2, f16 holds every e4m3 value; portable: bit
+ * moves, fp8_convert.h); NaN codes give 0x7FC0.
  */
-#include "quant/sm90_common.cuh"
-#include "quant/sm90_launch.cuh"
+#include "quant/common.cuh"
+#include "quant/launch.cuh"
 
 namespace ebbtide::quant {
 namespace {
@@ -16,7 +17,7 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
 __device__ __forceinline__ uint32_t deq2(uint16_t pair, float s) {
-  const float2 f = dev::e4m3x2_to_f32(pair);
+  const float2 f = dev::Fp8::e4m3x2_to_f32(pair);
   return dev::f32_to_bf16_bits(__fmul_rn(f.x, s)) | (dev::f32_to_bf16_bits(__fmul_rn(f.y, s)) << 16);
 }
 
@@ -62,8 +63,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-ebt_status_t sm90_bf16_fp8_block_dequant(const void* q, const void* scale, int64_t experts, int64_t rows,
-                                         int64_t cols, void* out, void* stream) {
+ebt_status_t EBT_QUANT_VARIANT(bf16_fp8_block_dequant)(const void* q, const void* scale, int64_t experts,
+                                                       int64_t rows, int64_t cols, void* out, void* stream) {
   EBT_QUANT_REQUIRE(experts >= 0 && rows >= 0 && cols >= 0, "fp8_block_dequant: negative size");
   if (experts == 0 || rows == 0 || cols == 0) return EBT_SUCCESS;
   EBT_QUANT_REQUIRE(q && scale && out, "fp8_block_dequant: null pointer (q, scale and out are required)");

@@ -1,5 +1,5 @@
 /*
- * sm90_bf16_int4_quant.cu — INT4 W4A16 symmetric group quant: the QAT fake-quant forward, the compressed-tensors
+ * bf16_int4_quant.cu — INT4 W4A16 symmetric group quant: the QAT fake-quant forward, the compressed-tensors
  * pack-quantized export and the bf16 group scales, from ONE kernel (any subset of the three outputs per launch).
  * Because the trainer's forward and the exporter run the same instructions on the same bits, the contract
  * fake_quant(W) == RNbf16(unpack(pack(W)) * scale) holds by construction; tests/quant checks it anyway.
@@ -10,8 +10,8 @@
  * Non-finite group: scale 0x7FC0, q = 0 (nibble 8), out 0x7FC0.
  * Mapping and the division-free rounding: see int4_quant_kernel and int4_round below.
  */
-#include "quant/sm90_common.cuh"
-#include "quant/sm90_launch.cuh"
+#include "quant/common.cuh"
+#include "quant/launch.cuh"
 
 namespace ebbtide::quant {
 namespace {
@@ -193,9 +193,9 @@ void launch(bool vec, bool contig, unsigned ctas, cudaStream_t s, const uint16_t
 
 }  // namespace
 
-ebt_status_t sm90_bf16_int4_quant(const void* src, int64_t rows, int64_t cols, int64_t ld, int64_t group,
-                                  int divisor_x2, float eps, void* fake_quant, void* packed, void* scale,
-                                  void* stream) {
+ebt_status_t EBT_QUANT_VARIANT(bf16_int4_quant)(const void* src, int64_t rows, int64_t cols, int64_t ld,
+                                                int64_t group, int divisor_x2, float eps, void* fake_quant,
+                                                void* packed, void* scale, void* stream) {
   EBT_QUANT_REQUIRE(rows >= 0 && cols >= 0, "int4_quant: negative size (%lld, %lld)", (long long)rows,
                     (long long)cols);
   EBT_QUANT_REQUIRE(group == 32 || group == 64 || group == 128, "int4_quant: group must be 32, 64 or 128 (got %lld)",

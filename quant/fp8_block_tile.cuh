@@ -1,5 +1,5 @@
 /*
- * sm90_fp8_block_tile.cuh — one 128x128 FP8 block tile processed by one 256-thread CTA; shared by the single /
+ * fp8_block_tile.cuh — one 128x128 FP8 block tile processed by one 256-thread CTA; shared by the single /
  * MoE block-quant kernel and the list kernel so both produce the same bits by construction.
  *
  * Tile mapping (vector path): thread t owns column chunk t % 16 (8 bf16 = 16 bytes) of rows t / 16 + 16 p,
@@ -10,11 +10,11 @@
  * 4-byte aligned output rows). Only a misaligned source takes the scalar path (per element, re-reading the tile;
  * same arithmetic).
  */
-#ifndef EBBTIDE_QUANT_SM90_FP8_BLOCK_TILE_CUH_
-#define EBBTIDE_QUANT_SM90_FP8_BLOCK_TILE_CUH_
+#ifndef EBBTIDE_QUANT_FP8_BLOCK_TILE_CUH_
+#define EBBTIDE_QUANT_FP8_BLOCK_TILE_CUH_
 
 #include "quant/launchers.h"
-#include "quant/sm90_common.cuh"
+#include "quant/common.cuh"
 
 namespace ebbtide::quant::dev {
 
@@ -144,4 +144,4 @@ __device__ __forceinline__ void fp8_block_tile(const BlockTileArgs& a, uint32_t*
 
 }  // namespace ebbtide::quant::dev
 
-#endif  // EBBTIDE_QUANT_SM90_FP8_BLOCK_TILE_CUH_
+#endif  // EBBTIDE_QUANT_FP8_BLOCK_TILE_CUH_

@@ -1,6 +1,7 @@
 /*
- * sm90_bf16_fp8_block_quant_list.cu — FP8 128x128 block quant of a list of bf16 tensors of different shapes in
- * one launch (weight sync: many parameters into one output bucket).
+ * bf16_fp8_block_quant_list.cu — FP8 128x128 block quant of a list of bf16 tensors of different shapes in
+ * one launch (weight sync: many parameters into one output bucket). Built as the sm90 and the portable variant
+ * (common.cuh).
  *
  * Table: up to kParamEntries entries travel in the launch itself (a __grid_constant__ parameter), longer lists
  * are read from the caller's device copy.
@@ -13,15 +14,15 @@
  * bandwidth, against ~87% for the single-tensor kernel on the same tiles): what separates the two is the per-CTA
  * prologue (quant/NOTES.md).
  */
-#include "quant/sm90_fp8_block_tile.cuh"
-#include "quant/sm90_launch.cuh"
+#include "quant/fp8_block_tile.cuh"
+#include "quant/launch.cuh"
 
 namespace ebbtide::quant {
 namespace {
 
-// Lists up to this long travel inside the launch as a kernel parameter (8 KB; sm_90 with CUDA >= 12.1 takes up to
-// 32,764 bytes): no host-to-device copy ahead of the kernel, whose few microseconds on the stream cost ~10% on
-// one 7168^2 weight. Longer lists read a device copy of the table.
+// Lists up to this long travel inside the launch as a kernel parameter (8 KB; CUDA >= 12.1 takes up to 32,764
+// bytes on sm_70 and later): no host-to-device copy ahead of the kernel, whose few microseconds on the stream cost
+// ~10% on one 7168^2 weight. Longer lists read a device copy of the table.
 constexpr int kParamEntries = kBlockListParamEntries;
 struct ParamTable {
   BlockListEntry e[kParamEntries];
@@ -86,8 +87,9 @@ __global__ void __launch_bounds__(dev::kTileThreads, 4)
 
 }  // namespace
 
-ebt_status_t sm90_bf16_fp8_block_quant_list(const BlockListEntry* host_entries, const void* device_entries,
-                                            int64_t count, float eps, void* stream) {
+ebt_status_t EBT_QUANT_VARIANT(bf16_fp8_block_quant_list)(const BlockListEntry* host_entries,
+                                                          const void* device_entries, int64_t count, float eps,
+                                                          void* stream) {
   EBT_QUANT_REQUIRE(count >= 0, "fp8_block_quant_list: negative count");
   if (count == 0) return EBT_SUCCESS;
   EBT_QUANT_REQUIRE(host_entries, "fp8_block_quant_list: null host entry table");

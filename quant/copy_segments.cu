@@ -1,5 +1,5 @@
 /*
- * sm90_copy_segments.cu — many byte copies dst_i <- src_i in one launch (weight sync: a staged bucket's outputs into
+ * copy_segments.cu — many byte copies dst_i <- src_i in one launch (weight sync: a staged bucket's outputs into
  * the receiver's parameters, thousands of them for an MoE layer's experts and scales).
  *
  * Design: the segments are cut into 32 KB chunks numbered segment by segment (CopySegment::chunk_begin is the
@@ -9,8 +9,8 @@
  * all in flight before the first store (the tail of a segment whose size is no multiple of 16 goes byte by byte);
  * other chunks go byte by byte. Segments must not overlap each other or themselves.
  */
-#include "quant/sm90_common.cuh"
-#include "quant/sm90_launch.cuh"
+#include "quant/common.cuh"
+#include "quant/launch.cuh"
 
 namespace ebbtide::quant {
 namespace {
@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 }  // namespace
 
-ebt_status_t sm90_copy_segments(const CopySegment* host_segments, const void* device_segments, int64_t count,
-                                void* stream) {
+ebt_status_t EBT_QUANT_VARIANT(copy_segments)(const CopySegment* host_segments, const void* device_segments,
+                                              int64_t count, void* stream) {
   EBT_QUANT_REQUIRE(count >= 0, "copy_segments: negative count");
   if (count == 0) return EBT_SUCCESS;
   EBT_QUANT_REQUIRE(host_segments, "copy_segments: null host segment table");

@@ -1,21 +1,30 @@
 /*
- * sm90_common.cuh — device pieces shared by the quant kernels: the numerics contract written once.
+ * common.cuh — device pieces shared by the quant kernels of every architecture: the numerics contract written once.
  *
  * Policies:
  *  - Every floating-point step is a named, correctly rounded operation: __fmul_rn, __frcp_rn, __fdiv_rn, rintf,
- *    cvt.rn.satfinite.e4m3x2.f32, cvt.rn.bf16.f32. The build never uses fast-math or -ftz, so subnormals survive
- *    (the UE8M0 multiplier 2^-127 is one).
+ *    cvt.rn.bf16.f32 and the e4m3 conversion of the kernel's FP8 policy. The build never uses fast-math or -ftz, so
+ *    subnormals survive (the UE8M0 multiplier 2^-127 is one).
+ *  - Every kernel family is one source file built as the "portable" variant (every architecture of the build) and,
+ *    for the FP8 families, once more as the "sm90" variant (the build's sm_89+ architectures; quant/CMakeLists.txt
+ *    defines EBT_QUANT_SM90=1 for it). The variants differ only in `dev::Fp8`, the e4m3 conversion: Fp8Sw below
+ *    (integer arithmetic, fp8_convert.h) or Fp8Hw (the conversion instructions, sm90_fp8_cvt.cuh), equal bit for
+ *    bit. A launcher is named for its variant (EBT_QUANT_VARIANT: sm90_<dtype>_<op> or portable_<dtype>_<op>);
+ *    which variant runs is chosen at run time (python/ebbtide/quant/_dispatch.py). Everything else here needs
+ *    nothing beyond sm_80 (cvt.rn.bf16.f32, __reduce_max_sync).
  *  - bf16 values are handled as bit patterns: widening is a 16-bit shift (exact), max |x| is an unsigned max over
  *    (bits & 0x7FFF) — order-independent, so any reduction tree gives the same bits, and NaN/Inf (>= 0x7F80) are
  *    detected by the same max.
  *  - Values are clamped to +-448 before the e4m3 conversion; the conversion's saturation never decides a result.
  *  - Every bf16 NaN produced is the canonical 0x7FC0; every fp32 NaN scale is 0x7FC00000.
  */
-#ifndef EBBTIDE_QUANT_SM90_COMMON_CUH_
-#define EBBTIDE_QUANT_SM90_COMMON_CUH_
+#ifndef EBBTIDE_QUANT_COMMON_CUH_
+#define EBBTIDE_QUANT_COMMON_CUH_
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "quant/fp8_convert.h"
 
 namespace ebbtide::quant::dev {
 
@@ -44,22 +53,33 @@ __device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) {
   return r;
 }
 
-// E4M3 of two clamped fp32 values: lo -> low byte.
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+// The software FP8 policy: E4M3 of two fp32 values (lo -> low byte) and the exact fp32 values of an e4m3 pair (low
+// byte first), in integer arithmetic (fp8_convert.h).
+struct Fp8Sw {
+  static __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+    return fp8::e4m3_encode(__float_as_uint(lo)) | (fp8::e4m3_encode(__float_as_uint(hi)) << 8);
+  }
+  static __device__ __forceinline__ float2 e4m3x2_to_f32(uint16_t v) {
+    return make_float2(__uint_as_float(fp8::e4m3_decode(v & 0xFFu)), __uint_as_float(fp8::e4m3_decode(v >> 8)));
+  }
+};
 
-// e4m3 pair (low byte first) -> two exact fp32 values (through f16, which holds every e4m3 value exactly).
-__device__ __forceinline__ float2 e4m3x2_to_f32(uint16_t v) {
-  uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(v));
-  float lo, hi;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((uint16_t)(h2 & 0xFFFFu)));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((uint16_t)(h2 >> 16)));
-  return make_float2(lo, hi);
+}  // namespace ebbtide::quant::dev
+
+#if EBT_QUANT_SM90
+#include "quant/sm90_fp8_cvt.cuh"
+#define EBT_QUANT_VARIANT(name) sm90_##name
+namespace ebbtide::quant::dev {
+using Fp8 = Fp8Hw;
 }
+#else
+#define EBT_QUANT_VARIANT(name) portable_##name
+namespace ebbtide::quant::dev {
+using Fp8 = Fp8Sw;
+}
+#endif
+
+namespace ebbtide::quant::dev {
 
 // The FP8 scale rule. amax16: max |x| bits of the block/group. Outputs the stored scale (fp32 bits: NaN if the
 // block holds a non-finite value), the multiplier m, and whether the block is poisoned.
@@ -97,16 +117,16 @@ __device__ __forceinline__ uint2 fp8_quant8(uint4 v, const Fp8Scale& sc) {
   if (sc.bad) return make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu);
   const float m = sc.m;
   uint2 o;
-  o.x = e4m3x2(fp8_clamped(bf16_lo(v.x), m), fp8_clamped(bf16_hi(v.x), m)) |
-        (e4m3x2(fp8_clamped(bf16_lo(v.y), m), fp8_clamped(bf16_hi(v.y), m)) << 16);
-  o.y = e4m3x2(fp8_clamped(bf16_lo(v.z), m), fp8_clamped(bf16_hi(v.z), m)) |
-        (e4m3x2(fp8_clamped(bf16_lo(v.w), m), fp8_clamped(bf16_hi(v.w), m)) << 16);
+  o.x = Fp8::e4m3x2(fp8_clamped(bf16_lo(v.x), m), fp8_clamped(bf16_hi(v.x), m)) |
+        (Fp8::e4m3x2(fp8_clamped(bf16_lo(v.y), m), fp8_clamped(bf16_hi(v.y), m)) << 16);
+  o.y = Fp8::e4m3x2(fp8_clamped(bf16_lo(v.z), m), fp8_clamped(bf16_hi(v.z), m)) |
+        (Fp8::e4m3x2(fp8_clamped(bf16_lo(v.w), m), fp8_clamped(bf16_hi(v.w), m)) << 16);
   return o;
 }
 
 __device__ __forceinline__ uint8_t fp8_quant1(uint16_t b, const Fp8Scale& sc) {
   if (sc.bad) return (uint8_t)kE4m3Nan;
-  return (uint8_t)(e4m3x2(fp8_clamped(__uint_as_float((uint32_t)b << 16), sc.m), 0.0f) & 0xFFu);
+  return (uint8_t)(Fp8::e4m3x2(fp8_clamped(__uint_as_float((uint32_t)b << 16), sc.m), 0.0f) & 0xFFu);
 }
 
 // Streaming 16-byte load (read once: no L1 allocation).
@@ -151,4 +171,4 @@ __device__ __forceinline__ void store_packed_ue8m0(uint8_t* base, int64_t mn, in
 
 }  // namespace ebbtide::quant::dev
 
-#endif  // EBBTIDE_QUANT_SM90_COMMON_CUH_
+#endif  // EBBTIDE_QUANT_COMMON_CUH_

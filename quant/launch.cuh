@@ -1,9 +1,9 @@
 /*
- * sm90_launch.cuh — host-side helpers of the quant launchers: argument checks that record why they failed, the
+ * launch.cuh — host-side helpers of the quant launchers: argument checks that record why they failed, the
  * post-launch status, and the eps range check.
  */
-#ifndef EBBTIDE_QUANT_SM90_LAUNCH_CUH_
-#define EBBTIDE_QUANT_SM90_LAUNCH_CUH_
+#ifndef EBBTIDE_QUANT_LAUNCH_CUH_
+#define EBBTIDE_QUANT_LAUNCH_CUH_
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -29,4 +29,4 @@ inline bool eps_in_range(float eps) { return eps >= 1e-30f && eps <= 1e30f; }
 
 }  // namespace ebbtide::quant
 
-#endif  // EBBTIDE_QUANT_SM90_LAUNCH_CUH_
+#endif  // EBBTIDE_QUANT_LAUNCH_CUH_

@@ -1,12 +1,13 @@
 /*
- * sm90_bf16_fp8_block_quant.cu — FP8 e4m3 128x128 block quant of bf16 weights, single matrix or MoE [E, N, K]
+ * bf16_fp8_block_quant.cu — FP8 e4m3 128x128 block quant of bf16 weights, single matrix or MoE [E, N, K]
  * in one launch (grid = (K blocks, N blocks, experts): a block never straddles experts).
  *
- * Contract: launchers.h and docs/quant.md; the tile arithmetic lives in sm90_fp8_block_tile.cuh.
+ * Contract: launchers.h and docs/quant.md; the tile arithmetic lives in fp8_block_tile.cuh. One source, two
+ * variants (common.cuh): sm90_ and portable_bf16_fp8_block_quant.
  * Bandwidth: each CTA reads its 32 KB tile once (8 x 16-byte loads per thread in flight) and writes 16 KB.
  */
-#include "quant/sm90_fp8_block_tile.cuh"
-#include "quant/sm90_launch.cuh"
+#include "quant/fp8_block_tile.cuh"
+#include "quant/launch.cuh"
 
 namespace ebbtide::quant {
 namespace {
@@ -42,9 +43,9 @@ __global__ void __launch_bounds__(dev::kTileThreads, 4)
 
 }  // namespace
 
-ebt_status_t sm90_bf16_fp8_block_quant(const void* src, int64_t experts, int64_t rows, int64_t cols, int64_t ld,
-                                       int64_t expert_stride, void* q, void* scale, int scale_mode, float eps,
-                                       void* stream) {
+ebt_status_t EBT_QUANT_VARIANT(bf16_fp8_block_quant)(const void* src, int64_t experts, int64_t rows, int64_t cols,
+                                                     int64_t ld, int64_t expert_stride, void* q, void* scale,
+                                                     int scale_mode, float eps, void* stream) {
   EBT_QUANT_REQUIRE(experts >= 0 && rows >= 0 && cols >= 0, "fp8_block_quant: negative size (%lld, %lld, %lld)",
                     (long long)experts, (long long)rows, (long long)cols);
   if (experts == 0 || rows == 0 || cols == 0) return EBT_SUCCESS;

@@ -1,12 +1,12 @@
 /*
- * sm90_bf16_int4_unpack.cu — compressed-tensors pack-quantized INT4 -> the served bf16 weight
+ * bf16_int4_unpack.cu — compressed-tensors pack-quantized INT4 -> the served bf16 weight
  * RNbf16(q * s) (Marlin's dequant: exact int4 -> bf16, one bf16 multiply) and/or the int8 codes.
  *
  * Mapping: one thread per packed int32 word (8 elements): 4-byte load, 16-byte bf16 store / 8-byte int8 store;
  * kUnroll words per thread, loads first. A NaN scale (the non-finite policy) gives 0x7FC0.
  */
-#include "quant/sm90_common.cuh"
-#include "quant/sm90_launch.cuh"
+#include "quant/common.cuh"
+#include "quant/launch.cuh"
 
 namespace ebbtide::quant {
 namespace {
@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-ebt_status_t sm90_bf16_int4_unpack(const void* packed, const void* scale, int64_t rows, int64_t cols,
-                                   int64_t group, void* out, void* q, void* stream) {
+ebt_status_t EBT_QUANT_VARIANT(bf16_int4_unpack)(const void* packed, const void* scale, int64_t rows,
+                                                 int64_t cols, int64_t group, void* out, void* q, void* stream) {
   EBT_QUANT_REQUIRE(rows >= 0 && cols >= 0, "int4_unpack: negative size");
   EBT_QUANT_REQUIRE(group == 32 || group == 64 || group == 128, "int4_unpack: group must be 32, 64 or 128 (got %lld)",
                     (long long)group);
