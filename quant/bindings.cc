@@ -32,8 +32,8 @@ constexpr bool kWithCuda = false;
       ebt_set_error(EBT_ERROR_UNSUPPORTED, "ebbtide was built without CUDA: quant kernels unavailable"), \
       "ebbtide.quant")
 #endif
-#if !defined(EBBTIDE_QUANT_SM90)
-#define EBBTIDE_QUANT_SM90 0
+#if !defined(EBT_QUANT_HAS_SM90)
+#define EBT_QUANT_HAS_SM90 0
 #endif
 
 // The variant a call asked for, after checking that this build has it: InvalidArgumentError for an unknown one,
@@ -42,14 +42,14 @@ int check_variant(int variant, const char* kernel) {
   if (variant != kVariantSm90 && variant != kVariantPortable)
     py_check(ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "%s: unknown kernel variant %d (0 sm90, 1 portable)", kernel,
                            variant), "ebbtide.quant");
-  if (variant == kVariantSm90 && !EBBTIDE_QUANT_SM90)
+  if (variant == kVariantSm90 && !EBT_QUANT_HAS_SM90)
     py_check(ebt_set_error(EBT_ERROR_UNSUPPORTED, "%s: this build has no sm90 kernels (no architecture >= 89 in %s)",
                            kernel, EBBTIDE_BUILD_CUDA_ARCHS), "ebbtide.quant");
   return variant;
 }
 
 // The launcher of an FP8 family in the variant asked for: sm90_<name> or portable_<name>.
-#if EBBTIDE_QUANT_SM90
+#if EBT_QUANT_HAS_SM90
 #define EBT_QUANT_PICK(variant, name) (check_variant(variant, #name) == kVariantSm90 ? sm90_##name : portable_##name)
 #else
 #define EBT_QUANT_PICK(variant, name) (check_variant(variant, #name), portable_##name)
@@ -57,7 +57,7 @@ int check_variant(int variant, const char* kernel) {
 
 py::list built_variants() {
   py::list v;
-  if (kWithCuda && EBBTIDE_QUANT_SM90) v.append("sm90");
+  if (kWithCuda && EBT_QUANT_HAS_SM90) v.append("sm90");
   if (kWithCuda) v.append("portable");
   return v;
 }

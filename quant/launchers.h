@@ -5,8 +5,8 @@
  * Variants: each kernel family is one source file (<dtype>_<op>.cu) built as the portable variant, whose launchers
  * are named portable_<dtype>_<op> (every architecture of the build, sm_80 and later), and the FP8 families once more
  * as the sm90 variant, sm90_<dtype>_<op> (only the build's sm_89+ architectures: the FP8 conversion instructions;
- * absent from builds without such an architecture, EBBTIDE_QUANT_SM90 == 0 in bindings.cc). The two variants give
- * the same bits for every input; which one runs is chosen at run time from the device's compute capability in one
+ * absent from builds without such an architecture: EBT_QUANT_HAS_SM90 == 0 in bindings.cc). The two variants
+ * give the same bits for every input; which one runs is chosen at run time from the device's compute capability in one
  * place (python/ebbtide/quant/_dispatch.py), which reads kernel_image() below.
  *
  * Caller's contract (every launcher):

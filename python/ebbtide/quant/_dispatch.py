@@ -233,9 +233,13 @@ def kernels(device=None) -> dict:
     of this build. ``device``: a torch device, "cuda:N", an index, or None for the current GPU. Returns
     ``{"gpu", "setting", "fp8", "int4", "images"}``: "fp8" / "int4" are "sm90" or "portable" (or "unsupported: "
     and the reason), "images" maps each built variant to the code the GPU loads ("sm_90", or the PTX the driver
-    compiled). UnsupportedError without a CUDA build; torch's error without a GPU."""
+    compiled). UnsupportedError without a CUDA build or without a GPU."""
     import torch  # noqa: PLC0415
 
+    native()
+    if not torch.cuda.is_available():
+        raise UnsupportedError("no CUDA GPU is visible to torch: the quant kernels run on CUDA tensors (CPU tensors "
+                               "run the reference, with the same bits)")
     if device is None:
         index = torch.cuda.current_device()
     elif isinstance(device, int):

@@ -11,9 +11,10 @@ are; the full argument checks run with every (re)build.
   addresses, sizes, dimensions and contiguity (five C-level reads per tensor instead of the checks and the table
   row: ~0.3 µs instead of ~2-8 µs on a fast host); any difference rebuilds the table.
 - ``SegmentCopy(dsts, srcs)``: byte copies ``dsts[i] <- srcs[i]`` (contiguous tensors of equal byte size, any
-  dtypes, on one device) in one launch on CUDA (``portable_copy_segments``), a ``copy_`` each on the CPU or where the
-  kernels were not built or cannot run on the GPU. Destinations must not overlap each other or any source (checked at construction). The
-  table is fixed at construction: the caller makes a new one when an address changes.
+  dtypes, on one device) in one launch on CUDA (``portable_copy_segments``), a ``copy_`` each on the CPU or where
+  the kernels were not built or cannot run on the GPU. Destinations must not overlap each other or any source
+  (checked at construction). The table is fixed at construction: the caller makes a new one when an address
+  changes.
 
 Both enqueue on the current stream and return at once. A table longer than what travels inside the launch is
 uploaded from its pinned copy on the current stream at every call (a few KB, asynchronous): a device copy kept
