@@ -64,6 +64,16 @@ py::list built_variants() {
 
 inline void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+// dst[i] = f(src[i]) for n host values, without the GIL: the portable conversions on the CPU.
+template <class In, class Out, class F>
+void host_map(uintptr_t src, int64_t n, uintptr_t dst, const char* what, F f) {
+  if (n < 0) py_check(ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "%s: negative count", what), "ebbtide.quant");
+  const auto* in = reinterpret_cast<const In*>(src);
+  auto* out = reinterpret_cast<Out*>(dst);
+  py::gil_scoped_release nogil;
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<Out>(f(in[i]));
+}
+
 }  // namespace
 
 void register_bindings(py::module_& m) {
@@ -85,14 +95,10 @@ void register_bindings(py::module_& m) {
       [](int variant) {
         KernelImage img{};
         EBT_QUANT_CALL(EBT_QUANT_PICK(variant, kernel_image)(&img));
-        py::dict d;
-        d["cuda_error"] = img.cuda_error;
-        d["binary_version"] = img.binary_version;
-        d["ptx_version"] = img.ptx_version;
-        d["runtime_version"] = img.runtime_version;
-        d["driver_version"] = img.driver_version;
-        d["error_name"] = std::string(img.error_name);
-        return d;
+        return py::dict(py::arg("cuda_error") = img.cuda_error, py::arg("error_name") = std::string(img.error_name),
+                        py::arg("binary_version") = img.binary_version, py::arg("ptx_version") = img.ptx_version,
+                        py::arg("runtime_version") = img.runtime_version,
+                        py::arg("driver_version") = img.driver_version);
       },
       py::arg("variant"),
       "What the current device loads of a variant's kernels: {cuda_error (0: loadable), error_name, "
@@ -178,12 +184,7 @@ void register_bindings(py::module_& m) {
   m.def(
       "e4m3_encode_host",
       [](uintptr_t src, int64_t n, uintptr_t dst) {
-        if (n < 0)
-          py_check(ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "e4m3_encode_host: negative count"), "ebbtide.quant");
-        const auto* in = reinterpret_cast<const uint32_t*>(src);
-        auto* out = reinterpret_cast<uint8_t*>(dst);
-        py::gil_scoped_release nogil;
-        for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)fp8::e4m3_encode(in[i]);
+        host_map<uint32_t, uint8_t>(src, n, dst, "e4m3_encode_host", [](uint32_t v) { return fp8::e4m3_encode(v); });
       },
       py::arg("src"), py::arg("n"), py::arg("dst"),
       "E4M3 (satfinite) of n fp32 bit patterns in host memory (uint32 src, uint8 dst) with the portable kernels' "
@@ -191,12 +192,7 @@ void register_bindings(py::module_& m) {
   m.def(
       "e4m3_decode_host",
       [](uintptr_t src, int64_t n, uintptr_t dst) {
-        if (n < 0)
-          py_check(ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "e4m3_decode_host: negative count"), "ebbtide.quant");
-        const auto* in = reinterpret_cast<const uint8_t*>(src);
-        auto* out = reinterpret_cast<uint32_t*>(dst);
-        py::gil_scoped_release nogil;
-        for (int64_t i = 0; i < n; ++i) out[i] = fp8::e4m3_decode(in[i]);
+        host_map<uint8_t, uint32_t>(src, n, dst, "e4m3_decode_host", [](uint8_t v) { return fp8::e4m3_decode(v); });
       },
       py::arg("src"), py::arg("n"), py::arg("dst"),
       "fp32 bit patterns (uint32 dst) of n e4m3 bytes in host memory, with the portable kernels' software decode.");

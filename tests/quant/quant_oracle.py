@@ -50,6 +50,16 @@ def all_finite_bf16_f32() -> np.ndarray:
     return (u << 16).view(np.float32)
 
 
+def every_finite_bf16_in_groups(seed: int = 0):
+    """All 65,280 finite bf16 values as [-1, 128] tensors (zero-padded): sorted (narrow ranges per group) and
+    shuffled (wide ranges)."""
+    u = np.arange(1 << 16, dtype=np.uint32)
+    u = u[(u & 0x7F80) != 0x7F80].astype(np.uint16)
+    u = np.concatenate([u, np.zeros((-u.size) % 128, np.uint16)])
+    for arr in (u, np.random.default_rng(seed).permutation(u)):
+        yield torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(-1, 128)
+
+
 def positive_finite_bf16_bits() -> np.ndarray:
     return np.arange(1, 0x7F80, dtype=np.uint16)
 

@@ -96,6 +96,10 @@ def test_an_old_driver_or_ptx_it_cannot_compile_is_named():
         D.choose("fp8_block_quant", old, "auto")
     msg = str(e.value)
     assert "CUDA 13.0" in msg and "CUDA 12.8" in msg and "update the driver" in msg and "12.x" in msg
+    none = gpu(images={"sm90": D.Image(35, "cudaErrorInsufficientDriver"),
+                       "portable": D.Image(35, "cudaErrorInsufficientDriver")}, driver=0)
+    with pytest.raises(UnsupportedError, match="found no NVIDIA driver"):
+        D.choose("int4_quant", none, "auto")
     ptx = gpu("NVIDIA B200", (10, 0), {"sm90": D.Image(222, "cudaErrorUnsupportedPtxVersion"),
                                        "portable": D.Image(222, "cudaErrorUnsupportedPtxVersion")})
     with pytest.raises(UnsupportedError, match="cannot compile its PTX.*100-real"):

@@ -15,7 +15,7 @@ import ebbtide.quant as Q
 from ebbtide import settings
 from ebbtide.quant import _cuda, _dispatch
 from ebbtide.quant import reference as R
-from quant_oracle import heavy_tailed
+from quant_oracle import every_finite_bf16_in_groups, heavy_tailed
 from test_quant_kernels_gpu import assert_same, flat, poison_cache, random_bit_patterns, special_bf16, with_nonfinite
 
 pytestmark = pytest.mark.gpu
@@ -174,11 +174,7 @@ def test_group_quant(M, K, layout, scale):
 
 
 def test_group_quant_every_bf16_value():
-    u = np.arange(1 << 16, dtype=np.uint32)
-    u = u[(u & 0x7F80) != 0x7F80].astype(np.uint16)
-    u = np.concatenate([u, np.zeros((-u.size) % 128, np.uint16)])
-    for arr in (u, np.random.default_rng(0).permutation(u)):
-        x = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(-1, 128)
+    for x in every_finite_bf16_in_groups():
         for scale in ("fp32", "ue8m0"):
             outs = each_variant(lambda: Q.fp8_group_quant(x.to(DEV), scale=scale))
             check(outs, list(R.fp8_group_quant(x, scale=scale)), f"every bf16 value {scale}")

@@ -1,6 +1,7 @@
-"""The sm90 kernels against the CPU reference: zero mismatching bytes, scales and padding, on random, heavy-tailed,
-all-zero, subnormal, +-0, 448-tie, NaN/Inf, ragged, strided and misaligned inputs; plus the INT4 QAT contract
-(fake_quant(W) == dequant(pack(W)) bit for bit) and that QAT and export run the same kernel."""
+"""The quant kernels (the variant EBBTIDE_QUANT_KERNELS selects; test_portable_gpu.py runs both) against the CPU
+reference: zero mismatching bytes, scales and padding, on random, heavy-tailed, all-zero, subnormal, +-0, 448-tie,
+NaN/Inf, ragged, strided and misaligned inputs; plus the INT4 QAT contract (fake_quant(W) == dequant(pack(W)) bit
+for bit) and that QAT and export run the same kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 import ebbtide.quant as Q
 from ebbtide.quant import _cuda
 from ebbtide.quant import reference as R
-from quant_oracle import heavy_tailed
+from quant_oracle import every_finite_bf16_in_groups, heavy_tailed
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -172,11 +173,7 @@ def test_group_quant_matches_reference(M, K, layout, scale):
 
 def test_group_quant_every_bf16_value():
     """All 65,280 finite bf16 values, sorted into groups (narrow ranges) and shuffled (wide ranges)."""
-    u = np.arange(1 << 16, dtype=np.uint32)
-    u = u[(u & 0x7F80) != 0x7F80].astype(np.uint16)
-    u = np.concatenate([u, np.zeros((-u.size) % 128, np.uint16)])
-    for arr in (u, np.random.default_rng(0).permutation(u)):
-        x = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(-1, 128)
+    for x in every_finite_bf16_in_groups():
         for scale in ("fp32", "ue8m0"):
             q, s = Q.fp8_group_quant(x.to(DEV), scale=scale)
             qr, sr = R.fp8_group_quant(x, scale=scale)

@@ -106,6 +106,9 @@ def _require(kernel: str, dev: Device, variant: str) -> None:
     if img.loadable:
         return
     major, minor = dev.capability
+    if img.cuda_error == _OLD_DRIVER and not dev.driver_version:
+        raise UnsupportedError(f"{kernel}: the CUDA runtime of the quant kernels found no NVIDIA driver "
+                               f"(libcuda.so.1) for {dev.what}")
     if img.cuda_error == _OLD_DRIVER:
         raise UnsupportedError(
             f"{kernel}: the quant kernels were built with CUDA {_cuda_version(dev.runtime_version)}, which needs a "
@@ -215,7 +218,12 @@ _warned: set = set()  # GPUs already told that they fall back to the portable FP
 
 def select(kernel: str, dev) -> int:
     """The variant code (quant/launchers.h Variant) ``kernel`` runs for a tensor on torch device ``dev``."""
-    d = _device_facts(dev.index)
+    index = dev.index
+    if index is None:  # "cuda": the current device, as torch reads it
+        import torch  # noqa: PLC0415
+
+        index = torch.cuda.current_device()
+    d = _device_facts(index)
     s = setting()
     v = choose(kernel, d, s)
     if v == "portable" and s == "auto" and kernel in FP8_KERNELS and d.capability >= SM90_MIN_CAPABILITY \
