@@ -30,7 +30,7 @@ def _bench(args) -> int:
 
 
 def _colocate(argv: list) -> int:
-    from .colocate.launcher import main as colocate_main  # noqa: PLC0415
+    from .bench.colocate.launcher import main as colocate_main  # noqa: PLC0415
 
     return colocate_main(argv)
 
@@ -51,11 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--plot", metavar="FILE.png", help="draw a PNG chart (needs matplotlib)")
     pb.add_argument("--list", action="store_true", help="list the suites and exit")
     pb.set_defaults(fn=_bench)
-    # every argument after `colocate` is the example's own (python -m ebbtide.colocate); main() hands them over
-    # before this parser sees them, so `ebbtide colocate --help` prints the example's flags
+    # every argument after `colocate` is the harness's own (ebbtide.bench.colocate); main() hands them over before
+    # this parser sees them, so `ebbtide colocate --help` prints the harness's flags
     sub.add_parser("colocate", add_help=False,
-                   help="the colocated RL loop (trainer + rollout on each GPU, beside the same loop on today's tools; "
-                        "--trainer megatron for Megatron-core); `ebbtide colocate --help` for its flags")
+                   help="the colocated RL loop benchmark (trainer + rollout on each GPU, beside the same loop on "
+                        "today's tools; --trainer megatron for Megatron-core); `ebbtide colocate --help` for its "
+                        "flags")
     return p
 
 

@@ -15,7 +15,7 @@ import sys
 import torch
 
 import ebbtide.memory as em
-from ebbtide.colocate import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
+from ebbtide.testing.models import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 
 MiB = 1 << 20
 CFG = ModelConfig(vocab=1024, d_model=256, n_layers=4, n_heads=4, d_ff=512, max_seq=256)

@@ -32,8 +32,8 @@ def main():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ebbtide.colocate.gpt import MegatronGPT, MoEConfig, megatron_names
-    from ebbtide.colocate.model import KVCache, ModelConfig, greedy_decode
+    from ebbtide.integrations.names import served_names as megatron_names
+    from ebbtide.testing.models import KVCache, MegatronGPT, ModelConfig, MoEConfig, greedy_decode
 
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ def main():
     ours = dict(mine.named_parameters())
     out = {"names_equal": sorted(theirs) == sorted(ours),
            "only_megatron": sorted(set(theirs) - set(ours))[:5], "only_ours": sorted(set(ours) - set(theirs))[:5]}
-    from ebbtide.colocate.sync import megatron_plan
+    from ebbtide.bench.colocate.sync import megatron_plan
 
     # the plan each side builds from its own model (bf16, as trained and served) must be the same one
     bf16 = lambda named: {n: torch.empty(t.shape, dtype=torch.bfloat16) for n, t in named.items()}  # noqa: E731

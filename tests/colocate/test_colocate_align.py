@@ -8,7 +8,7 @@ import pytest
 
 dist = pytest.importorskip("torch.distributed")
 
-from ebbtide.colocate.trainer import align_ranks  # noqa: E402
+from ebbtide.bench.colocate.rank import align_ranks  # noqa: E402
 
 
 def _stores(n):
@@ -64,6 +64,6 @@ def test_aligning_on_its_own_connection_while_the_trainers_client_blocks_in_a_wa
 
 
 def test_align_store_is_none_for_one_rank():
-    from ebbtide.colocate.trainer import align_store  # noqa: PLC0415
+    from ebbtide.bench.colocate.rank import align_store  # noqa: PLC0415
 
     assert align_store(1) is None

@@ -20,7 +20,7 @@ def _run(tmp_path, gpus: int, *extra):
         tmp_path = pathlib.Path(art) / (f"colocate-{gpus}gpu" + "".join("-" + x for x in extra[1::2]))
         tmp_path.mkdir(parents=True, exist_ok=True)
     # 3 steps (2 measured): both variants fit gpu-check's 240 s per-test deadline with room to spare
-    cmd = [sys.executable, "-m", "ebbtide.colocate", "--quick", "--steps", "3", "--warmup", "1", "--gpus",
+    cmd = [sys.executable, "-m", "ebbtide", "colocate", "--quick", "--steps", "3", "--warmup", "1", "--gpus",
            str(gpus), "--out", str(tmp_path), "--timeout", "180",
            # correctness runs: the steady-phase comparison is the bench's (2 quick steps are too few to judge it)
            "--steady-guard", "warn", *extra]
@@ -105,7 +105,7 @@ def test_graph_decoder_replays_the_eager_decode():
     # the graph reused for a second prompt over the stale cache
     import torch
 
-    from ebbtide.colocate import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
+    from ebbtide.testing.models import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 
     cfg = ModelConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=256, max_seq=128)
     m = TinyLM.random(cfg, seed=0, device="cuda", dtype=torch.float32)

@@ -1,6 +1,6 @@
-"""Launcher arguments, and the whole loop's orchestration on the CPU (real trainer and rollout processes, the
-shared buffer, FP8 sync, decode, the checks; 2 ranks through ebbtide.comm on Gloo). Memory pause/resume and NVML
-need a GPU: test_colocate_gpu.py."""
+"""The harness's launcher (``ebbtide colocate``): arguments, and the whole loop's orchestration on the CPU (real
+trainer and rollout processes, the shared buffer, FP8 sync, decode, the checks; 2 ranks through ebbtide.comm on
+Gloo). Memory pause/resume and NVML need a GPU: test_colocate_gpu.py."""
 import json
 import math
 import subprocess
@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from ebbtide.colocate import QUICK_MODEL, RunConfig, parse_args
+from ebbtide.bench.colocate.config import QUICK_MODEL, RunConfig
+from ebbtide.bench.colocate.launcher import parse_args
 from ebbtide.errors import InvalidArgumentError
 
 TINY_ARGS = ["--device", "cpu", "--variants", "ebbtide", "--vocab", "256", "--d-model", "128", "--n-layers", "2",
@@ -35,7 +36,7 @@ def test_decode_mode_is_validated(bad):
 
 
 def test_bad_decode_flag_exits_with_usage():
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--decode", "graphs"], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--decode", "graphs"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "--decode" in p.stderr and "Traceback" not in p.stderr
 
@@ -72,7 +73,7 @@ def test_steady_guard_settings():
 
 def test_main_exits_3_when_a_steady_phase_is_slower(monkeypatch, capsys):
     """The guard decides the exit status once every variant was correct: 3 with --steady-guard error, 0 with warn."""
-    import ebbtide.colocate.launcher as L
+    import ebbtide.bench.colocate.launcher as L
 
     def fake_run(cfg, log=print):
         s = lambda gen: {"phase_s": {"train": 0.1, "generate": gen}, "step_s": 1.0, "memory": {}, "bytes": {},
@@ -94,7 +95,7 @@ def test_main_exits_3_when_a_steady_phase_is_slower(monkeypatch, capsys):
 def test_store_listens_on_loopback_unless_asked(monkeypatch, tmp_path):
     """The ranks' rendezvous store is served by the launcher on --store-bind (loopback by default); ranks only
     connect to it. The variant's store address reaches the ranks through MASTER_ADDR/MASTER_PORT."""
-    import ebbtide.colocate.launcher as L
+    import ebbtide.bench.colocate.launcher as L
     import ebbtide.comm
 
     assert parse_args([]).store_bind == "127.0.0.1"
@@ -129,14 +130,14 @@ def test_store_listens_on_loopback_unless_asked(monkeypatch, tmp_path):
 
 
 def test_argument_error_exit_code_and_message():
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--steps", "1", "--warmup", "1"],
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--steps", "1", "--warmup", "1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "nothing would be measured" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_ebbtide_colocate_command_is_the_example(tmp_path):
-    # `ebbtide colocate ARGS` hands every argument to the example: it runs the loop, and a bad argument is the
-    # example's own usage error
+def test_ebbtide_colocate_command_runs_the_harness(tmp_path):
+    # `ebbtide colocate ARGS` hands every argument to the harness (ebbtide.bench.colocate): it runs the loop, a bad
+    # argument is the harness's own usage error, and --help names the command the user typed
     p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", *TINY_ARGS, "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -147,11 +148,12 @@ def test_ebbtide_colocate_command_is_the_example(tmp_path):
     helped = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--help"], capture_output=True, text=True,
                             timeout=120)
     assert helped.returncode == 0 and "--trainer" in helped.stdout
+    assert helped.stdout.startswith("usage: ebbtide colocate "), helped.stdout[:200]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_the_loop_runs_on_cpu(tmp_path, ranks):
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", *TINY_ARGS, "--gpus", str(ranks), "--out",
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", *TINY_ARGS, "--gpus", str(ranks), "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}\n" + "".join(
         f.read_text() for f in tmp_path.glob("*.log"))
@@ -185,7 +187,7 @@ def test_the_loop_runs_on_cpu(tmp_path, ranks):
 def test_the_loop_runs_on_cpu_with_the_static_decode(tmp_path):
     # --decode cuda-graph on the CPU: the same GraphDecoder path without capture; the rollout reports what it ran
     # and the untimed check against the eager decode runs on the verified steps
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", *TINY_ARGS, "--decode", "cuda-graph", "--out",
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", *TINY_ARGS, "--decode", "cuda-graph", "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}\n" + "".join(f.read_text() for f in tmp_path.glob("*.log"))
     res = json.loads((tmp_path / "results.json").read_text())
@@ -200,7 +202,7 @@ def test_the_loop_runs_on_cpu_with_the_static_decode(tmp_path):
 
 
 def test_wait_all_kills_the_peers_of_a_failed_rank_and_stragglers():
-    from ebbtide.colocate._procs import _wait_all
+    from ebbtide.bench.colocate._procs import _wait_all
 
     def spawn(code):
         return subprocess.Popen([sys.executable, "-c", code])
@@ -229,7 +231,7 @@ def test_a_killed_rank_takes_its_rollout_child_with_it(tmp_path):
     import os
     import time
 
-    from ebbtide.colocate._procs import _wait_all
+    from ebbtide.bench.colocate._procs import _wait_all
 
     pidfile = tmp_path / "child.pid"
     code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
@@ -258,7 +260,7 @@ def test_rank_and_rollout_die_with_their_parent(tmp_path):
     import time
 
     pidfile = tmp_path / "child.pid"
-    child = ("import os, sys, time; from ebbtide.colocate.rollout import die_with_parent; "
+    child = ("import os, sys, time; from ebbtide.bench.colocate.rank import die_with_parent; "
              f"die_with_parent({{ppid}}); open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     parent = ("import os, subprocess, sys, time; "
               f"subprocess.Popen([sys.executable, '-c', {child!r}.replace('{{ppid}}', str(os.getpid()))]); "
@@ -283,7 +285,7 @@ def test_more_gpus_than_visible_is_a_clear_error():
     import torch
 
     n = torch.cuda.device_count()
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--gpus", str(n + 1), "--quick"],
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--gpus", str(n + 1), "--quick"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and f"{n} CUDA device(s) are visible" in p.stderr and "Traceback" not in p.stderr
 
@@ -291,7 +293,7 @@ def test_more_gpus_than_visible_is_a_clear_error():
 def test_rollout_env_drops_expandable_segments_only():
     # under expandable segments the preload shim sees no cudaMalloc and ebbtide.memory refuses regions: the
     # rollout must start with the plain caching allocator, other allocator settings kept
-    from ebbtide.colocate.trainer import without_expandable_segments
+    from ebbtide.memory import without_expandable_segments
 
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128", "X": "1",
            "PYTORCH_ALLOC_CONF": "expandable_segments: true"}

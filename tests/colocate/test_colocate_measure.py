@@ -1,7 +1,7 @@
 """Phase records, summaries (median, slowest rank, warm-up), the growth check, the report and the timeline."""
 import pytest
 
-from ebbtide.colocate.measure import (GROWTH_TOLERANCE, PHASES, NvmlProbe, Recorder, format_report, growth_check,
+from ebbtide.bench.colocate.measure import (GROWTH_TOLERANCE, PHASES, NvmlProbe, Recorder, format_report, growth_check,
                                       plot_timeline, steady_check, summarize)
 
 

@@ -15,12 +15,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ebbtide.colocate import launcher  # noqa: E402
-from ebbtide.colocate.gpt import MegatronGPT, MoEConfig, megatron_names  # noqa: E402
-from ebbtide.colocate.launcher import MEGATRON_MODEL, MEGATRON_QUICK, RunConfig, parse_args  # noqa: E402
-from ebbtide.colocate.measure import MEGATRON_PHASES, format_report, summarize  # noqa: E402
-from ebbtide.colocate.model import GraphDecoder, KVCache, ModelConfig, greedy_decode  # noqa: E402
-from ebbtide.colocate.sync import megatron_plan  # noqa: E402
+from ebbtide.bench.colocate import launcher  # noqa: E402
+from ebbtide.bench.colocate.config import MEGATRON_MODEL, MEGATRON_QUICK, RunConfig  # noqa: E402
+from ebbtide.bench.colocate.launcher import parse_args  # noqa: E402
+from ebbtide.bench.colocate.measure import MEGATRON_PHASES, format_report, summarize  # noqa: E402
+from ebbtide.bench.colocate.options import NEEDS_TMS  # noqa: E402
+from ebbtide.bench.colocate.sync import megatron_plan  # noqa: E402
+from ebbtide.integrations.names import served_names as megatron_names  # noqa: E402
+from ebbtide.testing.models import (GraphDecoder, KVCache, MegatronGPT, ModelConfig, MoEConfig,  # noqa: E402
+                                    greedy_decode)
 from ebbtide.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -114,7 +117,7 @@ def test_arguments_pick_the_megatron_loop_and_its_sizes():
     assert cfg.worker_spec("ebbtide")["groups"] == "lazy"
     assert parse_args(["--trainer", "megatron", "--groups", "eager"]).worker_spec("ebbtide")["groups"] == "eager"
     # the drop-in variant runs on ebbtide alone: it is not skipped where the torch_memory_saver package is missing
-    assert "slime-ebbtide" not in launcher.NEEDS_TMS and {"slime", "gpu-tms", "anchor"} <= set(launcher.NEEDS_TMS)
+    assert "slime-ebbtide" not in NEEDS_TMS and {"slime", "gpu-tms", "anchor"} <= set(NEEDS_TMS)
     with pytest.raises(InvalidArgumentError, match="groups must be one of"):
         RunConfig(trainer="megatron", groups="sometimes").validate()
     # slime's anchors run with --use-precision-aware-optimizer unless told not to
@@ -163,10 +166,10 @@ def test_megatron_refusals(argv, msg):
 
 
 def test_unknown_trainer_is_a_usage_error_and_cpu_is_refused_from_the_command_line():
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--trainer", "deepspeed"], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--trainer", "deepspeed"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "--trainer" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate", "--trainer", "megatron", "--device", "cpu"],
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--trainer", "megatron", "--device", "cpu"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "needs CUDA" in p.stderr and "Traceback" not in p.stderr
     with pytest.raises(InvalidArgumentError, match="trainer must be one of"):
@@ -187,7 +190,7 @@ def test_the_megatron_rank_refuses_a_parallel_size_it_cannot_run(tmp_path, key, 
     spec = RunConfig(trainer="megatron", model=MEGATRON_QUICK).validate().worker_spec("ebbtide")
     spec[key] = 2
     env = dict(os.environ, RANK="0", WORLD_SIZE=world)
-    p = subprocess.run([sys.executable, "-m", "ebbtide.colocate.mtrainer", json.dumps(spec), str(out)], env=env,
+    p = subprocess.run([sys.executable, "-m", "ebbtide.bench.colocate.mtrainer", json.dumps(spec), str(out)], env=env,
                        capture_output=True, text=True, timeout=120)
     res = json.loads(out.read_text())
     assert p.returncode == 1 and not res["ok"] and msg in res["error"]
@@ -261,7 +264,7 @@ def test_critical_paths_and_their_goals_in_the_report():
     text = format_report(res)
     assert "== critical paths" in text and "moments bf16" in text and "1.08x the optimizer step" in text
     assert "    250.0" in text  # the floor column
-    from ebbtide.colocate.measure import steady_check
+    from ebbtide.bench.colocate.measure import steady_check
 
     assert all(c["ok"] for c in steady_check(res) if c["phase"] == "train")  # equal phases here
     ours["setup"]["onload_overlaps_train"] = True

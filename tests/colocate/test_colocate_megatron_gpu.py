@@ -1,4 +1,4 @@
-"""The colocated loop with a Megatron-core GPT on one GPU (``python -m ebbtide.colocate --trainer megatron
+"""The colocated loop with a Megatron-core GPT on one GPU (``ebbtide colocate --trainer megatron
 --quick``), one variant per test so each fits gpu-check's per-test deadline: ebbtide (the adapter, ebbtide.sync over
 CUDA IPC, ebbtide.memory in the rollout; lazy and eager groups), slime (HDO + torch_memory_saver + the slime-style
 update), slime-ebbtide (the same with ebbtide.compat.torch_memory_saver) and gpu-tms.
@@ -17,8 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ebbtide.colocate.launcher import MEGATRON_QUICK  # noqa: E402
-from ebbtide.colocate.measure import MEGATRON_PHASES  # noqa: E402
+from ebbtide.bench.colocate.config import MEGATRON_QUICK  # noqa: E402
+from ebbtide.bench.colocate.measure import MEGATRON_PHASES  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def _run(tmp_path, variant: str, *extra: str):
     if art:
         tmp_path = pathlib.Path(art) / ("colocate-megatron-" + "-".join([variant, *(x.strip("-") for x in extra)]))
         tmp_path.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "ebbtide.colocate", "--trainer", "megatron", "--quick", "--steps", "3", "--warmup",
+    cmd = [sys.executable, "-m", "ebbtide", "colocate", "--trainer", "megatron", "--quick", "--steps", "3", "--warmup",
            "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200", "--steady-guard", "warn", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     logs = "".join(f"\n--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(tmp_path.glob("*.log")))

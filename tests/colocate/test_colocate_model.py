@@ -3,7 +3,7 @@ step run eagerly against the eager cached decode, config and argument errors."""
 import pytest
 import torch
 
-from ebbtide.colocate import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
+from ebbtide.testing.models import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
 from ebbtide.errors import InvalidArgumentError, UnsupportedError
 
 TINY = ModelConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, d_ff=256, max_seq=128)
@@ -46,7 +46,7 @@ def test_chunked_prefill_at_an_offset_matches_full_forward():
 
 
 def test_training_loss_decreases_on_the_synthetic_task():
-    from ebbtide.colocate.trainer import train_tokens
+    from ebbtide.bench.colocate.rank import train_tokens
 
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)

@@ -3,8 +3,9 @@ buffer layout): the rollout holds the trainer's weights dequantized bit for bit,
 import pytest
 import torch
 
-from ebbtide.colocate import RolloutSync, TinyLM, TrainerSync, sync_plan
-from ebbtide.colocate.rollout import weight_digests
+from ebbtide.bench.colocate.rank import weight_digests
+from ebbtide.bench.colocate.sync import RolloutSync, TrainerSync, sync_plan
+from ebbtide.testing.models import TinyLM
 from ebbtide.errors import InvalidArgumentError
 from ebbtide.sync import WeightVersionError
 

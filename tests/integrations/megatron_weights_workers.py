@@ -99,8 +99,7 @@ def ep_weights(rank, world, init, experts=4, topk=2):
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
 
     import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
-    from ebbtide.colocate.gpt import MegatronGPT, MoEConfig  # noqa: PLC0415
-    from ebbtide.colocate.model import ModelConfig  # noqa: PLC0415
+    from ebbtide.testing.models import MegatronGPT, MoEConfig, ModelConfig  # noqa: PLC0415
     from megatron_dist_workers import moe_kwargs  # noqa: PLC0415
 
     _setup(rank, world, init, ep=world)

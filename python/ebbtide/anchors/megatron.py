@@ -1,11 +1,13 @@
-"""Megatron-core setups shared by the benchmarks and the colocated example: a GPT built as Megatron trains it, the
-``OptimizerConfig`` they use, and the CPU-offloaded optimizer slime runs (DistributedOptimizer +
-HybridDeviceOptimizer). Import it only where megatron-core is installed."""
+"""Megatron-core setups shared by the benchmarks and the colocated loop: a GPT built as Megatron trains it, the
+``OptimizerConfig`` they use, the CPU-offloaded optimizer slime runs (DistributedOptimizer + HybridDeviceOptimizer),
+torch_memory_saver configured in a Megatron process, and slime's pinned copy of the weights across a pause
+(``TensorBackuper``). Import it only where megatron-core is installed."""
 from __future__ import annotations
 
 import torch
 
-__all__ = ["build_gpt", "opt_config", "hdo", "moe_fields", "slime_offload_config"]
+__all__ = ["build_gpt", "opt_config", "hdo", "moe_fields", "slime_offload_config", "torch_memory_saver",
+           "TensorBackuper"]
 
 
 def moe_fields(experts: int, topk: int) -> dict:
@@ -110,3 +112,34 @@ def hdo(model, clip: float = 0.0, fused: bool = True):
         for g in opt.optimizer.param_groups:
             g["fused"] = False
     return opt
+
+
+def torch_memory_saver(*, dropin: bool = False):
+    """``anchors.tms.torch_memory_saver(retain_cpu_backup=True)`` in a Megatron-core process: configured after
+    ``import megatron.core.models.gpt``, which sets the package's hook mode on import (it refuses a change once
+    initialised). ``dropin``: ebbtide.compat.torch_memory_saver, imported in the same order."""
+    import megatron.core.models.gpt  # noqa: F401
+
+    from .tms import torch_memory_saver as configured
+
+    return configured(dropin=dropin, retain_cpu_backup=True)
+
+
+class TensorBackuper:
+    """slime's ``TensorBackuper`` (its ``--offload-train`` patch): the weights survive a pause of their (backup-less)
+    region in a pinned per-parameter host copy, refreshed before the pause and copied back after the resume."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self.params]
+
+    def backup(self) -> None:
+        for b, p in zip(self.copies, self.params):
+            b.copy_(p.detach(), non_blocking=True)
+        torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Queued on the current stream (the caller synchronizes)."""
+        for b, p in zip(self.copies, self.params):
+            p.copy_(b, non_blocking=True)

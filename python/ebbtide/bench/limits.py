@@ -16,6 +16,16 @@ from .registry import Skip
 GB = 1e9
 
 
+def host_triad(nbytes: int, threads: int = 0, passes: int = 8) -> float:
+    """GB/s of the in-place triad a += s*b over ``nbytes`` arrays on ``threads`` threads (0: every thread of this
+    process's CPU affinity), best of ``passes``: the bound of a CPU optimizer step. The native probe itself (no
+    public API measures the host: it is the bench's limit, not something ebbtide offers)."""
+    from .. import _native  # noqa: PLC0415
+
+    C = _native.load()
+    return C.host_triad_bandwidth(nbytes, threads or C.cpu_affinity_count(), passes) / GB
+
+
 class Limits:
     def __init__(self, *, quick: bool, log: Callable[[str], None] = lambda s: None):
         self.quick = quick
@@ -36,16 +46,14 @@ class Limits:
     def host_triad_gbps(self, threads: int = 0) -> float:
         from .. import _native  # noqa: PLC0415
 
-        C = _native.load()
         # "All threads" is keyed by its actual count, so every suite asking for the same thread count compares
         # with the same probe (two probes of one machine differed by 24% in one run on a VM).
-        threads = threads or C.cpu_affinity_count()
+        threads = threads or _native.load().cpu_affinity_count()
 
         def probe() -> float:
             # Arrays well past any L3 (quick runs too: a cached triad would overstate the limit); best of many
             # passes, since a limit must not be a pessimistic sample.
-            size = (256 if self.quick else 1024) << 20
-            return C.host_triad_bandwidth(size, threads, 8 if self.quick else 20) / GB
+            return host_triad((256 if self.quick else 1024) << 20, threads, 8 if self.quick else 20)
 
         return self._memo(f"host_triad_gbps[t={threads}]", probe)
 

@@ -21,6 +21,7 @@ from ._engine import (Pending, Report, coalescing, get_cpu_backup, get_cpu_backu
                       resume, resume_async, set_background_pinning, set_coalescing, set_memory_margin, stats,
                       wait_background_pinning)
 from ._check import check, check_paused_blocks, set_checking
+from ._common import without_expandable_segments
 from ._cupy import cupy_allocator
 from ._hooks import (configure_subprocess, disable, graph, hook_mode, preload_env, region, set_default_region,
                      set_hook_mode)
@@ -37,5 +38,5 @@ __all__ = [
     "graph", "check", "set_memory_margin", "memory_margin", "release_report", "ReleaseReport", "set_checking",
     "export_tensor", "import_tensor", "check_handle", "SharedHandle", "ImportedTensor", "cupy_allocator",
     "set_coalescing", "coalescing", "host_memory", "HostMemory", "set_host_retention", "host_retention",
-    "set_disk_backup_dir", "disk_backup_dir",
+    "set_disk_backup_dir", "disk_backup_dir", "without_expandable_segments",
 ]

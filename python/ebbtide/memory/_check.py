@@ -41,24 +41,21 @@ def check_paused_blocks() -> list:
         return []
     starts = [r[0] for r in ranges]
     bad = []
-    for seg, addr, blk in _live_blocks(torch):
-        i = bisect.bisect_right(starts, addr) - 1
-        if i >= 0 and addr < ranges[i][0] + ranges[i][1]:
-            bad.append({"address": addr, "size": blk["size"], "state": blk["state"],
-                        "segment_pool_id": seg.get("segment_pool_id")})
+    for seg, blk in _live_blocks(torch):
+        i = bisect.bisect_right(starts, blk.address) - 1
+        if i >= 0 and blk.address < ranges[i][0] + ranges[i][1]:
+            bad.append({"address": blk.address, "size": blk.size, "state": blk.state,
+                        "segment_pool_id": seg.pool})
     return bad
 
 
 def _live_blocks(torch):
-    """(segment, address, block) of every active_allocated block in torch.cuda.memory_snapshot(). A block's
-    address is its own "address" field where the snapshot has one, else the segment's plus the sizes before it."""
-    for seg in torch.cuda.memory_snapshot():
-        addr = seg["address"]
-        for blk in seg.get("blocks", []):
-            addr = blk.get("address", addr)
-            if blk.get("state") == "active_allocated":
-                yield seg, addr, blk
-            addr += blk["size"]
+    """(segment, block) of every active_allocated block in torch.cuda.memory_snapshot() (``ebbtide._snapshot``)."""
+    from .._snapshot import segments  # noqa: PLC0415
+
+    for seg in segments(torch.cuda.memory_snapshot()):
+        for blk in seg.live:
+            yield seg, blk
 
 
 def set_checking(enabled: bool) -> None:
@@ -76,7 +73,7 @@ def record_pause_baseline() -> None:
     torch = torch_cuda()
     if torch is None:
         return
-    _baseline.update(addr for _, addr, _ in _live_blocks(torch))
+    _baseline.update(blk.address for _, blk in _live_blocks(torch))
 
 
 def check(*, raise_on_error: bool = False) -> list:

@@ -12,7 +12,8 @@ from typing import Optional
 from .. import _native
 from ..errors import InvalidArgumentError
 
-__all__ = ["BACKUPS", "HOSTS", "mem", "backup_code", "check_tag", "torch_cuda", "expandable_segments_requested"]
+__all__ = ["BACKUPS", "HOSTS", "mem", "backup_code", "check_tag", "torch_cuda", "expandable_segments_requested",
+           "without_expandable_segments", "ALLOC_CONF_VARS"]
 
 BACKUPS = {"none": 0, "cpu": 1, "disk": 2}
 # Where a CPU backup's host copy lives (memory/ebbtide_memory.h): the persistent pinned arena (ebbtide's default),
@@ -55,7 +56,41 @@ def torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
-def expandable_segments_requested() -> bool:
-    """Whether PyTorch's allocator is configured for expandable segments (their memory bypasses cudaMalloc)."""
-    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", ""))
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+# PyTorch's allocator settings: comma-separated "key:value" entries, in either variable (the second is the newer name)
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def _alloc_conf(value: str) -> list:
+    """(entry as written, key, value) of each non-empty entry of an allocator setting; key and value without spaces,
+    lower-cased (how PyTorch reads "expandable_segments: True")."""
+    out = []
+    for entry in value.split(","):
+        if entry.strip():
+            key, _, val = entry.partition(":")
+            out.append((entry, key.replace(" ", "").lower(), val.replace(" ", "").lower()))
+    return out
+
+
+def expandable_segments_requested(env: Optional[dict] = None) -> bool:
+    """Whether PyTorch's allocator is configured for expandable segments in ``env`` (default os.environ): their
+    memory is mapped with cuMemCreate, around cudaMalloc, so the preload shim sees none of it."""
+    env = os.environ if env is None else env
+    return any(key == "expandable_segments" and val == "true"
+               for var in ALLOC_CONF_VARS for _, key, val in _alloc_conf(env.get(var, "")))
+
+
+def without_expandable_segments(env: dict) -> dict:
+    """A copy of ``env`` without any ``expandable_segments`` entry in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
+    (the other entries kept as written; a variable left empty is removed): for a child started under the preload
+    shim (``preload_env``), which refuses regions under expandable segments; the child then uses the plain caching
+    allocator. ``env`` itself is not modified."""
+    out = dict(env)
+    for var in ALLOC_CONF_VARS:
+        if var not in out:
+            continue
+        keep = [entry for entry, key, _ in _alloc_conf(out[var]) if key != "expandable_segments"]
+        if keep:
+            out[var] = ",".join(keep)
+        else:
+            del out[var]
+    return out

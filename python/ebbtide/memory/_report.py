@@ -65,46 +65,41 @@ class ReleaseReport:
 
 
 def _nvml_process_used(torch, device: int, notes: list) -> Optional[int]:
-    try:
-        import pynvml  # noqa: PLC0415
-    except ImportError:
-        notes.append("NVML per-process memory unavailable: nvidia-ml-py not installed")
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # noqa: BLE001
-        notes.append(f"NVML unavailable: {e}")
-        return None
+    from .._nvml import Device  # noqa: PLC0415
+
     try:
         uuid = str(torch.cuda.get_device_properties(device).uuid)
-        h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
-        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-            if p.pid == os.getpid():
-                return int(p.usedGpuMemory) if p.usedGpuMemory is not None else None
-        notes.append("NVML lists no compute process with this pid (containers hide host pids)")
-        return None
     except Exception as e:  # noqa: BLE001
-        notes.append(f"NVML per-process query failed: {e}")
+        notes.append(f"NVML per-process query failed: no device UUID from torch ({e})")
         return None
+    nvml = Device(uuid=uuid)
+    try:
+        procs = nvml.processes()
+        if procs is None:
+            notes.append(f"NVML per-process memory unavailable: {nvml.why}")
+            return None
+        if os.getpid() not in procs:
+            notes.append("NVML lists no compute process with this pid (containers hide host pids)")
+        return procs.get(os.getpid())
     finally:
-        pynvml.nvmlShutdown()
+        nvml.close()
 
 
 def _torch_segments(torch, device: int, paused: list) -> list:
     import bisect  # noqa: PLC0415
 
+    from .._snapshot import segments  # noqa: PLC0415
+
     starts = [r[0] for r in paused]
     out = []
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", device) != device:
+    for seg in segments(torch.cuda.memory_snapshot()):
+        if (seg.device if seg.device is not None else device) != device:
             continue
-        addr = seg["address"]
-        i = bisect.bisect_right(starts, addr) - 1
-        if i >= 0 and addr < paused[i][0] + paused[i][1]:
+        i = bisect.bisect_right(starts, seg.address) - 1
+        if i >= 0 and seg.address < paused[i][0] + paused[i][1]:
             continue  # a paused segment: its memory went back
-        out.append({"address": addr, "size": seg["total_size"], "allocated": seg["allocated_size"],
-                    "pool": seg.get("segment_pool_id"), "type": seg.get("segment_type"),
-                    "expandable": bool(seg.get("is_expandable", False))})
+        out.append({"address": seg.address, "size": seg.size, "allocated": seg.allocated, "pool": seg.pool,
+                    "type": seg.type, "expandable": seg.expandable})
     return out
 
 

@@ -74,6 +74,18 @@ class SharedHostBuffer:
         """Bytes a host transport needs for ``plan`` (header + the whole update)."""
         return HEADER_BYTES + plan.nbytes
 
+    def payload(self, nbytes: int | None = None) -> torch.Tensor:
+        """The buffer after its header (uint8, shared): where the host transports lay out the whole update, bucket
+        after bucket at the plan's ``bucket_offsets()``; its first ``nbytes`` (default: all of it). For a codec of
+        the caller's own over the same layout (the transports' header, version and checks are theirs alone)."""
+        room = self.nbytes - HEADER_BYTES
+        if nbytes is None:
+            nbytes = room
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= room:
+            raise InvalidArgumentError(f"payload size must be an int in [0, {room}] (the buffer after its "
+                                       f"{HEADER_BYTES}-byte header), got {nbytes!r}")
+        return self.tensor[HEADER_BYTES:HEADER_BYTES + nbytes]
+
     def close(self):
         if self.pinned:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()))
@@ -193,7 +205,7 @@ class HostReceiver:
     def receive(self, receiver, version: int | None = None) -> int:
         v = self._checked(receiver, version)
         _check_buffer(self.buf, receiver.plan)
-        src = self.buf.tensor[HEADER_BYTES:HEADER_BYTES + receiver.plan.nbytes]
+        src = self.buf.payload(receiver.plan.nbytes)
         dst = receiver.staging[:receiver.plan.nbytes]
         if receiver.cuda:
             with torch.cuda.stream(receiver.stream):

@@ -125,13 +125,13 @@ def _step_us(dec, pos: int) -> float:
 def build_model(spec: dict):
     """The example's model (bf16, ``TinyLM.random``: the same construction as the colocated rollout's), built inside
     the caller's region."""
-    from ebbtide.colocate.model import ModelConfig, TinyLM  # noqa: PLC0415
+    from ebbtide.testing.models import ModelConfig, TinyLM  # noqa: PLC0415
 
     return TinyLM.random(ModelConfig(**spec["model"]), seed=0, device="cuda")
 
 
 def decode_rows(mem: _Memory, spec: dict) -> dict:
-    from ebbtide.colocate.model import GraphDecoder, KVCache, ModelConfig  # noqa: PLC0415
+    from ebbtide.testing.models import GraphDecoder, KVCache, ModelConfig  # noqa: PLC0415
 
     cfg = ModelConfig(**spec["model"])
     B, P, N = spec["batch"], spec["prompt_len"], spec["new_tokens"]
@@ -200,8 +200,8 @@ def train_rows(mem: _Memory, spec: dict) -> dict:
     activations where the mode puts untagged memory (preload: the process default tag; otherwise torch's pool).
     In the ebbtide modes also with ``OffloadedAdam`` attached (its flat params and grads in tags, as the colocated
     trainer places them), with and without the gradient download overlapped with the backward."""
-    from ebbtide.colocate.model import ModelConfig  # noqa: PLC0415
-    from ebbtide.colocate.trainer import train_tokens  # noqa: PLC0415
+    from ebbtide.testing.models import ModelConfig  # noqa: PLC0415
+    from ebbtide.bench.colocate.rank import train_tokens  # noqa: PLC0415
 
     cfg = ModelConfig(**spec["model"])
     tokens = train_tokens(cfg, spec["train_batch"], spec["train_seq"], 0, 0).cuda()
@@ -210,7 +210,7 @@ def train_rows(mem: _Memory, spec: dict) -> dict:
     out = {"fwd_bwd_s": _fwd_bwd_times(model, tokens, spec["train_reps"], lambda: model.zero_grad(set_to_none=False))}
     del model
     if mem.em is not None:
-        from ebbtide.colocate.trainer import region_buffers  # noqa: PLC0415
+        from ebbtide.bench.colocate.trainer import region_buffers  # noqa: PLC0415
         from ebbtide.optim import OffloadedAdam  # noqa: PLC0415
 
         for overlap in (False, True):
@@ -292,8 +292,8 @@ def update_rows(spec: dict) -> dict:
     torch formula per tensor on the caller's stream). Before each load the sender packs the update and another
     context does a little GPU work, as the trainer does between two generations. The model loads its own
     quantized weights (the figures are timings; the bits are tests/sync's)."""
-    from ebbtide.colocate.model import GraphDecoder, KVCache, ModelConfig  # noqa: PLC0415
-    from ebbtide.colocate.sync import RolloutSync, TrainerSync  # noqa: PLC0415
+    from ebbtide.testing.models import GraphDecoder, KVCache, ModelConfig  # noqa: PLC0415
+    from ebbtide.bench.colocate.sync import RolloutSync, TrainerSync  # noqa: PLC0415
 
     cfg = ModelConfig(**spec["model"])
     B, P, N = spec["batch"], spec["prompt_len"], spec["new_tokens"]

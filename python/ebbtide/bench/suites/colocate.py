@@ -1,10 +1,10 @@
-"""Suite `colocate`: a short colocated RL loop (the colocation example, ``python -m ebbtide.colocate``) beside the same
-loop on today's tools (torch_memory_saver retain_cpu_backup, destroy + re-create process groups, torch fused AdamW
+"""Suite `colocate`: a short colocated RL loop (the harness ``ebbtide.bench.colocate``, ``ebbtide colocate``) beside the
+same loop on today's tools (torch_memory_saver retain_cpu_backup, destroy + re-create process groups, torch fused AdamW
 on CPU with plain copies, the torch quant formula), each variant in fresh processes of the same run.
 
 Rows (1 GPU; with 2+ GPUs also the 2-GPU data-parallel loop): seconds per RL step (the headline), the weight
 sync (pack + load), the trainer's pause + resume, the rollout's resume and pause, and the trainer's GPU memory during generation (NVML, above
-its CUDA context). --quick: the 0.12 B-param model, 5 steps; otherwise the example's default 0.39 B model, 10 steps.
+its CUDA context). --quick: the 0.12 B-param model, 5 steps; otherwise the loop's default 0.39 B model, 10 steps.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def run(ctx):
 
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # earlier in-process suites' cached blocks would crowd the two processes
-    from ebbtide.colocate import run_loop  # noqa: PLC0415
+    from ..colocate.launcher import run_loop  # noqa: PLC0415
 
     from .._spawn import TEST_ARTIFACTS  # noqa: PLC0415
 

@@ -13,7 +13,7 @@ Rows (seconds, median of the measured steps; lower is better): optimizer step, o
 and the device memory in use while offloaded (driver view, GB). The optimizer row's limit is the larger of the CPU
 floor (28 B/param at the host triad bandwidth) and the PCIe floor (bf16 grads down, bf16 params up).
 
-Then the colocated RL loop on the same kind of model (``python -m ebbtide.colocate --trainer megatron``: a rollout
+Then the colocated RL loop on the same kind of model (``ebbtide colocate --trainer megatron``: a rollout
 process on the same GPU, weights pushed every step; the same ~1.3 B shape, --quick ~0.12 B), each variant in fresh
 processes of the same run: "ebbtide" (the adapter + ebbtide.sync over CUDA IPC + ebbtide.memory in the rollout),
 "slime" (HDO, torch_memory_saver for trainer and rollout, groups destroyed and re-created, the slime-style FP8
@@ -119,7 +119,7 @@ LOOP_PHASES = (("optimizer", "optimizer step"), ("sync", "weight sync (trainer -
 
 def _colocated(ctx):
     from .._spawn import TEST_ARTIFACTS  # noqa: PLC0415
-    from ...colocate import run_loop  # noqa: PLC0415
+    from ..colocate.launcher import run_loop  # noqa: PLC0415
 
     art = settings.get(TEST_ARTIFACTS)  # scripts/gpu-check packs this folder into logs.tgz
     out = os.path.join(art, "megatron-colocate") if art else tempfile.mkdtemp(prefix="ebbtide-megatron-colocate-")

@@ -1,6 +1,6 @@
 """Suite `quant`: FP8 block / group and INT4 kernels in effective GB/s (bytes read + written by the operation),
-each beside the torch formula (the DeepGEMM / slime reference code, run on the same GPU in the same run) and the
-device-copy bandwidth measured in the same run.
+each beside the torch formula (the DeepGEMM / slime reference code, ``ebbtide.anchors.quant``, run on the same GPU
+in the same run) and the device-copy bandwidth measured in the same run.
 
 Timing: CUDA events around `reps` back-to-back calls queued behind a GPU sleep, so host-side launch overhead is
 hidden and the figure is device time per call; median of several such measurements, after warm-up. Every tensor
@@ -36,44 +36,6 @@ def _timer(torch, fn, reps: int, rounds: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / reps)
     return statistics.median(times)
-
-
-# ---- the torch formulas (anchors) -----------------------------------------------------------------------------
-def torch_block_quant(torch, x, eps=1e-4):
-    """DeepGEMM per_block_cast_to_fp8 (batched over leading dims; pads ragged N, K with zeros as it does)."""
-    *lead, n0, k0 = x.shape
-    n, k = -(-n0 // 128) * 128, -(-k0 // 128) * 128
-    if (n, k) != (n0, k0):
-        x = torch.nn.functional.pad(x, (0, k - k0, 0, n - n0))
-    xv = x.view(*lead, n // 128, 128, k // 128, 128)
-    amax = xv.abs().float().amax(dim=(-3, -1), keepdim=True).clamp(eps)
-    sf = amax / 448.0
-    q = (xv * (1.0 / sf)).to(torch.float8_e4m3fn).view(x.shape)[..., :n0, :k0]
-    return q, sf.view(*lead, n // 128, k // 128)
-
-
-def torch_group_quant(torch, x, eps=1e-10, mn_major=False):
-    """DeepGEMM per_token_cast_to_fp8 (+ the MN-major transpose copy when asked)."""
-    m, k = x.shape
-    xv = x.view(m, -1, 128)
-    amax = xv.abs().float().amax(dim=2).clamp(eps)
-    q = (xv * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, k)
-    s = amax / 448.0
-    if mn_major:
-        s = s.t().contiguous().t()
-    return q, s
-
-
-def torch_int4(torch, w, group=128, pack=False):
-    """slime's Megatron fake-quant (amax/7, round, clamp, q*s) and its compressed-tensors packer."""
-    n, k = w.shape
-    x = w.view(n, -1, group).float()
-    s = (x.abs().amax(dim=2, keepdim=True) / 7).clamp(min=1e-5)
-    q = torch.round(x / s).clamp(-7, 7)
-    if not pack:
-        return (q * s).view(n, k).to(torch.bfloat16)
-    u = (q.view(n, k // 8, 8).to(torch.int32) + 8) << torch.arange(0, 32, 4, device=w.device, dtype=torch.int32)
-    return u.sum(dim=-1, dtype=torch.int32), s.view(n, -1).to(torch.bfloat16)
 
 
 def _same_size_copy(torch, nbytes: int, reps: int, rounds: int) -> float:
@@ -146,6 +108,8 @@ def run(ctx):
         raise Skip("torch is not installed") from e
     import ebbtide.quant as Q  # noqa: PLC0415
 
+    from ...anchors.quant import torch_block_dequant, torch_block_quant, torch_group_quant, torch_int4  # noqa: PLC0415
+
     limit = ctx.limits.d2d_gbps()
     reps, rounds = (5, 3) if ctx.quick else (20, 7)
     dev = "cuda"
@@ -164,23 +128,23 @@ def run(ctx):
                 x = randn(*p["shape"])
                 scale = p.get("scale", "fp32")
                 ours = lambda: Q.fp8_block_quant(x, scale=scale)  # noqa: E731
-                anchor = lambda: torch_block_quant(torch, x)  # noqa: E731
+                anchor = lambda: torch_block_quant(x)  # noqa: E731
                 anchor_name = "torch formula (DeepGEMM per_block_cast_to_fp8)"
             elif kind == "list1":
                 x = randn(*p["shape"])
                 ours = lambda: Q.fp8_block_quant_list([x])  # noqa: E731
-                anchor = lambda: torch_block_quant(torch, x)  # noqa: E731
+                anchor = lambda: torch_block_quant(x)  # noqa: E731
                 anchor_name = "torch formula (DeepGEMM per_block_cast_to_fp8)"
             elif kind == "group":
                 x = randn(*p["shape"])
                 ours = lambda: Q.fp8_group_quant(x, scale_layout=p["layout"], scale=p["scale"])  # noqa: E731
-                anchor = lambda: torch_group_quant(torch, x, mn_major=p["layout"] == "mn_major")  # noqa: E731
+                anchor = lambda: torch_group_quant(x, mn_major=p["layout"] == "mn_major")  # noqa: E731
                 anchor_name = "torch formula (DeepGEMM per_token_cast_to_fp8)"
             elif kind == "list":
                 ts = [randn(*s) for s in _list_shapes(p["quick"])]
                 nbytes = sum(t.numel() * 3 + (-(-t.shape[0] // 128)) * (-(-t.shape[1] // 128)) * 4 for t in ts)
                 ours = lambda: Q.fp8_block_quant_list(ts)  # noqa: E731
-                anchor = lambda: [torch_block_quant(torch, t) for t in ts]  # noqa: E731
+                anchor = lambda: [torch_block_quant(t) for t in ts]  # noqa: E731
                 anchor_name = "torch formula, per tensor"
                 name = f"{name} ({nbytes / GB:.2f} GB)"
                 t_loop = _timer(torch, lambda: [Q.fp8_block_quant(t) for t in ts], max(2, reps // 4), rounds)
@@ -189,15 +153,15 @@ def run(ctx):
                 x = randn(*p["shape"]) * 0.02
                 if kind == "int4_fq":
                     ours = lambda: Q.int4_fake_quant(x)  # noqa: E731
-                    anchor = lambda: torch_int4(torch, x)  # noqa: E731
+                    anchor = lambda: torch_int4(x)  # noqa: E731
                 else:
                     ours = lambda: Q.int4_pack(x)  # noqa: E731
-                    anchor = lambda: torch_int4(torch, x, pack=True)  # noqa: E731
+                    anchor = lambda: torch_int4(x, pack=True)  # noqa: E731
                 anchor_name = "torch formula (slime fake-quant / packer)"
             elif kind == "dequant":
                 q, s = Q.fp8_block_quant(randn(*p["shape"]))
                 ours = lambda: Q.fp8_block_dequant(q, s)  # noqa: E731
-                anchor = lambda: (q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).bfloat16()  # noqa: E731
+                anchor = lambda: torch_block_dequant(q, s)  # noqa: E731
                 anchor_name = "torch formula (float(q) * expanded s)"
             else:  # pragma: no cover
                 raise AssertionError(kind)

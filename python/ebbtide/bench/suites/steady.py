@@ -1,7 +1,7 @@
 """Suite `steady`: the steady phases -- decode and training -- with ebbtide beside the same code without it.
 
 ebbtide wins the transitions; this suite checks that it costs nothing between them. Every row runs the same code
-(the colocation example's model, KV cache and ``GraphDecoder``) in a fresh process per memory setup
+(the colocated loop's model, KV cache and ``GraphDecoder``: ``ebbtide.testing.models``) in a fresh process per memory setup
 (``_steady_worker.MODES``): ``plain`` (no memory library: the anchor of every row), ebbtide's LD_PRELOAD shim with
 a process default tag (the colocated rollout's setup), ebbtide's in-process regions, the
 ``torch_memory_saver``-compatible module, and torch_memory_saver itself in its torch and preload hook modes where it
@@ -45,12 +45,15 @@ DEFAULT_TAG = "steady_scratch"
 
 
 def sizes(quick: bool) -> dict:
-    """The worker spec's sizes: the colocation example's default model and decode, or a small one (--quick)."""
+    """The worker spec's sizes: the colocated loop's default model and decode, or its quick model (--quick)."""
+    import dataclasses  # noqa: PLC0415
+
+    from ..colocate.config import model_for  # noqa: PLC0415
+
+    model = dataclasses.asdict(model_for("toy", quick))
     if quick:
-        model = dict(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)
         return dict(model=model, batch=8, prompt_len=64, new_tokens=64, cycles=2, reps=2, train_batch=4,
                     train_seq=256, train_reps=3, rounds=2)
-    model = dict(vocab=16384, d_model=1536, n_layers=12, n_heads=12, d_ff=6144, max_seq=1024)
     return dict(model=model, batch=16, prompt_len=128, new_tokens=128, cycles=3, reps=3, train_batch=8,
                 train_seq=512, train_reps=5, rounds=3)
 
@@ -75,9 +78,8 @@ def worker_env(mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if mode == "ebbtide-preload":
         import ebbtide.memory as em  # noqa: PLC0415
-        from ebbtide.colocate.trainer import without_expandable_segments  # noqa: PLC0415
 
-        return em.preload_env(without_expandable_segments(env), default_tag=DEFAULT_TAG)
+        return em.preload_env(em.without_expandable_segments(env), default_tag=DEFAULT_TAG)
     if mode == "tms-preload":
         lib = tms_preload_library()
         if lib is None:

@@ -13,7 +13,7 @@
 Weights as a serving engine takes them: ``tensor_parallel_dims`` (the ``tp_dims`` of ``ebbtide.sync.Sender``) and
 ``full_weights`` (gathered over the tensor-parallel group, experts over the expert-parallel one under their global
 names: ``expert_parallel_names``; ``expert_sources``, the ``ep_sources`` of ``ebbtide.sync.Sender``, gathers them per
-bucket instead).
+bucket instead; ``gather_along``: one tensor's shards over a group, e.g. the vocabulary-split logits at TP > 1).
 
 Groups (``install_groups``, ``release_groups``, ``reload_groups``, ``check_groups``), memory (``TrainingState``) and
 the optimizer (``get_optimizer``, ``EbbtideOptimizer``; with the distributed optimizer, ``EbbtideDistributedOptimizer``
@@ -29,10 +29,10 @@ from ._memory import OffloadReport, TrainingState
 from ._build import get_optimizer
 from ._distributed import EbbtideDistributedOptimizer
 from ._optimizer import EbbtideOptimizer, check_config
-from ._weights import expert_parallel_names, expert_sources, full_weights, tensor_parallel_dims
+from ._weights import expert_parallel_names, expert_sources, full_weights, gather_along, tensor_parallel_dims
 
 __all__ = [
     "install_groups", "release_groups", "reload_groups", "check_groups", "megatron_groups",
     "TrainingState", "OffloadReport", "get_optimizer", "EbbtideOptimizer", "EbbtideDistributedOptimizer",
-    "check_config", "tensor_parallel_dims", "expert_parallel_names", "expert_sources", "full_weights",
+    "check_config", "tensor_parallel_dims", "expert_parallel_names", "expert_sources", "full_weights", "gather_along",
 ]

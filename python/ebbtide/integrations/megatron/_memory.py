@@ -46,6 +46,7 @@ from itertools import chain
 
 import torch
 
+from ..._snapshot import largest_live_blocks, largest_segments
 from ...errors import InvalidArgumentError, StateError, UnsupportedError
 
 __all__ = ["TrainingState", "OffloadReport"]
@@ -463,49 +464,3 @@ class TrainingState:
         for h in self._armed:
             h.remove()
         self._uploads, self._armed = [], []
-
-
-def _frames(block: dict) -> list[str]:
-    """A block's allocating frames, ``"file:line name"``: its Python frames where memory history recorded any (the
-    C++ ones are the allocator's own), else its innermost frames; six at most."""
-    frames = block.get("frames", ())
-    py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    return [f"{f.get('filename', '?')}:{f.get('line', '?')} {f.get('name', '?')}" for f in (py or frames)[:6]]
-
-
-def largest_live_blocks(snapshot: list[dict], top: int = 8) -> list[dict]:
-    """From ``torch.cuda.memory_snapshot()``: the ``top`` largest allocated blocks of the default pool (pool id
-    (0, 0); ebbtide's tags live in private pools), largest first, each with its segment's size and live bytes
-    (``segment_bytes``, ``segment_live_bytes``): a small block alone in a large segment holds the whole segment
-    reserved (the caching allocator frees whole segments only)."""
-    found = []
-    for seg in snapshot:
-        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
-            continue
-        live = [b for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"]
-        seg_bytes = int(seg.get("total_size", sum(int(b["size"]) for b in seg.get("blocks", ()))))
-        live_bytes = sum(int(b["size"]) for b in live)
-        for blk in live:
-            found.append({"bytes": int(blk["size"]), "segment_bytes": seg_bytes, "segment_live_bytes": live_bytes,
-                          "frames": _frames(blk)})
-    found.sort(key=lambda b: (-b["bytes"], -b["segment_bytes"]))
-    return found[:max(0, int(top))]
-
-
-def largest_segments(snapshot: list[dict], top: int = 4) -> list[dict]:
-    """From ``torch.cuda.memory_snapshot()``: the ``top`` largest segments of the default pool that hold a live
-    block, largest first: ``{"segment_bytes", "live_bytes", "live_blocks", "frames"}`` (frames: its largest live
-    block's). A segment far larger than its live bytes is reserved by what lives in it, not by its size."""
-    found = []
-    for seg in snapshot:
-        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
-            continue
-        live = sorted((b for b in seg.get("blocks", ()) if b.get("state") == "active_allocated"),
-                      key=lambda b: -int(b["size"]))
-        if not live:
-            continue
-        found.append({"segment_bytes": int(seg.get("total_size", sum(int(b["size"]) for b in seg["blocks"]))),
-                      "live_bytes": sum(int(b["size"]) for b in live), "live_blocks": len(live),
-                      "frames": _frames(live[0])})
-    found.sort(key=lambda s: -s["segment_bytes"])
-    return found[:max(0, int(top))]

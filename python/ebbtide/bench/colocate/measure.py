@@ -78,67 +78,42 @@ class Recorder:
 
 
 class NvmlProbe:
-    """Per-process GPU memory on one device. Never raises: ``why`` says what is missing."""
+    """Per-process GPU memory on one device, each process named by its role (trainer, rollout, ...). Never
+    raises: ``why`` says what is missing. NVML itself is ``ebbtide._nvml`` (the package's one reader of it; NVML
+    is not an API ebbtide offers, so the bench reads it through the package's own private helper)."""
 
     def __init__(self, *, uuid: str | None = None, index: int | None = None):
-        self.why = ""
-        self._nvml = None
-        self._h = None
-        self.roles: dict[int, str] = {}
-        try:
-            import pynvml  # noqa: PLC0415
+        from ..._nvml import Device  # noqa: PLC0415
 
-            pynvml.nvmlInit()
-            h = None
-            if uuid:
-                try:
-                    h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else "GPU-" + uuid)
-                except Exception:  # noqa: BLE001 (MIG or a different format: fall back to the index)
-                    h = None
-            if h is None:
-                h = pynvml.nvmlDeviceGetHandleByIndex(int(index or 0))
-            self._nvml, self._h = pynvml, h
-        except Exception as e:  # noqa: BLE001
-            self.why = f"NVML unavailable: {type(e).__name__}: {e}"
+        self._dev = Device(uuid=uuid, index=index)
+        self.roles: dict[int, str] = {}
 
     @classmethod
     def unavailable(cls, why: str) -> "NvmlProbe":
         probe = cls.__new__(cls)
-        probe.why, probe._nvml, probe._h, probe.roles = why, None, None, {}
+        probe._dev, probe.roles = None, {}
+        probe._why = why
         return probe
 
     @property
+    def why(self) -> str:
+        return self._dev.why if self._dev is not None else self._why
+
+    @property
     def ok(self) -> bool:
-        return self._h is not None
+        return self._dev is not None and self._dev.ok
 
     def processes(self) -> dict[int, int]:
         """{pid: bytes used} as NVML reports them (None bytes when the driver hides them)."""
-        if not self.ok:
-            return {}
-        try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._h)
-        except Exception as e:  # noqa: BLE001
-            self.why = f"nvmlDeviceGetComputeRunningProcesses: {e}"
-            return {}
-        return {int(p.pid): (int(p.usedGpuMemory) if p.usedGpuMemory is not None else None) for p in procs}
+        return (self._dev.processes() if self._dev is not None else None) or {}
 
     def device_used(self) -> int | None:
-        if not self.ok:
-            return None
-        try:
-            return int(self._nvml.nvmlDeviceGetMemoryInfo(self._h).used)
-        except Exception:  # noqa: BLE001
-            return None
+        return self._dev.memory_used() if self._dev is not None else None
 
     def sm_clock_mhz(self) -> int | None:
         """The device's SM clock now (MHz), or None. A GPU left idle (a CPU optimizer step) clocks down, and the
         first kernels after it run slower until it clocks up again."""
-        if not self.ok:
-            return None
-        try:
-            return int(self._nvml.nvmlDeviceGetClockInfo(self._h, self._nvml.NVML_CLOCK_SM))
-        except Exception:  # noqa: BLE001
-            return None
+        return self._dev.sm_clock_mhz() if self._dev is not None else None
 
     def assign(self, pids, role: str) -> None:
         for p in pids:
@@ -171,17 +146,9 @@ class NvmlProbe:
 
 def nvml_all_pids() -> list[int]:
     """PIDs with a compute context on any GPU, as NVML reports them ([] without NVML)."""
-    try:
-        import pynvml  # noqa: PLC0415
+    from ..._nvml import compute_pids  # noqa: PLC0415
 
-        pynvml.nvmlInit()
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            out += [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
-        return sorted(set(out))
-    except Exception:  # noqa: BLE001
-        return []
+    return compute_pids()
 
 
 # ---- summaries -----------------------------------------------------------------------------------------------

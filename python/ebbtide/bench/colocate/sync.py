@@ -1,4 +1,4 @@
-"""Weight sync of the colocation example: the trainer packs its weights into one shared pinned host buffer, the
+"""Weight sync of the colocated loop: the trainer packs its weights into one shared pinned host buffer, the
 rollout loads them (``ebbtide.sync``'s host transport), with the same plan on both sides.
 
 Policies:
@@ -8,7 +8,8 @@ Policies:
 - Two codecs over the same buffer layout: "ebbtide" (``ebbtide.sync``: one FP8 launch per bucket, bucket k copied
   down while k+1 is quantized; the rollout stages the update with one host-to-device copy and applies it whole,
   checking the version) and "torch" (the anchor: the DeepGEMM / slime torch formula per tensor, plain per-tensor
-  copies, no version check). Each side's reference for the correctness check is ``dequant(quant(w))`` of its codec.
+  copies, no version check: ``ebbtide.anchors.sync.torch_pack`` / ``torch_load`` over the buffer's ``payload``).
+  Each side's reference for the correctness check is ``dequant(quant(w))`` of its codec.
 - The buffer is a memfd shared mapping that both processes register with ``cudaHostRegister`` (created by the
   trainer, inherited by the rollout), so both copies are DMA at PCIe speed.
 - The Megatron loop (``IpcTrainerSync`` / ``IpcRolloutSync``) moves its weights by CUDA IPC on the one GPU both
@@ -19,10 +20,9 @@ Policies:
   checked); the producer buffers are given back after every update (``IpcSender.close`` + ``ipc_collect``) so the
   trainer holds nothing for the sync while the rollout runs. Mode "slime": the slime-style update the sync benchmark
   runs too (``ebbtide.anchors.sync.slime_update``: per-tensor FP8 launches, a ``torch.cat`` and one IPC request per
-  bucket, ``ipc_collect`` + ``empty_cache`` per bucket); the rollout rebuilds the views, dequantizes each weight
-  with one launch and copies it into its parameter, as a serving engine's ``load_weights`` does, and answers once
-  those copies completed (SGLang answers after enqueuing them; here the sender frees the bucket right after the
-  answer).
+  bucket, ``ipc_collect`` + ``empty_cache`` per bucket; split tensors gathered one at a time, ``GatheredEach``);
+  the rollout rebuilds the views, dequantizes each weight with one launch and copies it into its parameter, as a
+  serving engine's ``load_weights`` does, and answers once those copies completed (``slime_load``).
 """
 from __future__ import annotations
 
@@ -30,49 +30,25 @@ import time
 
 import torch
 
-from ..errors import InvalidArgumentError, StateError
-from ..sync import HostReceiver, HostSender, Plan, Receiver, Sender, SharedHostBuffer, expected
-from ..sync.transport import HEADER_BYTES
+from ...anchors.sync import GatheredEach, slime_load, slime_update, torch_load, torch_pack, torch_reference
+from ...errors import InvalidArgumentError, StateError
+from ...sync import (HostReceiver, HostSender, IpcReceiver, IpcSender, Plan, Receiver, Sender, SharedHostBuffer,
+                     expected)
+from .options import CODECS, IPC_MODES
 
-__all__ = ["sync_plan", "TrainerSync", "RolloutSync", "SharedHostBuffer", "CODECS", "torch_block_quant",
-           "torch_block_dequant", "megatron_plan", "IpcTrainerSync", "IpcRolloutSync", "IPC_MODES"]
+__all__ = ["sync_plan", "TrainerSync", "RolloutSync", "megatron_plan", "IpcTrainerSync", "IpcRolloutSync"]
 
-CODECS = ("ebbtide", "torch")
-IPC_MODES = ("ebbtide", "slime")
 MEGATRON_RULES = ((r"^output_layer\.", "raw"),)  # the LM head stays bf16, as slime serves it (HF "lm_head")
 
 
 def sync_plan(model) -> Plan:
-    """The example's plan: all 2-D weights FP8 block, 1-D parameters raw, one bucket per 256 MiB of output."""
+    """The toy loop's plan: all 2-D weights FP8 block, 1-D parameters raw, one bucket per 256 MiB of output."""
     return Plan.of(model.named_parameters(), ignore=(), bucket_bytes=256 << 20)
 
 
 def _check_codec(codec: str) -> None:
     if codec not in CODECS:
         raise InvalidArgumentError(f"codec must be one of {CODECS}, got {codec!r}")
-
-
-# ---- the torch formula (the anchor codec) ---------------------------------------------------------------------
-def torch_block_quant(x: torch.Tensor, eps: float = 1e-4):
-    """DeepGEMM's per_block_cast_to_fp8 for [N, K] with N, K multiples of 128 (what slime's weight sync runs)."""
-    n, k = x.shape
-    xv = x.view(n // 128, 128, k // 128, 128)
-    amax = xv.abs().float().amax(dim=(1, 3), keepdim=True).clamp(eps)
-    sf = amax / 448.0
-    q = (xv * (1.0 / sf)).to(torch.float8_e4m3fn).view(n, k)
-    return q, sf.view(n // 128, k // 128)
-
-
-def torch_block_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return (q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.bfloat16)
-
-
-def _regions(plan: Plan, data: torch.Tensor):
-    """(item, output views) of every tensor in ``data`` (the whole update, laid out as the plan's buckets)."""
-    for b, o in zip(plan.buckets, plan.bucket_offsets()):
-        region = data[o:o + b.nbytes]
-        for it in b.items:
-            yield it, [out.view(region) for out in it.outputs]
 
 
 # ---- trainer side --------------------------------------------------------------------------------------------
@@ -95,16 +71,7 @@ class TrainerSync:
         if self.sender is not None:
             self.sender.push(version)
             return self.plan.nbytes
-        data = self.buffer.tensor[HEADER_BYTES:HEADER_BYTES + self.plan.nbytes]
-        named = dict(self.model.named_parameters())
-        for it, views in _regions(self.plan, data):  # per tensor, plain (synchronous) copies
-            w = named[it.source].detach()
-            if it.kind == "fp8":
-                q, s = torch_block_quant(w)
-                views[0].view(torch.uint8).copy_(q.view(torch.uint8))
-                views[1].copy_(s)
-            else:
-                views[0].copy_(w)
+        torch_pack(self.plan, dict(self.model.named_parameters()), self.buffer.payload(self.plan.nbytes))
         return self.plan.nbytes
 
     @torch.no_grad()
@@ -112,10 +79,7 @@ class TrainerSync:
         """{name: dequant(quant(w))} for 2-D weights and the bf16 value for 1-D params, on the model's device: what
         the rollout must hold after a load."""
         named = {n: p.detach() for n, p in self.model.named_parameters()}
-        if self.codec == "ebbtide":
-            return expected(self.plan, named)
-        return {it.source: torch_block_dequant(*torch_block_quant(named[it.source])) if it.kind == "fp8"
-                else named[it.source].clone() for it in self.plan.items}
+        return expected(self.plan, named) if self.codec == "ebbtide" else torch_reference(self.plan, named)
 
     def close(self) -> None:
         self.buffer.close()
@@ -144,11 +108,8 @@ class RolloutSync:
         if self.codec == "ebbtide":
             self.host.receive(self.receiver, version)
             return self.plan.nbytes
-        staging = self.receiver.staging[:self.plan.nbytes]
-        staging.copy_(self.buffer.tensor[HEADER_BYTES:HEADER_BYTES + self.plan.nbytes], non_blocking=True)
-        named = dict(self.model.named_parameters())
-        for it, views in _regions(self.plan, staging):
-            named[it.source].copy_(torch_block_dequant(*views) if it.kind == "fp8" else views[0])
+        torch_load(self.plan, dict(self.model.named_parameters()), self.receiver.staging[:self.plan.nbytes],
+                   self.buffer.payload(self.plan.nbytes))
         return self.plan.nbytes
 
     def close(self) -> None:
@@ -166,21 +127,6 @@ def megatron_plan(named) -> Plan:
 def _check_mode(mode: str) -> None:
     if mode not in IPC_MODES:
         raise InvalidArgumentError(f"IPC sync mode must be one of {IPC_MODES}, got {mode!r}")
-
-
-class _Gathered:
-    """``{name: full tensor}`` read one tensor at a time: a split tensor is all-gathered over the TP group when it is
-    read (one gather per tensor, as slime's update does; every TP rank reads the same names in the same order)."""
-
-    def __init__(self, local: dict, dims: dict, group):
-        self.local, self.dims, self.group = local, dims, group
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.dims:
-            return self.local[name]
-        from ..integrations.megatron._weights import gather_along  # noqa: PLC0415
-
-        return gather_along(self.local[name], self.dims[name], self.group)
 
 
 class IpcTrainerSync:
@@ -223,8 +169,6 @@ class IpcTrainerSync:
             meta[n] = torch.empty(shape, dtype=t.dtype, device="meta")
         self.plan = megatron_plan(meta)
         if mode == "ebbtide":
-            from ..sync import IpcSender  # noqa: PLC0415
-
             self.ipc = IpcSender(conn)
             args = dict(tp_group=tp_group, tp_dims=self.tp_dims) if self.tp_dims else {}
             if self.ep_sources:
@@ -235,7 +179,7 @@ class IpcTrainerSync:
         if self.full is not None:
             return self.full()
         local = self.weights()
-        return _Gathered(local, self.tp_dims, self.tp_group) if self.tp_dims else local
+        return GatheredEach(local, self.tp_dims, self.tp_group) if self.tp_dims else local
 
     def open(self, version: int, *, streamed: bool = False):
         """Mode "ebbtide": begin update ``version`` on the sender's thread (the rollout must be in its ``load``):
@@ -275,8 +219,6 @@ class IpcTrainerSync:
                                                   "stream_fill_s") if k in rep}
             self.last_push["close_s"] = time.perf_counter() - t0
         else:
-            from ..anchors.sync import slime_update  # noqa: PLC0415
-
             slime_update(self.plan, self._full(), self.conn)
         torch.cuda.ipc_collect()
         return self.plan.nbytes
@@ -288,7 +230,7 @@ class IpcTrainerSync:
         named = {it.source: src[it.source].detach() for it in self.plan.items}
         if self.mode == "ebbtide":
             return expected(self.plan, named)
-        from ..quant import fp8_block_dequant, fp8_block_quant  # noqa: PLC0415
+        from ...quant import fp8_block_dequant, fp8_block_quant  # noqa: PLC0415  (slime's update runs ebbtide's)
 
         return {it.source: fp8_block_dequant(*fp8_block_quant(named[it.source])) if it.kind == "fp8"
                 else named[it.source].clone() for it in self.plan.items}
@@ -304,14 +246,8 @@ class IpcRolloutSync:
         self.params = dict(model.named_parameters())
         self.plan = megatron_plan(self.params)
         if mode == "ebbtide":
-            from ..sync import IpcReceiver  # noqa: PLC0415
-
             self.receiver = Receiver(self.params, self.plan, staging=staging)
             self.ipc = IpcReceiver(conn)
-        else:
-            import torch.multiprocessing  # noqa: F401,PLC0415  (CUDA tensors arrive as IPC handles)
-
-            self.items = {o.name: (it, i) for it in self.plan.items for i, o in enumerate(it.outputs)}
 
     @staticmethod
     def staging_bytes(model) -> int:
@@ -330,26 +266,4 @@ class IpcRolloutSync:
             if got != version:
                 raise StateError(f"the rollout applied version {got}, expected {version}")
             return self.plan.nbytes
-        while True:
-            msg = self.conn.recv()
-            if msg[0] == "done":
-                torch.cuda.synchronize()
-                self.conn.send(("done",))
-                return self.plan.nbytes
-            self._load_flat(msg[1], msg[2])
-            # every reference to the bucket is gone (the sender's ipc_collect can free it): answer
-            del msg
-            self.conn.send(("ok",))
-
-    def _load_flat(self, flat, meta) -> None:
-        """One slime-style bucket: views rebuilt from ``meta``, each weight dequantized and copied into its
-        parameter; returns once the copies completed (the sender frees the bucket when answered)."""
-        from ..quant import fp8_block_dequant  # noqa: PLC0415
-
-        views = {name: flat[a:b].view(getattr(torch, dt)).view(shape) for name, dt, shape, a, b in meta}
-        for name, v in views.items():
-            it, i = self.items[name]
-            if i == 0:
-                p = self.params[it.source]
-                p.copy_(fp8_block_dequant(v, views[it.outputs[1].name]) if it.kind == "fp8" else v)
-        torch.cuda.current_stream().synchronize()
+        return slime_load(self.plan, self.params, self.conn)

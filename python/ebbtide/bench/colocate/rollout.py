@@ -1,5 +1,7 @@
 """The rollout process: holds "weights", a "KV cache" and a sync staging buffer in pausable regions and serves the
-trainer's commands over a socket (``python -m ebbtide.colocate.rollout SPEC_JSON``; started by the trainer).
+trainer's commands over a socket (``python -m ebbtide.bench.colocate.rollout SPEC_JSON``; started by the trainer
+through ``RolloutClient``). Where its memory lives is one object per variant (``_EbbtideMemory``, ``_TmsMemory``,
+``_NoMemory`` on the CPU); the rest is the same code in every variant.
 
 Policies:
 - Variant "ebbtide": started under the LD_PRELOAD shim (``ebbtide.memory.preload_env`` with a default tag), so
@@ -24,20 +26,19 @@ Policies:
 - One command at a time; each reply carries ``ok``, the time spent inside (device work complete) and, on failure,
   the traceback. The process never exits on a command error: the trainer decides.
 - ``spec["arch"]``: "tiny" (``TinyLM``, the toy trainer's model; weights through the shared host buffer
-  ``buf_fd``) or "megatron" (``gpt.MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
+  ``buf_fd``) or "megatron" (``MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
   the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``); ``spec["moe"]`` (megatron
-  only): ``gpt.MoEConfig`` fields of a MoE model, served whole (every expert) whatever the trainer's expert
+  only): ``MoEConfig`` fields of a MoE model, served whole (every expert) whatever the trainer's expert
   parallelism. Every variant other than "ebbtide" runs the rollout on torch_memory_saver ("slime-ebbtide": on
-  ebbtide.compat.torch_memory_saver).
+  ebbtide.compat.torch_memory_saver; ``ebbtide.anchors.tms``).
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -45,49 +46,195 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from ..errors import InvalidArgumentError, StateError
-from .gpt import MegatronGPT, MoEConfig
-from .model import GraphDecoder, KVCache, ModelConfig, TinyLM, greedy_decode
+from ...anchors import tms as anchor_tms
+from ...errors import InvalidArgumentError, StateError
+from ...testing.models import GraphDecoder, KVCache, MegatronGPT, ModelConfig, MoEConfig, TinyLM, greedy_decode
+from .options import ARCHS, DECODE_MODES
+from .rank import die_with_parent, exit_now, prompts, weight_digests
 from .sync import IpcRolloutSync, RolloutSync
 
-__all__ = ["main", "weight_digests", "prompts", "die_with_parent", "DECODE_MODES", "GRAPH_TAG", "SCRATCH_TAG", "ARCHS"]
+__all__ = ["main", "RolloutClient", "rollout_env", "MODELS", "GRAPH_TAG", "SCRATCH_TAG"]
 
-DECODE_MODES = ("eager", "cuda-graph")
-ARCHS = {"tiny": TinyLM, "megatron": MegatronGPT}
+MODELS = {"tiny": TinyLM, "megatron": MegatronGPT}  # spec["arch"] -> the rollout's model
+assert tuple(MODELS) == ARCHS
 GRAPH_TAG = "kv_cache"  # the ebbtide rollout's decode graph lives with the cache: discarded on pause, replay refills
 SCRATCH_TAG = "rollout_scratch"  # the ebbtide rollout's untagged allocations (the shim's default tag)
 PAUSED_TAGS = ("weights", "kv_cache", "sync_staging")  # what a pause releases when the scratch is kept
 
 
-def die_with_parent(parent_pid) -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``), so a launcher
-    killed by a test deadline, or a trainer killed by the launcher, takes its children and their GPU memory with
-    it. ``parent_pid``: who started us; if it is already gone (it died before the prctl), raise."""
-    if parent_pid is None or not sys.platform.startswith("linux"):
-        return
-    import ctypes  # noqa: PLC0415
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        ul = ctypes.c_ulong  # prctl is variadic: pass full-width arguments
-        libc.prctl(1, ul(int(signal.SIGKILL)), ul(0), ul(0), ul(0))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent_pid):
-        raise RuntimeError(f"parent process {parent_pid} exited before this process started")
+# ---- the trainer's side: the environment it starts the rollout in, and its client ---------------------------
+def rollout_env(em, scratch_backup: str) -> dict:
+    """The rollout process's environment: this one without the launcher's rank variables; with ``em`` (the
+    ebbtide.memory module) also under the LD_PRELOAD shim, its untagged allocations in ``SCRATCH_TAG`` (``keep``:
+    never paused, so no backup), and without ``expandable_segments:True`` in PyTorch's allocator settings (its
+    memory bypasses cudaMalloc, so the shim could pause none of the rollout's allocations; the rollout uses the plain
+    caching allocator instead)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if em is None:
+        return env
+    backup = "none" if scratch_backup == "keep" else scratch_backup
+    return em.preload_env(em.without_expandable_segments(env), default_tag=SCRATCH_TAG, default_backup=backup)
 
 
-def weight_digests(named: dict) -> dict:
-    """{name: sha256 of the tensor's bytes} (bitwise identity across processes)."""
-    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-            for n, t in named.items()}
+class RolloutClient:
+    """The rollout process and its socket; ``call`` raises with the rollout's traceback on failure. ``fds``: file
+    descriptors the rollout inherits, named in its spec (``buf_fd``: the shared host buffer; ``sync_fd``: the
+    socket of the IPC weight sync). ``send`` + ``reply`` split a call around work the trainer does meanwhile."""
+
+    def __init__(self, spec: dict, env: dict, fds: dict):
+        parent, child = socket.socketpair()
+        spec = dict(spec, sock_fd=child.fileno(), **fds)
+        self.proc = subprocess.Popen([sys.executable, "-m", "ebbtide.bench.colocate.rollout", json.dumps(spec)],
+                                     env=env, pass_fds=(child.fileno(), *fds.values()))
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.info = self._recv(timeout=spec.get("timeout_s", 600))
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the rollout did not answer within {timeout} s (exit code {self.proc.poll()})")
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError) as e:
+            try:
+                rc = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                rc = None
+            raise RuntimeError(f"the rollout process went away ({type(e).__name__}; exit code {rc}); its output "
+                               f"is in this log above") from None
+        if not msg.get("ok"):
+            raise RuntimeError(f"rollout failed:\n{msg.get('error', msg)}")
+        return msg
+
+    def call(self, cmd: str, timeout: float = 600, **args) -> dict:
+        self.send(cmd, **args)
+        return self._recv(timeout)
+
+    def send(self, cmd: str, **args) -> None:
+        self.conn.send({"cmd": cmd, "args": args})
+
+    def reply(self, timeout: float = 600) -> dict:
+        return self._recv(timeout)
+
+    def close(self):
+        try:
+            if self.proc.poll() is None:
+                self.conn.send({"cmd": "exit"})
+                self.conn.poll(30) and self.conn.recv()
+        except (OSError, EOFError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def prompts(cfg: ModelConfig, batch: int, length: int, seed: int, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(cfg.vocab, (batch, length), generator=g).to(device)
+# ---- where the rollout's memory lives ------------------------------------------------------------------------
+class _NoMemory:
+    """The orchestration check without a GPU: nothing to pause."""
+    em = None
+    label = "none (cpu)"
+
+    def region(self, tag: str, *, shareable: bool = False):
+        return contextlib.nullcontext()
+
+    def pause(self) -> dict:
+        return {}
+
+    def resume(self) -> dict:
+        return {}
+
+    def graph_context(self):
+        return None
+
+    def self_memory(self) -> dict:
+        return {}
 
 
+class _EbbtideMemory:
+    """ebbtide.memory under the LD_PRELOAD shim (see the module policies): the named tags discarded on pause, the
+    untagged rest (``SCRATCH_TAG``) kept resident or paused as ``--scratch-backup`` says, the decode graph in
+    ``GRAPH_TAG``."""
+
+    def __init__(self, keep_scratch: bool):
+        import ebbtide.memory as em  # noqa: PLC0415
+
+        if em.hook_mode() != "preload":
+            raise RuntimeError("the ebbtide rollout must run under the LD_PRELOAD shim (preload_env); "
+                               f"LD_PRELOAD={os.environ.get('LD_PRELOAD')!r}")
+        self.em, self.keep_scratch = em, keep_scratch
+        self.label = em.hook_mode()
+
+    def region(self, tag: str, *, shareable: bool = False):
+        # backup "none": discarded on pause. Over CUDA IPC the trainer quantizes straight into the staging:
+        # ebbtide's region memory is shared by its fd export, which needs a shareable region
+        return self.em.region(tag, shareable=True) if shareable else self.em.region(tag)
+
+    def pause(self) -> dict:
+        torch.cuda.empty_cache()  # cached scratch blocks go back now instead of being paused
+        if self.keep_scratch:  # the untagged scratch stays resident, as torch_memory_saver leaves it
+            reps = [self.em.pause(t) for t in PAUSED_TAGS]
+            return {"bytes": sum(r.bytes_copied for r in reps), "bytes_released": sum(r.bytes for r in reps),
+                    "driver_delta": reps[-1].driver_free_after - reps[0].driver_free_before}
+        rep = self.em.pause()
+        return {"bytes": rep.bytes_copied, "bytes_released": rep.bytes, "driver_delta": rep.driver_delta}
+
+    def resume(self) -> dict:
+        reps = [self.em.resume(t) for t in PAUSED_TAGS] if self.keep_scratch else [self.em.resume()]
+        return {"bytes": sum(r.bytes_copied for r in reps), "bytes_mapped": sum(r.bytes for r in reps)}
+
+    def graph_context(self):
+        """Pausable: released by the rollout pause, mapped back at the same addresses by the resume."""
+        return lambda g, stream: self.em.graph(g, tag=GRAPH_TAG, backup="none", stream=stream)
+
+    def tag_active(self, tag: str) -> int:
+        return sum(r["bytes_active"] for r in self.em.stats()["tags"] if r["tag"] == tag)
+
+    def self_memory(self) -> dict:
+        """Engine bytes the rollout's pause releases (the kept scratch tag, never paused, is not counted; NVML
+        shows it with the CUDA context)."""
+        return {"rollout": sum(r["bytes_active"] for r in self.em.stats()["tags"]
+                               if not (self.keep_scratch and r["tag"] == SCRATCH_TAG))}
+
+
+class _TmsMemory:
+    """torch_memory_saver in its torch hook mode with the same tags (``dropin``: ebbtide.compat's, the one import
+    swapped); what lies outside its regions goes back with ``empty_cache`` at pause. Its torch hook mode cannot
+    pause a graph's private pool: the graph is captured with plain ``torch.cuda.graph``, held while paused."""
+    em = None
+
+    def __init__(self, dropin: bool):
+        self.tms = anchor_tms.torch_memory_saver(dropin=dropin)
+        self.label = "ebbtide-compat-torch" if dropin else "tms-torch"
+
+    def region(self, tag: str, *, shareable: bool = False):
+        return self.tms.region(tag=tag)
+
+    def pause(self) -> dict:
+        anchor_tms.pause(self.tms, empty_cache_first=False)
+        return {}
+
+    def resume(self) -> dict:
+        self.tms.resume()
+        return {}
+
+    def graph_context(self):
+        return None
+
+    def self_memory(self) -> dict:
+        return {}
+
+
+def _memory(variant: str, cuda: bool, keep_scratch: bool):
+    if not cuda:
+        return _NoMemory()
+    if variant == "ebbtide":
+        return _EbbtideMemory(keep_scratch)
+    return _TmsMemory(dropin=variant == "slime-ebbtide")  # every other variant runs today's tools
+
+
+# ---- the rollout process --------------------------------------------------------------------------------------
 class _Rollout:
     def __init__(self, spec: dict):
         self.spec = spec
@@ -98,63 +245,35 @@ class _Rollout:
             torch.cuda.set_device(self.dev)
         self.cfg = ModelConfig(**spec["model"])
         self.codec = "ebbtide" if self.variant == "ebbtide" else "torch"
-        self.em = self.tms = None
-        self.hook_label = "none (cpu)"  # what runs the pauses where ebbtide.memory does not (its own label there)
         self.decode = spec.get("decode", "eager")
         if self.decode not in DECODE_MODES:
             raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
-        self.keep_scratch = spec.get("scratch_backup", "keep") == "keep"
         self.decoder = None  # the GraphDecoder, built on the first generate
         self.last = None  # (tokens, last logits) of the latest verified generate, for check_decode
         self.generated = None  # (tokens, last logits) of the latest generate, for verify_generate
-        if not self.cuda:  # the orchestration check without a GPU: nothing to pause
-            region = lambda tag: contextlib.nullcontext()  # noqa: E731
-        elif self.variant == "ebbtide":
-            import ebbtide.memory as em  # noqa: PLC0415
-
-            if em.hook_mode() != "preload":
-                raise RuntimeError("the ebbtide rollout must run under the LD_PRELOAD shim (preload_env); "
-                                   f"LD_PRELOAD={os.environ.get('LD_PRELOAD')!r}")
-            self.em = em
-            region = lambda tag: em.region(tag)  # noqa: E731  (backup "none": discarded on pause)
-        else:
-            if self.variant == "slime-ebbtide":  # ebbtide as a drop-in: the one import swapped
-                from ebbtide.compat.torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
-
-                self.hook_label = "ebbtide-compat-torch"
-            else:
-                from torch_memory_saver import torch_memory_saver as tms  # noqa: PLC0415
-
-                self.hook_label = "tms-torch"
-            self.tms = tms
-            tms.hook_mode = "torch"  # its default is preload (LD_PRELOAD of its own shim)
-            region = lambda tag: tms.region(tag=tag)  # noqa: E731
+        self.mem = _memory(self.variant, self.cuda, spec.get("scratch_backup", "keep") == "keep")
+        region = self.mem.region
         B, P, N = spec["gen_batch"], spec["prompt_len"], spec["new_tokens"]
         arch = spec.get("arch", "tiny")
-        if arch not in ARCHS:
-            raise InvalidArgumentError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+        if arch not in MODELS:
+            raise InvalidArgumentError(f"arch must be one of {sorted(MODELS)}, got {arch!r}")
         moe = spec.get("moe")
         if moe and arch != "megatron":
             raise InvalidArgumentError(f"a MoE rollout needs arch 'megatron', got {arch!r}")
         moe_kw = {"moe": MoEConfig(**moe)} if moe else {}
         with region("weights"):
             # a different seed from the trainer's: only a correct sync makes the logits match
-            self.model = ARCHS[arch].random(self.cfg, seed=spec["seed"] + 1, device=self.dev, **moe_kw)
+            self.model = MODELS[arch].random(self.cfg, seed=spec["seed"] + 1, device=self.dev, **moe_kw)
         self.model.requires_grad_(False)
         with region("kv_cache"):
             self.cache = KVCache(self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)
             extra = int(spec.get("kv_reserve_bytes", 0))
             self.reserve = torch.empty(extra, dtype=torch.uint8, device=self.dev) if extra else None
-        self.region = region
         ipc_mode = spec.get("sync") if "sync_fd" in spec else None
         self.staging = None
         if ipc_mode != "slime":  # the slime-style load copies each bucket straight into the parameters
             sync_cls = IpcRolloutSync if ipc_mode else RolloutSync
-            # over CUDA IPC the trainer quantizes straight into this staging: ebbtide's region memory is shared by
-            # its fd export, which needs a shareable region
-            staging_region = (self.em.region("sync_staging", shareable=True) if ipc_mode and self.em
-                              else region("sync_staging"))
-            with staging_region:
+            with region("sync_staging", shareable=bool(ipc_mode)):
                 n = sync_cls.staging_bytes(self.model)
                 self.staging = torch.empty(n, dtype=torch.uint8, device=self.dev)
         if ipc_mode:
@@ -171,8 +290,7 @@ class _Rollout:
                      "weights_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
                      "kv_cache_bytes": self.cache.nbytes + extra,
                      "staging_bytes": 0 if self.staging is None else self.staging.numel(),
-                     "hook_mode": self.em.hook_mode() if self.em else self.hook_label,
-                     "decode": self.decode}
+                     "hook_mode": self.mem.label, "decode": self.decode}
 
     def _sync(self):
         if self.cuda:
@@ -181,28 +299,10 @@ class _Rollout:
     # ---- commands --------------------------------------------------------------------------------------------
     def pause(self):
         self._sync()
-        if not self.cuda:
-            return {}
-        if self.em:
-            torch.cuda.empty_cache()  # cached scratch blocks go back now instead of being paused
-            if self.keep_scratch:  # the untagged scratch stays resident, as torch_memory_saver leaves it
-                reps = [self.em.pause(t) for t in PAUSED_TAGS]
-                return {"bytes": sum(r.bytes_copied for r in reps), "bytes_released": sum(r.bytes for r in reps),
-                        "driver_delta": reps[-1].driver_free_after - reps[0].driver_free_before}
-            rep = self.em.pause()
-            return {"bytes": rep.bytes_copied, "bytes_released": rep.bytes, "driver_delta": rep.driver_delta}
-        self.tms.pause()
-        torch.cuda.empty_cache()
-        return {}
+        return self.mem.pause()
 
     def resume(self):
-        if not self.cuda:
-            return {}
-        if self.em:
-            reps = [self.em.resume(t) for t in PAUSED_TAGS] if self.keep_scratch else [self.em.resume()]
-            return {"bytes": sum(r.bytes_copied for r in reps), "bytes_mapped": sum(r.bytes for r in reps)}
-        self.tms.resume()
-        return {}
+        return self.mem.resume()
 
     def load(self, version: int):
         out = {"bytes": self.sync.load(version), "version": version}
@@ -217,31 +317,23 @@ class _Rollout:
         return {"logits": self.model(self.verify_tokens.to(self.dev))[:, -1].float().cpu().tolist(),
                 "digests": weight_digests(dict(self.model.named_parameters()))}
 
-    def _graph_context(self):
-        if self.em:  # pausable: released by the rollout pause, mapped back at the same addresses by the resume
-            return lambda g, stream: self.em.graph(g, tag=GRAPH_TAG, backup="none", stream=stream)
-        return None  # plain torch.cuda.graph: the anchor (torch_memory_saver cannot pause it) and nothing else
-
     def _decode(self, prompt, events=None):
         n = self.spec["new_tokens"]
         if self.decode == "eager":
             return greedy_decode(self.model, prompt, n, self.cache)
         if self.decoder is None:
-            with self.region("kv_cache"):  # the static token/position buffers
+            with self.mem.region("kv_cache"):  # the static token/position buffers
                 self.decoder = GraphDecoder(self.model, self.cache, prompt.shape[0], capture=self.cuda,
-                                            graph_context=self._graph_context())
+                                            graph_context=self.mem.graph_context())
         return self.decoder.generate(prompt, n, events=events)
 
     def _device_mallocs(self):
         """cudaMalloc calls of torch's caching allocator so far (None on the CPU or where torch does not count)."""
         return torch.cuda.memory_stats(self.dev).get("num_device_alloc") if self.cuda else None
 
-    def _tag_active(self, tag: str) -> int:
-        return sum(r["bytes_active"] for r in self.em.stats()["tags"] if r["tag"] == tag)
-
     def generate(self):
         capturing = self.decode != "eager" and self.cuda and (self.decoder is None or self.decoder.graph is None)
-        before = self._tag_active(GRAPH_TAG) if capturing and self.em else None
+        before = self.mem.tag_active(GRAPH_TAG) if capturing and self.mem.em else None
         events = {} if self.cuda else None
         mallocs = self._device_mallocs()
         seq, last = self._decode(self.prompts.to(self.dev), events)
@@ -257,7 +349,7 @@ class _Rollout:
         if self.decoder is not None and self.decoder.graph_bytes is not None:
             out["graph_bytes"] = self.decoder.graph_bytes
         if before is not None:  # the capture (and the static buffers) landed in the engine: paused with the tag
-            out["graph_engine_bytes"] = self._tag_active(GRAPH_TAG) - before
+            out["graph_engine_bytes"] = self.mem.tag_active(GRAPH_TAG) - before
         self.generated = (seq, last)  # for verify_generate, before the rollout pauses
         return out
 
@@ -292,12 +384,7 @@ class _Rollout:
         return out
 
     def self_memory(self) -> dict:
-        """Engine bytes the rollout's pause releases (the kept scratch tag, never paused, is not counted; NVML
-        shows it with the CUDA context)."""
-        if self.em:
-            return {"rollout": sum(r["bytes_active"] for r in self.em.stats()["tags"]
-                                   if not (self.keep_scratch and r["tag"] == SCRATCH_TAG))}
-        return {}
+        return self.mem.self_memory()
 
 
 def serve(conn, spec: dict) -> int:
@@ -338,7 +425,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no teardown of paused pools and registrations: they go with the process
+    exit_now(main())

@@ -3,8 +3,6 @@ report, the memory an offload left in torch's default pool. Each is outside the 
 into the step (a failure to read it is recorded instead)."""
 from __future__ import annotations
 
-import torch
-
 __all__ = ["note_release", "note_residual", "RESIDUAL_NOTE_BYTES"]
 
 # the offload's residual (torch-reserved bytes outside the tags) above which its blocks are recorded
@@ -26,17 +24,15 @@ def note_release(info: dict, fut) -> None:
                 release_slowest={g.name: round(g.seconds, 4) for g in slow})
 
 
-def note_residual(info: dict) -> None:
+def note_residual(info: dict, state) -> None:
     """After an offload whose record ``info`` has ``residual_reserved`` above ``RESIDUAL_NOTE_BYTES``: the largest
-    live blocks of torch's default pool and the largest segments they keep (with the allocating frames where memory
-    history is recorded: the loop's ``memory_history`` option)."""
+    live blocks of torch's default pool and the largest segments they keep (``state``: the
+    ``ebbtide.integrations.megatron.TrainingState`` that offloaded; with the allocating frames where memory history
+    is recorded: the loop's ``memory_history`` option)."""
     if info.get("residual_reserved", 0) <= RESIDUAL_NOTE_BYTES:
         return
-    from ..integrations.megatron._memory import largest_live_blocks, largest_segments  # noqa: PLC0415
-
     try:
-        snap = torch.cuda.memory_snapshot()
-        info["residual_blocks"] = largest_live_blocks(snap, top=6)
-        info["residual_segments"] = largest_segments(snap, top=4)
+        info["residual_blocks"] = state.residual_blocks(top=6)
+        info["residual_segments"] = state.residual_segments(top=4)
     except Exception as e:  # noqa: BLE001
         info["residual_blocks_error"] = f"{type(e).__name__}: {e}"

@@ -1,14 +1,37 @@
-"""A small decoder-only transformer in plain PyTorch, with a preallocated KV cache and greedy decode.
+"""The models the bench and the tests build: a small decoder-only transformer in plain PyTorch (``TinyLM``) and
+Megatron-core's local-spec GPT written again for inference (``MegatronGPT``, dense or MoE), with a preallocated KV
+cache, greedy decode and a decode step replayed from a CUDA graph (``GraphDecoder``) serving both.
 
 Policies:
-- Random init from a seed, no downloads. Every weight is a 2-D or 1-D parameter (no buffers), so the weight sync
-  moves ``named_parameters()`` and nothing else: 2-D weights travel FP8 block-quantized, 1-D (norm gains) as bf16.
-- Learned position embeddings (a parameter) instead of rotary tables, for the same reason.
+- Random init from a seed, no downloads. Every weight is a 2-D or 1-D parameter (no buffers), so a weight sync
+  moves ``named_parameters()`` and nothing else: 2-D weights travel FP8 block-quantized, 1-D (norm gains, biases)
+  as bf16. ``TinyLM`` learns its positions (a parameter); ``MegatronGPT`` computes its rotary tables in each forward
+  (a few tiny kernels), so a pause that discards the weights region loses nothing the sync does not rewrite.
 - Every matrix dimension is a multiple of 128 (``ModelConfig.validate``), so the FP8 128x128 blocks tile exactly
   and the torch-formula anchor (which pads) produces the same layout as ebbtide's kernel.
 - ``forward(tokens, cache=None, start=0)``: without a cache a causal full-sequence forward; with one, the new
   tokens' keys/values are written at ``[start, start + T)`` and queries attend to ``[0, start + T)`` (causal within
   the new tokens). Decode with the cache equals the full forward up to float reordering (tests/colocate).
+  ``decode_step(token, pos, cache)``: one static-shape step, capturable in a CUDA graph.
+- ``MegatronGPT``: the same architecture and the same parameter names and shapes as Megatron's ``GPTModel`` built
+  by ``get_gpt_layer_local_spec()`` with these settings (``ModelConfig``): word embeddings, rotary positions (base
+  10000, all channels, not interleaved), pre-norm LayerNorm with bias (eps 1e-5), fused QKV whose rows are grouped
+  per head as [q, k, v], attention scaled by 1/sqrt(head_dim), output projection, MLP fc1 -> exact GELU -> fc2,
+  every linear with a bias, a final LayerNorm and an untied output layer without bias. The trainer's names are
+  Megatron's with the ``module.`` prefixes of DDP and Float16Module removed (``ebbtide.integrations.names.
+  served_names``): nothing else is renamed, so a weight sync is the identity on names. The equality with
+  Megatron's own forward on the same weights is tested on the CPU (fp32) and checked on every verified step of the
+  colocated loop on the GPU (bf16).
+- MoE (``MegatronGPT(cfg, moe=MoEConfig(experts, topk))``): every layer's MLP is Megatron's MoE layer from the local
+  spec without grouped GEMM: a router (``mlp.router``: weight [experts, d_model] and bias) whose top-k logits are
+  softmaxed in fp32 (Megatron's defaults: no pre-softmax, no scaling, no capacity, no shared experts) and
+  ``mlp.experts.local_experts.{e}`` MLPs of ``d_ff`` under the names of an expert-parallel size of 1 (the whole
+  model, as a serving engine holds it). Every expert runs on every token and the top-k weights select: static
+  shapes for the CUDA-graph decode, and at a decode batch most experts are read anyway. ``router_fp32`` follows
+  ``moe_router_dtype="fp32"``: logits, top-k and softmax in fp32 as Megatron computes them, so a near-tie between
+  two experts is decided as the trainer decides it more often than in bf16. The weighted sum is p * (fc2(act) +
+  bias) accumulated in fp32 here; Megatron scales the activation and the bias by p in bf16 and sums the top-k
+  outputs in bf16: the same math, other roundings.
 """
 from __future__ import annotations
 
@@ -22,9 +45,12 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, UnsupportedError
 
-__all__ = ["ModelConfig", "TinyLM", "KVCache", "greedy_decode", "GraphDecoder", "QUANT_BLOCK"]
+__all__ = ["ModelConfig", "TinyLM", "KVCache", "greedy_decode", "GraphDecoder", "QUANT_BLOCK", "MegatronGPT",
+           "MoEConfig", "ROPE_BASE", "LN_EPS"]
 
 QUANT_BLOCK = 128
+ROPE_BASE = 10000.0  # MegatronGPT's rotary base and LayerNorm eps (Megatron's defaults)
+LN_EPS = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,3 +372,212 @@ class GraphDecoder:
             events["host_enqueue_s"] = time.perf_counter() - t0
         # the static logits are overwritten by the next replay and discarded by a pause of their tag: a copy
         return self.seq[:, :P + new_tokens].clone(), logits.float().clone()
+
+
+# ---- Megatron-core's local-spec GPT, for inference ----------------------------------------------------
+class _LayerNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, LN_EPS)
+
+
+class _Linear(nn.Module):
+    def __init__(self, d_in: int, d_out: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def _rope(pos: torch.Tensor, head_dim: int, dtype):
+    """cos, sin of shape [T, head_dim] for positions ``pos`` [T] (Megatron: fp32 freqs, cast to the activations)."""
+    inv = 1.0 / (ROPE_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=pos.device) / head_dim))
+    f = pos.float()[:, None] * inv[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_rope(t, cos, sin):
+    x1, x2 = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.linear_qkv = _Linear(d, 3 * d)
+        self.linear_proj = _Linear(d, d)
+
+    def qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.linear_qkv(x).view(B, T, self.n_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def out(self, a):
+        B, H, T, hd = a.shape
+        return self.linear_proj(a.transpose(1, 2).reshape(B, T, H * hd))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.linear_fc1 = _Linear(cfg.d_model, cfg.d_ff)
+        self.linear_fc2 = _Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Megatron's MoE MLP in every layer: ``experts`` experts (Megatron's ``num_moe_experts``), ``topk`` of them per
+    token (``moe_router_topk``); ``router_fp32``: the router's logits, top-k and weights in fp32
+    (``moe_router_dtype="fp32"``) and the experts' weighted sum accumulated in fp32, else both in the activations'
+    dtype."""
+    experts: int
+    topk: int = 2
+    router_fp32: bool = False
+
+    def validate(self) -> "MoEConfig":
+        for name in ("experts", "topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidArgumentError(f"moe {name} must be a positive int, got {v!r}")
+        if self.experts < 2 or self.topk > self.experts:
+            raise InvalidArgumentError(f"moe needs 2+ experts and topk <= experts, got experts={self.experts}, "
+                                       f"topk={self.topk}")
+        return self
+
+
+class _Router(nn.Module):
+    def __init__(self, d: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, d))
+        self.bias = nn.Parameter(torch.zeros(experts))
+
+
+class _Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: int):
+        super().__init__()
+        self.local_experts = nn.ModuleList(_MLP(cfg) for _ in range(experts))
+
+
+class _MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig):
+        super().__init__()
+        self.topk, self.fp32 = moe.topk, moe.router_fp32
+        self.router = _Router(cfg.d_model, moe.experts)
+        self.experts = _Experts(cfg, moe.experts)
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        w, b = self.router.weight, self.router.bias
+        if self.fp32:
+            logits = F.linear(h.float(), w.float(), b.float())  # [tokens, experts]
+        else:
+            logits = F.linear(h, w, b)  # in the activations' dtype
+        top, idx = torch.topk(logits, self.topk, dim=-1)
+        weight = torch.zeros_like(logits).scatter(1, idx, torch.softmax(top, dim=-1, dtype=torch.float32)
+                                                  .to(logits.dtype))
+        out = torch.zeros(h.shape, dtype=weight.dtype, device=h.device)  # fp32 with the fp32 router
+        for e, mlp in enumerate(self.experts.local_experts):
+            out = out + weight[:, e:e + 1] * mlp(h)
+        return out.to(x.dtype).view(x.shape)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None):
+        super().__init__()
+        self.input_layernorm = _LayerNorm(cfg.d_model)
+        self.self_attention = _Attention(cfg)
+        self.pre_mlp_layernorm = _LayerNorm(cfg.d_model)
+        self.mlp = _MoE(cfg, moe) if moe is not None else _MLP(cfg)
+
+    def _finish(self, x, a):
+        x = x + self.self_attention.out(a)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+    def forward(self, x, layer: int, cache: KVCache | None, start: int, cos, sin):
+        q, k, v = self.self_attention.qkv(self.input_layernorm(x), cos, sin)
+        if cache is None:
+            return self._finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self._finish(x, cache.attend(q, k, v, layer, start))
+
+    def step(self, x, layer: int, cache: KVCache, pos, mask, cos, sin):
+        q, k, v = self.self_attention.qkv(self.input_layernorm(x), cos, sin)
+        return self._finish(x, cache.attend_step(q, k, v, layer, pos, mask))
+
+
+class _Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab, cfg.d_model)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(cfg, moe) for _ in range(cfg.n_layers))
+        self.final_layernorm = _LayerNorm(cfg.d_model)
+
+
+class MegatronGPT(nn.Module):
+    """Megatron-core's local-spec GPT for inference (see the module policies: ``MegatronGPT``, MoE)."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None = None):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.moe = moe.validate() if moe is not None else None
+        self.embedding = _Embedding(cfg)
+        self.decoder = _Decoder(cfg, self.moe)
+        self.output_layer = _Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, *, seed: int, device="cpu", dtype=torch.bfloat16,
+               moe: MoEConfig | None = None) -> "MegatronGPT":
+        """Allocated on ``device`` in the final dtype (one allocation per tensor, no temporaries) and filled there from
+        ``seed`` (the rollout's initial weights only need to differ from the trainer's: every sync rewrites them)."""
+        device = torch.device(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.device("meta"):
+            m = cls(cfg, moe).to(dtype)
+        m = m.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+        return m
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens, cache: KVCache | None = None, start: int = 0):
+        T = tokens.shape[1]
+        if start + T > self.cfg.max_seq:
+            raise InvalidArgumentError(f"positions up to {start + T} exceed max_seq {self.cfg.max_seq}")
+        x = self.embedding.word_embeddings(tokens)
+        cos, sin = _rope(torch.arange(start, start + T, device=tokens.device), self.cfg.head_dim, x.dtype)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer(x, i, cache, start, cos, sin)
+        return self.output_layer(self.decoder.final_layernorm(x))
+
+    def decode_step(self, token, pos, cache: KVCache):
+        """One static-shape decode step (as ``TinyLM.decode_step``): capturable in a CUDA graph."""
+        x = self.embedding.word_embeddings(token)
+        cos, sin = _rope(pos, self.cfg.head_dim, x.dtype)
+        mask = (torch.arange(cache.max_len, device=pos.device) <= pos).view(1, 1, 1, cache.max_len)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer.step(x, i, cache, pos, mask, cos, sin)
+        return self.output_layer(self.decoder.final_layernorm(x))[:, -1]

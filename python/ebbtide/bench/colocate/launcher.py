@@ -1,24 +1,24 @@
-"""Launch the colocated RL loop: for each variant (ebbtide, then the anchor), one trainer process per GPU, each
+"""Launch the colocated RL loop: for each variant (ebbtide, then the anchors), one trainer process per GPU, each
 with its rollout process on the same GPU; collect their results, print the table, write JSON and the PNG.
 
-    python -m ebbtide.colocate --gpus 1 --steps 10 --out colocate-out
-    python -m ebbtide.colocate --gpus 2 --steps 10 --out colocate-out
-    python -m ebbtide.colocate --trainer megatron --quick --out colocate-out    # Megatron-core GPT, one GPU
+    ebbtide colocate --gpus 1 --steps 10 --out colocate-out          # = python -m ebbtide.bench.colocate
+    ebbtide colocate --gpus 2 --steps 10 --out colocate-out
+    ebbtide colocate --trainer megatron --quick --out colocate-out    # Megatron-core GPT, one GPU
 
 Policies:
 - Every variant runs in fresh processes (neither inherits the other's pools, pinned memory or hooks); the trainer
   ranks never carry LD_PRELOAD; each variant gets its own rendezvous store, served by the launcher and listening on
   loopback only (``--store-bind`` names another address, e.g. for ranks on several hosts).
-- ``run_loop`` is the entry point for other code (the bench suite): the example at its default or ``quick`` size.
-- Argument errors raise ``ebbtide.InvalidArgumentError`` before anything starts. A failing rank does not hide the
-  others: every rank's result file, exit code and log tail are kept in the results.
-- ``--trainer``: "toy" (default; the example's own model, ``trainer``; variants "ebbtide" and "anchor") or
+- ``run_loop`` is the entry point for other code (the bench suites): the loop at its default or ``quick`` size.
+- Argument errors raise ``ebbtide.InvalidArgumentError`` before anything starts (``config.RunConfig``). A failing
+  rank does not hide the others: every rank's result file, exit code and log tail are kept in the results.
+- ``--trainer``: "toy" (default; the loop's own model, ``trainer``; variants "ebbtide" and "anchor") or
   "megatron" (a Megatron-core GPT, ``mtrainer``; CUDA only, megatron-core needed; ``--tp``/``--ep``/``--moe-experts``
   for tensor and expert parallelism and a MoE model, the rest of ``--gpus`` data parallel; variants "ebbtide",
   "slime", "slime-ebbtide" and "gpu-tms"). Its default size is ``MEGATRON_MODEL`` (~1.3 B params), ``--quick``
   ``MEGATRON_QUICK``.
-- The variants on the torch_memory_saver package (``NEEDS_TMS``) run where it is installed; otherwise they are
-  reported as "not installed".
+- The variants on the torch_memory_saver package (``options.NEEDS_TMS``) run where it is installed; otherwise they
+  are reported as "not installed".
 - The steady phases (``measure.STEADY_PHASES``: the trainer's forward + backward and the rollout's generate) run the
   same code in every variant; the report puts ebbtide's medians beside each anchor's, and with ``steady_guard``
   "error" (the default) ``main`` exits with status 3 when ebbtide's is more than ``steady_tolerance`` slower.
@@ -38,235 +38,28 @@ import subprocess
 import sys
 from datetime import timedelta
 
-from ..errors import InvalidArgumentError, UnsupportedError
+from ...errors import InvalidArgumentError, UnsupportedError
+from ...testing.models import ModelConfig
+from ._procs import _kill_group, _reap_group, _tail, _wait_all
+from .config import MEGATRON_MODEL, MEGATRON_QUICK, QUICK_MODEL, RunConfig, model_for, quick_overrides
 from .measure import (STEADY_TOLERANCE, format_report, growth_check, nvml_all_pids, plot_timeline, steady_check,
                       summarize)
-from ._procs import _kill_group, _reap_group, _tail, _wait_all
-from .model import ModelConfig
+from .options import (CACHE_TRIMS, CUMEM_MODES, DECODE_MODES, GROUP_MODES, MOMENTS, NEEDS_TMS, ON_OFF,
+                      SCRATCH_BACKUPS, STEADY_GUARDS, SYNC_FILLS, TEARDOWNS, TRAINERS)
 
-__all__ = ["RunConfig", "parse_args", "run", "run_loop", "main", "QUICK_MODEL", "MEGATRON_MODEL", "MEGATRON_QUICK",
-           "TRAINERS"]
+__all__ = ["parse_args", "run", "run_loop", "main", "run_variant", "PROG"]
 
-GiB = 1 << 30
-QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
-# Megatron GPT (untied output layer, biases): 2*V*d + L*(12 d^2 + 13 d) params. ~1.34 B (the megatron suite's
-# default shape); --quick ~0.12 B.
-MEGATRON_MODEL = ModelConfig(vocab=32768, d_model=2048, n_layers=24, n_heads=16, d_ff=8192, max_seq=2048)
-MEGATRON_QUICK = ModelConfig(vocab=32768, d_model=1024, n_layers=4, n_heads=16, d_ff=4096, max_seq=512)
-VARIANTS = ("ebbtide", "anchor")
-SCRATCH_BACKUPS = ("keep", "cpu", "none")
-TRAINERS = {"toy": ("ebbtide.colocate.trainer", VARIANTS),
-            "megatron": ("ebbtide.colocate.mtrainer", ("ebbtide", "slime", "slime-ebbtide", "gpu-tms"))}
-# = mtrainer.VARIANTS; the variants that run on the torch_memory_saver package (the others need only ebbtide)
-NEEDS_TMS = ("anchor", "slime", "gpu-tms")
-GROUP_MODES = ("lazy", "eager", "used")  # = mtrainer.GROUP_MODES
-CUMEM_MODES = ("off", "on")  # = mtrainer.CUMEM_MODES
-MOMENTS = ("fp32", "bf16")  # = mtrainer.MOMENTS: Adam's moments in the ebbtide variant's host state
-TEARDOWNS = ("background", "joined")  # = mtrainer.TEARDOWNS: where the ebbtide variant's release tears down
-CACHE_TRIMS = ("auto", "step", "offload")  # = mtrainer.CACHE_TRIMS: when the ebbtide trainer empties its cache
-SYNC_FILLS = ("auto", "streamed", "after")  # = mtrainer.SYNC_FILLS: when the ebbtide trainer fills the update
-STEADY_GUARDS = ("error", "warn")
-DECODE_MODES = ("eager", "cuda-graph")  # = rollout.DECODE_MODES (not imported: the rollout module imports torch)
-
-
-@dataclasses.dataclass
-class RunConfig:
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    trainer: str = "toy"
-    gpus: int = 1
-    tp: int = 1  # megatron: tensor parallel; the rest of --gpus is data parallel (distributed optimizer)
-    ep: int = 1  # megatron MoE: expert parallel (experts split over ep ranks, whole experts: expert TP 1)
-    moe_experts: int = 0  # megatron: 0 = dense MLPs; else every layer's MLP is a MoE of this many experts
-    moe_topk: int = 2
-    steps: int = 10
-    warmup: int = 2
-    batch: int = 8
-    seq: int = 512
-    gen_batch: int = 16
-    prompt_len: int = 128
-    new_tokens: int = 128
-    kv_reserve_gb: float = 2.0
-    lr: float = 1e-4
-    seed: int = 0
-    variants: tuple | None = None  # None: every variant of the trainer
-    scratch_backup: str = "keep"
-    # "cuda-graph" (default): the per-token decode step replayed from a CUDA graph in both variants, as rollout
-    # engines decode; "eager": one eager forward per token (launch bound: ~80% of the step at the default size)
-    decode: str = "cuda-graph"
-    verify_batch: int = 4
-    verify_len: int = 64
-    timeout_s: int = 900
-    out: str = "colocate-out"
-    device: str = "cuda"
-    store_bind: str = "127.0.0.1"  # where the ranks' rendezvous store listens (loopback unless asked)
-    # the ebbtide Megatron trainer's communicators: "lazy" (made at a group's first collective, as slime's are;
-    # release frees only those that exist), "eager" (WORLD bound to the device: every group connects at creation
-    # and again at reload) or "used" (lazy, and the reload connects and warms up, concurrently, only the groups
-    # that had a communicator at the release). The anchors always run slime's own settings (lazy,
-    # NCCL_CUMEM_ENABLE=0).
-    groups: str = "lazy"
-    # the ebbtide Megatron trainer's NCCL_CUMEM_ENABLE: "off" (slime's actor environment, as the anchors run) or "on"
-    nccl_cumem: str = "off"
-    moments: str = "fp32"
-    # the ebbtide Megatron trainer's communicator teardown at release: "background" (overlaps offload and generate)
-    # or "joined" (inside comm_release: nothing of the trainer runs beside the rollout's generate)
-    comm_teardown: str = "background"
-    cache_trim: str = "auto"  # ebbtide Megatron trainer's cache emptied during the CPU step or in the offload
-    # the steady phases (forward + backward, generate) of ebbtide against each anchor's: "error" (exit status 3 when
-    # ebbtide is more than steady_tolerance slower), "warn" (say so, exit as usual)
-    steady_guard: str = "error"
-    steady_tolerance: float = STEADY_TOLERANCE
-    # megatron: torch records every allocation's frames in each trainer (a diagnostic of what the offload leaves in
-    # torch's pool: the offload phase's residual_blocks/residual_segments get frames; the steps run slower)
-    memory_history: bool = False
-    # megatron, ebbtide variant: the update filled while the CPU step uploads the weights ("streamed", one GPU,
-    # dense) or after the step ("after"; "auto" = after: docs/colocate.md has the measured reason)
-    sync_fill: str = "auto"
-    # megatron, slime anchors: --use-precision-aware-optimizer as slime's model scripts pass it ("on") or not ("off")
-    anchor_precision_aware: str = "on"
-
-    def validate(self) -> "RunConfig":
-        if self.trainer not in TRAINERS:
-            raise InvalidArgumentError(f"trainer must be one of {tuple(TRAINERS)}, got {self.trainer!r}")
-        known = TRAINERS[self.trainer][1]
-        if self.variants is None:
-            self.variants = known
-        self.model.validate()
-        ints = {"gpus": 1, "tp": 1, "ep": 1, "moe_experts": 0, "moe_topk": 1, "steps": 1, "warmup": 0, "batch": 1,
-                "seq": 2, "gen_batch": 1, "prompt_len": 1,
-                "new_tokens": 1, "verify_batch": 1, "verify_len": 1, "timeout_s": 1}
-        for name, lo in ints.items():
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
-        if self.warmup >= self.steps:
-            raise InvalidArgumentError(f"warmup ({self.warmup}) must be smaller than steps ({self.steps}): "
-                                       f"nothing would be measured")
-        if self.seq > self.model.max_seq:
-            raise InvalidArgumentError(f"seq {self.seq} exceeds the model's max_seq {self.model.max_seq}")
-        if self.prompt_len + self.new_tokens > self.model.max_seq:
-            raise InvalidArgumentError(f"prompt_len + new_tokens = {self.prompt_len + self.new_tokens} exceeds "
-                                       f"max_seq {self.model.max_seq}")
-        if self.verify_len > self.model.max_seq:
-            raise InvalidArgumentError(f"verify_len {self.verify_len} exceeds max_seq {self.model.max_seq}")
-        if not isinstance(self.kv_reserve_gb, (int, float)) or not 0 <= self.kv_reserve_gb <= 1024:
-            raise InvalidArgumentError(f"kv_reserve_gb must be in [0, 1024], got {self.kv_reserve_gb!r}")
-        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise InvalidArgumentError(f"lr must be positive, got {self.lr!r}")
-        bad = [v for v in self.variants if v not in known]
-        if bad or not self.variants or len(set(self.variants)) != len(self.variants):
-            raise InvalidArgumentError(f"variants must be distinct names from {known} (trainer {self.trainer}), "
-                                       f"got {self.variants!r}")
-        if self.trainer == "megatron":
-            if self.device != "cuda":
-                raise InvalidArgumentError("--trainer megatron needs CUDA (Megatron's DDP buffers and rotary "
-                                           "embeddings allocate on the GPU): there is no --device cpu run of it")
-            if self.gpus % self.tp:
-                raise InvalidArgumentError(f"--tp {self.tp} must divide --gpus {self.gpus} (the rest is data parallel)")
-            for name in ("n_heads", "d_ff", "vocab"):
-                if getattr(self.model, name) % self.tp:
-                    raise InvalidArgumentError(f"--tp {self.tp} must divide the model's {name} "
-                                               f"({getattr(self.model, name)}): Megatron splits it between the ranks")
-            self._validate_moe()
-        elif self.tp != 1 or self.ep != 1 or self.moe_experts:
-            raise InvalidArgumentError(f"--tp, --ep and --moe-experts: each an option of --trainer megatron (the toy "
-                                       f"trainer is dense and data parallel only); got --tp {self.tp} --ep {self.ep} "
-                                       f"--moe-experts {self.moe_experts}")
-        if self.device not in ("cuda", "cpu"):
-            raise InvalidArgumentError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
-        if self.device == "cpu" and self.variants != ("ebbtide",):
-            raise InvalidArgumentError("device 'cpu' (the orchestration check) runs the ebbtide variant only: "
-                                       "pass --variants ebbtide")
-        if self.scratch_backup not in SCRATCH_BACKUPS:
-            raise InvalidArgumentError(f"scratch_backup must be one of {SCRATCH_BACKUPS}, got {self.scratch_backup!r}")
-        if not isinstance(self.store_bind, str) or not self.store_bind.strip():
-            raise InvalidArgumentError(f"store_bind must be a host name or an IP address, got {self.store_bind!r}")
-        if self.decode not in DECODE_MODES:
-            raise InvalidArgumentError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
-        if self.steady_guard not in STEADY_GUARDS:
-            raise InvalidArgumentError(f"steady_guard must be one of {STEADY_GUARDS}, got {self.steady_guard!r}")
-        if (not isinstance(self.steady_tolerance, (int, float)) or isinstance(self.steady_tolerance, bool)
-                or not 0 <= self.steady_tolerance <= 1):
-            raise InvalidArgumentError(f"steady_tolerance must be a fraction in [0, 1], got {self.steady_tolerance!r}")
-        if self.groups not in GROUP_MODES:
-            raise InvalidArgumentError(f"groups must be one of {GROUP_MODES}, got {self.groups!r}")
-        if self.nccl_cumem not in CUMEM_MODES:
-            raise InvalidArgumentError(f"nccl_cumem must be one of {CUMEM_MODES}, got {self.nccl_cumem!r}")
-        if self.moments not in MOMENTS:
-            raise InvalidArgumentError(f"moments must be one of {MOMENTS}, got {self.moments!r}")
-        if self.comm_teardown not in TEARDOWNS:
-            raise InvalidArgumentError(f"comm_teardown must be one of {TEARDOWNS}, got {self.comm_teardown!r}")
-        if self.cache_trim not in CACHE_TRIMS:
-            raise InvalidArgumentError(f"cache_trim must be one of {CACHE_TRIMS}, got {self.cache_trim!r}")
-        if self.cache_trim != "auto" and self.trainer != "megatron":
-            raise InvalidArgumentError("--cache-trim is an option of --trainer megatron (the toy one trims offloading)")
-        if self.comm_teardown != "background" and self.trainer != "megatron":
-            raise InvalidArgumentError("--comm-teardown is an option of --trainer megatron (the toy trainer "
-                                       "releases its groups with the teardown joined)")
-        if self.sync_fill not in SYNC_FILLS:
-            raise InvalidArgumentError(f"sync_fill must be one of {SYNC_FILLS}, got {self.sync_fill!r}")
-        if self.sync_fill != "auto" and self.trainer != "megatron":
-            raise InvalidArgumentError("--sync-fill is an option of --trainer megatron")
-        if self.sync_fill == "streamed" and (self.gpus > 1 or self.moe_experts):
-            raise InvalidArgumentError("--sync-fill streamed needs one GPU and a dense model (the distributed "
-                                       "optimizer and the TP/EP gathers fill after the step)")
-        if not isinstance(self.memory_history, bool):
-            raise InvalidArgumentError(f"memory_history must be a bool, got {self.memory_history!r}")
-        if self.memory_history and self.trainer != "megatron":
-            raise InvalidArgumentError("--memory-history is an option of --trainer megatron")
-        if self.anchor_precision_aware not in ("on", "off"):
-            raise InvalidArgumentError(f"anchor_precision_aware must be 'on' or 'off', got "
-                                       f"{self.anchor_precision_aware!r}")
-        if self.anchor_precision_aware != "on" and self.trainer != "megatron":
-            raise InvalidArgumentError("--anchor-precision-aware is an option of --trainer megatron")
-        if self.moments != "fp32" and self.trainer != "megatron":
-            raise InvalidArgumentError("--moments bf16 is an option of --trainer megatron (the toy trainer's "
-                                       "optimizer keeps fp32 moments)")
-        return self
-
-    def _validate_moe(self) -> None:
-        if not self.moe_experts:
-            if self.ep != 1:
-                raise InvalidArgumentError(f"--ep {self.ep} needs a MoE model: pass --moe-experts")
-            return
-        if self.moe_experts < 2 or self.moe_topk > self.moe_experts:
-            raise InvalidArgumentError(f"--moe-experts must be >= 2 and >= --moe-topk; got --moe-experts "
-                                       f"{self.moe_experts} --moe-topk {self.moe_topk}")
-        if self.gpus % self.ep or self.moe_experts % self.ep:
-            raise InvalidArgumentError(f"--ep {self.ep} must divide --gpus {self.gpus} and --moe-experts "
-                                       f"{self.moe_experts} (each expert-parallel rank holds experts / ep of them)")
-        if self.tp > 1:
-            raise InvalidArgumentError(f"--moe-experts with --tp {self.tp}: Megatron trains a MoE layer at tensor "
-                                       "parallel > 1 only with sequence parallelism, which this loop does not run")
-        if self.ep < 2:
-            # megatron-core 0.16.1, local spec: at expert-parallel 1 and tensor-parallel 1 an expert's fc2 output is
-            # a view returned by the (identity) TP all-reduce, and SequentialMLP adds its bias to it in place: the
-            # backward fails ("a view ... is being modified inplace"); at EP > 1 the experts skip that all-reduce
-            raise InvalidArgumentError("--moe-experts needs --ep 2 or more: megatron-core's SequentialMLP experts "
-                                       "with biases fail their backward at expert parallel 1 (an in-place bias add "
-                                       "on a view)")
-
-    def worker_spec(self, variant: str) -> dict:
-        return {"model": dataclasses.asdict(self.model), "trainer": self.trainer, "variant": variant, "tp": self.tp,
-                "ep": self.ep,
-                "moe": {"experts": self.moe_experts, "topk": self.moe_topk} if self.moe_experts else None,
-                "steps": self.steps,
-                "batch": self.batch, "seq": self.seq, "gen_batch": self.gen_batch, "prompt_len": self.prompt_len,
-                "new_tokens": self.new_tokens, "kv_reserve_bytes": int(self.kv_reserve_gb * GiB), "lr": self.lr,
-                "seed": self.seed, "scratch_backup": self.scratch_backup, "decode": self.decode, "groups": self.groups,
-                "nccl_cumem": self.nccl_cumem, "comm_teardown": self.comm_teardown, "cache_trim": self.cache_trim,
-                "moments": self.moments, "memory_history": self.memory_history, "sync_fill": self.sync_fill,
-                "anchor_precision_aware": self.anchor_precision_aware == "on", "verify_batch": self.verify_batch,
-                "verify_len": self.verify_len, "timeout_s": self.timeout_s, "device": self.device}
+PROG = "ebbtide colocate"  # the command users run (also: python -m ebbtide.bench.colocate)
 
 
 def _parser() -> argparse.ArgumentParser:
     d, m = RunConfig(), ModelConfig()
-    p = argparse.ArgumentParser(prog="python -m ebbtide.colocate",
+    p = argparse.ArgumentParser(prog=PROG,
                                 description="A colocated RL loop (trainer + rollout on the same GPUs), measured "
-                                            "against the same loop on torch_memory_saver / torch tools.")
+                                            "against the same loop on torch_memory_saver / torch tools: ebbtide's "
+                                            "benchmark harness (examples/colocate/ shows the public API alone).")
     p.add_argument("--trainer", default=d.trainer, choices=tuple(TRAINERS),
-                   help="toy: the example's own small model (default, no dependencies); megatron: a Megatron-core "
+                   help="toy: the loop's own small model (default, no dependencies); megatron: a Megatron-core "
                         "GPT (local layer spec, bf16, DDP; dense or MoE) on ebbtide's adapter, beside the slime "
                         "configuration and the GPU optimizer under torch_memory_saver")
     p.add_argument("--gpus", type=int, default=d.gpus, help="trainer ranks, one per GPU, each with its rollout")
@@ -298,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--variants", default=None,
-                   help="comma list of: ebbtide, anchor (toy); ebbtide, slime, slime-ebbtide, gpu-tms (megatron); "
-                        "default all")
+                   help="comma list of: " + "; ".join(f"{', '.join(v)} ({t})" for t, (_m, v) in TRAINERS.items())
+                        + "; default all")
     p.add_argument("--scratch-backup", default=d.scratch_backup, choices=SCRATCH_BACKUPS,
                    help="the rollout's untagged allocations (cuBLAS workspaces, decode scratch) across its pause: "
                         "keep (default: stay resident and are not paused, as torch_memory_saver leaves untagged "
@@ -335,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="megatron, ebbtide variant: the weight update filled while the CPU step uploads each bucket "
                         "(streamed; one GPU, dense) or after the step (after; auto, the default, is after: streamed "
                         "measured slower, its fills' Python contending with the CPU step for the GIL)")
-    p.add_argument("--anchor-precision-aware", default=d.anchor_precision_aware, choices=("on", "off"),
+    p.add_argument("--anchor-precision-aware", default=d.anchor_precision_aware, choices=ON_OFF,
                    help="megatron, slime anchors: Megatron's --use-precision-aware-optimizer as slime's model scripts "
                         "pass it (on, default: the DistributedOptimizer keeps no fp32 main params on the GPU, "
                         "HybridDeviceOptimizer's CPU copy is the master) or not (off)")
@@ -361,7 +154,7 @@ def parse_args(argv=None) -> RunConfig:
     """Command line -> validated RunConfig. Bad values raise InvalidArgumentError (argparse's own type errors
     exit with usage, as argparse does)."""
     a = _parser().parse_args(argv)
-    base = _model(a.trainer, a.quick)
+    base = model_for(a.trainer, a.quick)
     model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
                                     else getattr(base, f.name)) for f in dataclasses.fields(ModelConfig)})
     kw = {k: getattr(a, k) for k in ("gpus", "tp", "ep", "moe_experts", "moe_topk", "steps", "warmup", "batch",
@@ -377,17 +170,6 @@ def parse_args(argv=None) -> RunConfig:
                 kw[k] = v
     variants = None if a.variants is None else tuple(v.strip() for v in a.variants.split(",") if v.strip())
     return RunConfig(model=model, trainer=a.trainer, variants=variants, **kw).validate()
-
-
-def _model(trainer: str, quick: bool) -> ModelConfig:
-    if trainer == "megatron":
-        return MEGATRON_QUICK if quick else MEGATRON_MODEL
-    return QUICK_MODEL if quick else ModelConfig()
-
-
-def quick_overrides() -> dict:
-    return {"steps": 5, "warmup": 1, "batch": 4, "seq": 256, "gen_batch": 8, "prompt_len": 64, "new_tokens": 32,
-            "kv_reserve_gb": 0.5}
 
 
 def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
@@ -549,7 +331,7 @@ def run_loop(*, gpus: int = 1, out: str, quick: bool = False, log=print, **overr
     GPUs, every variant, results and logs in ``out``; ``overrides``: other RunConfig fields (``trainer="megatron"``
     picks the Megatron loop and its sizes). Returns the results (``results["config"]`` is the configuration that
     ran). Bad values raise InvalidArgumentError before anything starts."""
-    base = {"model": _model(overrides.get("trainer", "toy"), quick), **(quick_overrides() if quick else {})}
+    base = {"model": model_for(overrides.get("trainer", "toy"), quick), **(quick_overrides() if quick else {})}
     cfg = RunConfig(**{**base, "gpus": gpus, "out": out, **overrides})
     return run(cfg, log=log)
 
@@ -559,7 +341,7 @@ def main(argv=None) -> int:
         cfg = parse_args(argv)
         results = run(cfg)
     except (InvalidArgumentError, UnsupportedError) as e:
-        print(f"python -m ebbtide.colocate: {e}", file=sys.stderr)
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     print(format_report(results))
     print(f"\nresults: {cfg.out}/results.json, timeline: {results['timeline']}")
@@ -573,7 +355,7 @@ def main(argv=None) -> int:
     slower = [c for c in results["steady"] if not c["ok"]]
     if slower:
         what = "; ".join(f"{c['phase']} {c['ratio']:.3f}x {c['anchor']}'s" for c in slower)
-        print(f"python -m ebbtide.colocate: ebbtide's steady phases are slower than the anchors' by more than "
+        print(f"{PROG}: ebbtide's steady phases are slower than the anchors' by more than "
               f"{cfg.steady_tolerance:.0%}: {what} (--steady-guard warn reports this without failing)",
               file=sys.stderr)
         if cfg.steady_guard == "error":

@@ -1,11 +1,8 @@
-"""largest_live_blocks: what TrainingState.residual_blocks reads out of torch.cuda.memory_snapshot() (CPU: a
-snapshot in torch's format; the GPU path is the colocated loop's offload record)."""
-import pytest
-
-pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
-
-from ebbtide.integrations.megatron._memory import largest_live_blocks, largest_segments  # noqa: E402
+"""The one parser of torch.cuda.memory_snapshot() (``ebbtide._snapshot``): segments and block addresses (what
+release_report and the paused-block checker read) and largest_live_blocks / largest_segments (what
+TrainingState.residual_blocks / residual_segments return). CPU: snapshots in torch's format; the GPU paths are the
+memory tests' and the colocated loop's offload record."""
+from ebbtide._snapshot import DEFAULT_POOL, largest_live_blocks, largest_segments, segments
 
 
 def _seg(pool, *blocks):
@@ -53,3 +50,19 @@ def test_python_frames_first_where_recorded():
     assert got[0]["frames"] == ["torch/nn/functional.py:12 linear"]
     assert got[1]["frames"] == ["CUDACachingAllocator.cpp:0 malloc"] * 6  # no Python frame: the innermost
     assert largest_segments(snap, top=1)[0]["frames"] == ["torch/nn/functional.py:12 linear"]
+
+
+def test_segments_give_each_block_its_address_and_default_what_the_snapshot_omits():
+    snap = [{"address": 0x1000, "total_size": 0x300, "allocated_size": 0x100, "segment_pool_id": (1, 2),
+             "segment_type": "small", "is_expandable": True, "device": 1,
+             "blocks": [{"size": 0x100, "state": "active_allocated"}, {"size": 0x80, "state": "inactive"},
+                        {"address": 0x1200, "size": 0x100, "state": "active_pending_free"}]},
+            {"address": 0x9000, "blocks": [{"size": 64, "state": "active_allocated"},
+                                           {"size": 32, "state": "active_allocated"}]}]
+    a, b = segments(snap)
+    assert [blk.address for blk in a.blocks] == [0x1000, 0x1100, 0x1200]  # own "address" field wins
+    assert (a.size, a.allocated, a.pool, a.type, a.expandable, a.device) == (0x300, 0x100, (1, 2), "small", True, 1)
+    assert [blk.size for blk in a.live] == [0x100] and a.live_bytes == 0x100
+    assert [blk.address for blk in b.blocks] == [0x9000, 0x9040]
+    assert (b.size, b.allocated, b.pool, b.device, b.expandable) == (96, 96, DEFAULT_POOL, None, False)
+    assert segments([]) == []

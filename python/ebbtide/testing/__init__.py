@@ -1,0 +1,1 @@
+"""ebbtide.testing: what the tests and the bench share, shipped with the package (as DeepGEMM ships its testing/)."""
