@@ -448,3 +448,26 @@ def test_abort_gives_an_open_update_up_and_the_receiver_keeps_its_version():
     finally:
         sender.close()
         buf.close()
+
+
+def test_payload_is_the_shared_update_after_the_header():
+    # what the sender writes is what payload() shows (a codec of the caller's own lays its bytes out there); its
+    # size is bounded by the buffer after the header
+    src, plan, buf, sender, receiver, dst = _pair()
+    try:
+        sender.push(1)
+        whole = buf.payload()
+        assert whole.dtype == torch.uint8 and whole.numel() == plan.nbytes  # size_for(plan): header + update
+        data = buf.payload(plan.nbytes)
+        offsets = plan.bucket_offsets()
+        for b, o in zip(plan.buckets, offsets):
+            for it in b.items:
+                if it.kind == "raw":
+                    assert torch.equal(_bits(it.outputs[0].view(data[o:o + b.nbytes])), _bits(src[it.source]))
+        data[:8].fill_(7)  # a view of the shared mapping, not a copy
+        assert torch.equal(buf.payload(8), torch.full((8,), 7, dtype=torch.uint8))
+        for bad in (-1, plan.nbytes + 1, 1.5, True):
+            with pytest.raises(InvalidArgumentError, match="payload size"):
+                buf.payload(bad)
+    finally:
+        buf.close()

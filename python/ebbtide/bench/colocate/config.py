@@ -11,7 +11,7 @@ from .measure import STEADY_TOLERANCE
 from .options import (CACHE_TRIMS, CUMEM_MODES, DECODE_MODES, GROUP_MODES, MOMENTS, ON_OFF, SCRATCH_BACKUPS,
                       STEADY_GUARDS, SYNC_FILLS, TEARDOWNS, TRAINERS)
 
-__all__ = ["RunConfig", "QUICK_MODEL", "MEGATRON_MODEL", "MEGATRON_QUICK", "quick_overrides", "model_for"]
+__all__ = ["RunConfig", "QUICK_MODEL", "MEGATRON_MODEL", "MEGATRON_QUICK", "quick_overrides", "model_for", "CHOICES"]
 
 GiB = 1 << 30
 QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
@@ -21,7 +21,7 @@ MEGATRON_MODEL = ModelConfig(vocab=32768, d_model=2048, n_layers=24, n_heads=16,
 MEGATRON_QUICK = ModelConfig(vocab=32768, d_model=1024, n_layers=4, n_heads=16, d_ff=4096, max_seq=512)
 
 # option -> the words it accepts (checked in this order)
-_CHOICES = {"scratch_backup": SCRATCH_BACKUPS, "decode": DECODE_MODES, "steady_guard": STEADY_GUARDS,
+CHOICES = {"scratch_backup": SCRATCH_BACKUPS, "decode": DECODE_MODES, "steady_guard": STEADY_GUARDS,
             "groups": GROUP_MODES, "nccl_cumem": CUMEM_MODES, "moments": MOMENTS, "comm_teardown": TEARDOWNS,
             "cache_trim": CACHE_TRIMS, "sync_fill": SYNC_FILLS, "anchor_precision_aware": ON_OFF}
 # options of the Megatron trainer alone: the toy trainer refuses any value but the default (and why)
@@ -121,7 +121,7 @@ class RunConfig:
             raise InvalidArgumentError(f"steady_tolerance must be a fraction in [0, 1], got {self.steady_tolerance!r}")
         if not isinstance(self.memory_history, bool):
             raise InvalidArgumentError(f"memory_history must be a bool, got {self.memory_history!r}")
-        for name, words in _CHOICES.items():
+        for name, words in CHOICES.items():
             if getattr(self, name) not in words:
                 raise InvalidArgumentError(f"{name} must be one of {words}, got {getattr(self, name)!r}")
         if self.trainer != "megatron":

@@ -41,15 +41,49 @@ from datetime import timedelta
 from ...errors import InvalidArgumentError, UnsupportedError
 from ...testing.models import ModelConfig
 from ._procs import _kill_group, _reap_group, _tail, _wait_all
-from .config import MEGATRON_MODEL, MEGATRON_QUICK, QUICK_MODEL, RunConfig, model_for, quick_overrides
+from .config import CHOICES, MEGATRON_MODEL, MEGATRON_QUICK, QUICK_MODEL, RunConfig, model_for, quick_overrides
 from .measure import (STEADY_TOLERANCE, format_report, growth_check, nvml_all_pids, plot_timeline, steady_check,
                       summarize)
-from .options import (CACHE_TRIMS, CUMEM_MODES, DECODE_MODES, GROUP_MODES, MOMENTS, NEEDS_TMS, ON_OFF,
-                      SCRATCH_BACKUPS, STEADY_GUARDS, SYNC_FILLS, TEARDOWNS, TRAINERS)
+from .options import NEEDS_TMS, TRAINERS
 
 __all__ = ["parse_args", "run", "run_loop", "main", "run_variant", "PROG"]
 
 PROG = "ebbtide colocate"  # the command users run (also: python -m ebbtide.bench.colocate)
+
+
+# --flag (config field) -> its help; the words each accepts are config.CHOICES' (options')
+_CHOICE_HELP = {
+    "scratch_backup": ("the rollout's untagged allocations (cuBLAS workspaces, decode scratch) across its pause: keep "
+                       "(default: stay resident and are not paused, as torch_memory_saver leaves untagged memory), "
+                       "cpu (paused with a CPU backup: less held, a copy each way), none (discarded)"),
+    "decode": ("rollout decode: the per-token step captured once in a CUDA graph and replayed (default), or eager "
+               "forwards (same code in both variants; the anchor rollout keeps the graph's memory while paused, "
+               "ebbtide's pauses it). On --device cpu the static step runs eagerly"),
+    "groups": ("megatron, ebbtide variant: communicators made at each group's first collective (lazy, default; "
+               "release frees those that exist), at creation and reload (eager: WORLD bound to the device), or lazily "
+               "and again at reload for the groups the last step used (used: reload_groups(eager=True) over lazy "
+               "groups, their warm-ups concurrent). The anchors run slime's settings whatever this says"),
+    "nccl_cumem": ("megatron, ebbtide variant: NCCL_CUMEM_ENABLE off (default: slime's actor environment, as the "
+                   "anchors run) or on (NCCL's own default; each lazily connected communicator costs ~0.1 s more "
+                   "between two GPUs with NCCL 2.28)"),
+    "comm_teardown": ("megatron, ebbtide variant: the released communicators' teardown runs in the background, beside "
+                      "offload and generate (default), or inside comm_release (joined: the trainer does nothing while "
+                      "the rollout generates; for telling the teardown's effect on generate apart)"),
+    "cache_trim": ("megatron, ebbtide variant: the caching allocator's free blocks (the activations) go back to the "
+                   "device on a thread while the CPU optimizer steps (step), inside the offload (offload), or step at "
+                   "DP=EP=1 and offload with the sharded optimizer (auto, default)"),
+    "moments": ("megatron, ebbtide variant: Adam's moments in fp32 (default) or bf16 (Megatron's precision-aware "
+                "exp_avg_dtype/exp_avg_sq_dtype; 20 instead of 28 bytes per parameter through host memory). The slime "
+                "anchors keep fp32 moments: HybridDeviceOptimizer's CPU AdamW has no moment dtype"),
+    "sync_fill": ("megatron, ebbtide variant: the weight update filled while the CPU step uploads each bucket "
+                  "(streamed; one GPU, dense) or after the step (after; auto, the default, is after: streamed "
+                  "measured slower, its fills' Python contending with the CPU step for the GIL)"),
+    "anchor_precision_aware": ("megatron, slime anchors: Megatron's --use-precision-aware-optimizer as slime's model "
+                               "scripts pass it (on, default: the DistributedOptimizer keeps no fp32 main params on "
+                               "the GPU, HybridDeviceOptimizer's CPU copy is the master) or not (off)"),
+    "steady_guard": ("when ebbtide's train (forward + backward) or generate median is more than --steady-tolerance "
+                     "slower than an anchor's: error (default: exit status 3) or warn"),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,51 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=None,
                    help="comma list of: " + "; ".join(f"{', '.join(v)} ({t})" for t, (_m, v) in TRAINERS.items())
                         + "; default all")
-    p.add_argument("--scratch-backup", default=d.scratch_backup, choices=SCRATCH_BACKUPS,
-                   help="the rollout's untagged allocations (cuBLAS workspaces, decode scratch) across its pause: "
-                        "keep (default: stay resident and are not paused, as torch_memory_saver leaves untagged "
-                        "memory), cpu (paused with a CPU backup: less held, a copy each way), none (discarded)")
-    p.add_argument("--decode", default=d.decode, choices=DECODE_MODES,
-                   help="rollout decode: the per-token step captured once in a CUDA graph and replayed (default), "
-                        "or eager forwards (same code in both variants; the anchor rollout keeps the graph's memory "
-                        "while paused, ebbtide's pauses it). On --device cpu the static step runs eagerly")
-    p.add_argument("--groups", default=d.groups, choices=GROUP_MODES,
-                   help="megatron, ebbtide variant: communicators made at each group's first collective (lazy, "
-                        "default; release frees those that exist), at creation and reload (eager: WORLD bound to "
-                        "the device), or lazily and again at reload for the groups the last step used (used: "
-                        "reload_groups(eager=True) over lazy groups, their warm-ups concurrent). The anchors run "
-                        "slime's settings whatever this says")
-    p.add_argument("--nccl-cumem", default=d.nccl_cumem, choices=CUMEM_MODES,
-                   help="megatron, ebbtide variant: NCCL_CUMEM_ENABLE off (default: slime's actor environment, as the "
-                        "anchors run) or on (NCCL's own default; each lazily connected communicator costs ~0.1 s "
-                        "more between two GPUs with NCCL 2.28)")
-    p.add_argument("--comm-teardown", default=d.comm_teardown, choices=TEARDOWNS,
-                   help="megatron, ebbtide variant: the released communicators' teardown runs in the background, "
-                        "beside offload and generate (default), or inside comm_release (joined: the trainer does "
-                        "nothing while the rollout generates; for telling the teardown's effect on generate apart)")
-    p.add_argument("--cache-trim", default=d.cache_trim, choices=CACHE_TRIMS,
-                   help="megatron, ebbtide variant: the caching allocator's free blocks (the activations) go back to "
-                        "the device on a thread while the CPU optimizer steps (step), inside the offload (offload), "
-                        "or step at DP=EP=1 and offload with the sharded optimizer (auto, default)")
-    p.add_argument("--moments", default=d.moments, choices=MOMENTS,
-                   help="megatron, ebbtide variant: Adam's moments in fp32 (default) or bf16 (Megatron's precision-"
-                        "aware exp_avg_dtype/exp_avg_sq_dtype; 20 instead of 28 bytes per parameter through host "
-                        "memory). The slime anchors keep fp32 moments: HybridDeviceOptimizer's CPU AdamW has no "
-                        "moment dtype")
-    p.add_argument("--sync-fill", default=d.sync_fill, choices=SYNC_FILLS,
-                   help="megatron, ebbtide variant: the weight update filled while the CPU step uploads each bucket "
-                        "(streamed; one GPU, dense) or after the step (after; auto, the default, is after: streamed "
-                        "measured slower, its fills' Python contending with the CPU step for the GIL)")
-    p.add_argument("--anchor-precision-aware", default=d.anchor_precision_aware, choices=ON_OFF,
-                   help="megatron, slime anchors: Megatron's --use-precision-aware-optimizer as slime's model scripts "
-                        "pass it (on, default: the DistributedOptimizer keeps no fp32 main params on the GPU, "
-                        "HybridDeviceOptimizer's CPU copy is the master) or not (off)")
+    for dest, text in _CHOICE_HELP.items():
+        p.add_argument("--" + dest.replace("_", "-"), default=getattr(d, dest), choices=CHOICES[dest], help=text)
     p.add_argument("--memory-history", action="store_true",
                    help="megatron, a diagnostic: each trainer records its allocations' frames, so the offload "
                         "phase's residual_blocks name what keeps torch's pool reserved (the steps run slower)")
-    p.add_argument("--steady-guard", default=d.steady_guard, choices=STEADY_GUARDS,
-                   help="when ebbtide's train (forward + backward) or generate median is more than --steady-tolerance "
-                        "slower than an anchor's: error (default: exit status 3) or warn")
     p.add_argument("--steady-tolerance", type=float, default=d.steady_tolerance,
                    help=f"allowed slowdown of the steady phases, a fraction (default {STEADY_TOLERANCE})")
     p.add_argument("--timeout", type=int, default=d.timeout_s, dest="timeout_s", help="seconds per variant")
