@@ -8,7 +8,7 @@ import pathlib
 
 from test_import_cycles import PACKAGE_DIR, import_graph
 
-ROOT = PACKAGE_DIR.parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout (the package may be installed elsewhere)
 # Modules outside ebbtide.bench that may import it: the command line is the entry point that runs the benchmarks.
 BENCH_USERS = {"ebbtide.cli": "`ebbtide bench` and `ebbtide colocate` run the bench"}
 # Private library modules the harness and the anchors may import, and why no public name serves.
