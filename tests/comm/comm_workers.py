@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import ebbtide.comm as comm
-from ebbtide.bench._spawn import join_store
+from ebbtide.testing.spawn import join_store
 from ebbtide.errors import StateError, WaitTimeoutError
 
 
@@ -403,7 +403,7 @@ def nccl_split(rank, world, init, cycles=2):
     journaled (non-members' calls too) and rebuilt by splitting the rebuilt parent; the mesh hands back the same
     wrappers. (Gloo's own C++ split hangs or crashes intermittently in torch 2.13 even without ebbtide, so this
     path is tested on GPUs only.)"""
-    from ebbtide.bench._spawn import progress
+    from ebbtide.testing.spawn import progress
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -533,10 +533,10 @@ def split_replay_guards(rank, world, init):
 def nccl_baseline_handshake(rank, world, init):
     """The scenario's NCCL-loaded baseline either runs on every rank or on none: here (no NCCL in the CPU build)
     every rank reports it cannot, and no rank is left waiting for the others."""
-    from ebbtide.bench.comm_scenarios import _nccl_process_state
+    from ebbtide.testing.scenarios.comm import nccl_process_state
 
     lines = []
-    free = _nccl_process_state(rank, world, join_store(init), torch.device("cpu"), torch.zeros(4), lines.append)
+    free = nccl_process_state(rank, world, join_store(init), torch.device("cpu"), torch.zeros(4), lines.append)
     return {"free": free, "lines": lines}
 
 
@@ -690,7 +690,7 @@ def nccl_in_flight(rank, world, init):
     peers did not): every rank gets the same StateError within the timeout (rank 0's device did not drain), nothing
     is released, and once the peers join the collective it completes
     with the exact sum and a release/reload cycle works."""
-    from ebbtide.bench._spawn import progress
+    from ebbtide.testing.spawn import progress
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)

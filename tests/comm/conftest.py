@@ -1,4 +1,4 @@
-"""tests/comm: put this folder on sys.path (comm_spawn, comm_workers) and, where the pytest-timeout plugin is
+"""tests/comm: put this folder on sys.path (comm_workers, the rank bodies) and, where the pytest-timeout plugin is
 installed (the GPU image has it; CI need not), give each test with a ``DEADLINE_S`` entry in its module a pytest-level
 timeout a little above its spawn deadline, as a backstop should the spawn helper itself get stuck. The signal
 method raises inside the test, so the spawn helper's cleanup still kills the ranks and the next test runs."""

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ebbtide.comm as comm
-from ebbtide.bench._spawn import join_store
+from ebbtide.testing.spawn import join_store
 from ebbtide.errors import StateError, UnsupportedError
 
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
@@ -109,8 +109,8 @@ def standin_disagreement(rank, world, init):
     return {"msg": msg}
 
 
-# ---- the real DeepEP, one rank per GPU: the benchmark's scenario (ebbtide.bench.deepep_scenario) ----------------
+# ---- the real DeepEP, one rank per GPU: the benchmark's scenario (ebbtide.testing.scenarios.deepep) ----------------
 def real(rank, world, init, **kw):
-    from ebbtide.bench.deepep_scenario import deepep_cycles  # noqa: PLC0415
+    from ebbtide.testing.scenarios.deepep import deepep_cycles  # noqa: PLC0415
 
     return deepep_cycles(rank, world, init, **kw)

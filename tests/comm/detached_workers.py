@@ -146,7 +146,7 @@ def nccl_reload_beside_teardown(rank, world, init, cycles=6, rollout_s=0.2, mode
 
     import torch
 
-    from ebbtide.bench._spawn import join_store, progress
+    from ebbtide.testing.spawn import join_store, progress
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)

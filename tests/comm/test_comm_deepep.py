@@ -9,19 +9,20 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-import comm_spawn as _spawn  # noqa: E402
 import torch  # noqa: E402
+
+from ebbtide.testing import spawn  # noqa: E402
 
 DEADLINE_S = {"test_standin_cycles": 90, "test_standin_disagreement": 90, "test_deepep_megatron_buffer_cycles": 240}
 
 
 def test_standin_cycles():
-    res = _spawn.run("standin", 2, module="deepep_workers", timeout=DEADLINE_S["test_standin_cycles"])
+    res = spawn.ranks("standin", 2, module="deepep_workers", timeout=DEADLINE_S["test_standin_cycles"])
     assert all(len(r["cycles"]) == 3 for r in res)
 
 
 def test_standin_disagreement():
-    res = _spawn.run("standin_disagreement", 2, module="deepep_workers",
+    res = spawn.ranks("standin_disagreement", 2, module="deepep_workers",
                      timeout=DEADLINE_S["test_standin_disagreement"])
     assert all("different DeepEP buffers" in r["msg"] for r in res)
 
@@ -32,7 +33,7 @@ def test_standin_disagreement():
                     reason="deep_ep is not installed (scripts/build-deepep builds it on the GPU machine)")
 def test_deepep_megatron_buffer_cycles():
     pytest.importorskip("megatron.core")
-    res = _spawn.run("real", 2, module="deepep_workers", timeout=DEADLINE_S["test_deepep_megatron_buffer_cycles"])
+    res = spawn.ranks("real", 2, module="deepep_workers", timeout=DEADLINE_S["test_deepep_megatron_buffer_cycles"])
     for r in res:
         print(f"DeepEP: {r['nvl_bytes'] / 2**20:.0f} MiB NVLink buffer; Megatron get_buffer "
               f"{r['ctor_s'] * 1e3:.1f} ms; dispatch+combine {r['before_s'] * 1e3:.3f} ms before, "

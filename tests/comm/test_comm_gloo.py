@@ -5,12 +5,15 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-import comm_spawn as _spawn  # noqa: E402  (tests/comm is on sys.path: conftest.py)
 import torch  # noqa: E402
+
+from ebbtide.testing import spawn  # noqa: E402
+
+W = "comm_workers"  # tests/comm is on sys.path (conftest.py)
 
 
 def test_overlapping_groups_several_generations():
-    res = _spawn.run("overlapping", 4, timeout=150)
+    res = spawn.ranks("overlapping", 4, module=W, timeout=150)
     for r in res:
         assert r["noop"] == [True, True, True]
         assert r["released_errors"] > 0
@@ -19,54 +22,54 @@ def test_overlapping_groups_several_generations():
 
 
 def test_functional_collectives_and_device_mesh():
-    res = _spawn.run("functional", 2)
+    res = spawn.ranks("functional", 2, module=W)
     assert all("device_mesh" in r for r in res)
 
 
 def test_disagreeing_journals_are_refused():
-    res = _spawn.run("disagreement", 2)
+    res = spawn.ranks("disagreement", 2, module=W)
     assert all("ranks [1]" in r["msg"] for r in res)
 
 
 def test_barrier_timeout_names_missing_rank():
-    res = _spawn.run("missing_rank", 2)
+    res = spawn.ranks("missing_rank", 2, module=W)
     assert "ranks [1]" in res[0]["msg"]
 
 
 def test_reload_timeout_names_missing_rank_and_stays_released():
-    res = _spawn.run("missing_rank_reload", 2)
+    res = spawn.ranks("missing_rank_reload", 2, module=W)
     assert "ranks [1]" in res[0]["msg"] and "gave up" in res[1]["msg"]
 
 
 def test_threads_and_fork():
-    _spawn.run("threads_and_fork", 2)
+    spawn.ranks("threads_and_fork", 2, module=W)
 
 
 def test_background_release_is_joined_by_the_next_call():
-    res = _spawn.run("background_release", 2, timeout=150)
+    res = spawn.ranks("background_release", 2, module=W, timeout=150)
     for r in res:
         assert r["released_errors"] > 0 and len(r["reports"]) == 2
         assert "injected teardown failure" in r["failure"]
 
 
 def test_install_after_init_adopts_world():
-    _spawn.run("install_after_init", 2)
+    spawn.ranks("install_after_init", 2, module=W)
 
 
 def test_megatron_parallel_state():
     pytest.importorskip("megatron.core.parallel_state")
-    res = _spawn.run("megatron", 2, timeout=150)  # PP=2; the 8-rank test below covers wider overlap
+    res = spawn.ranks("megatron", 2, module=W, timeout=150)  # PP=2; the 8-rank test below covers wider overlap
     assert all(r["groups"] >= 4 for r in res), res
 
 
 def test_megatron_like_topology_8_ranks():
-    res = _spawn.run("megatron_like_8", 8, timeout=170, cycles=2)
+    res = spawn.ranks("megatron_like_8", 8, module=W, timeout=170, cycles=2)
     assert all(len(r["cycles"]) == 2 for r in res)
 
 
 def test_teardown_children_before_world():
     """Concurrent (default): the children in one wave of threads, each finished before WORLD's teardown starts."""
-    res = _spawn.run("teardown_order", 2)
+    res = spawn.ranks("teardown_order", 2, module=W)
     for r in res:
         world, children = r["names"][0], set(r["names"][1:])
         events = [tuple(x) for x in r["order"]]
@@ -77,14 +80,14 @@ def test_teardown_children_before_world():
 
 
 def test_teardown_sequential_reverse_order():
-    res = _spawn.run("teardown_order", 2, concurrent=False)
+    res = spawn.ranks("teardown_order", 2, module=W, concurrent=False)
     for r in res:
         starts = [n for ev, n, _t in (tuple(x) for x in r["order"]) if ev == "start"]
         assert starts == list(reversed(r["names"])), r
 
 
 def test_split_replay_guards():
-    (r,) = _spawn.run("split_replay_guards", 1)
+    (r,) = spawn.ranks("split_replay_guards", 1, module=W)
     assert "parent group is unknown" in r["errors"]["unknown"], r
     assert "no bound device" in r["errors"]["unbound"], r
     assert "is not live" in r["errors"]["released"], r
@@ -93,13 +96,13 @@ def test_split_replay_guards():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check: with CUDA the baseline really runs (GPU tests)")
 def test_nccl_baseline_all_or_none():
-    res = _spawn.run("nccl_baseline_handshake", 2, timeout=60)
+    res = spawn.ranks("nccl_baseline_handshake", 2, module=W, timeout=60)
     for r in res:
         assert r["free"] is None and "not measured" in r["lines"][0], r
 
 
 def test_group_destroyed_while_released_stays_destroyed():
-    res = _spawn.run("destroyed_while_released", 2)
+    res = spawn.ranks("destroyed_while_released", 2, module=W)
     for r in res:
         for label in ("both", "one"):
             msg = r["errors"][label]

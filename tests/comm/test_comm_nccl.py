@@ -1,8 +1,8 @@
 """ebbtide.comm on NCCL, one rank per GPU (``multigpu``), plus the same scenario code on Gloo for CI.
 
-The scenario (ebbtide.bench.comm_scenarios.cycle_scenario) checks every collective's result exactly inside the ranks and
-returns the memory and timing figures asserted here. Memory is cudaMemGetInfo on each rank's own GPU (it counts
-NCCL's allocations, which torch's caching allocator never sees).
+The scenario (ebbtide.testing.scenarios.comm.cycle_scenario) checks every collective's result exactly inside the
+ranks and returns the memory and timing figures asserted here. Memory is cudaMemGetInfo on each rank's own GPU (it
+counts NCCL's allocations, which torch's caching allocator never sees).
 
 Fail fast: every scenario has a deadline (``DEADLINE_S``, sized so all five fit one 10-minute GPU command even if
 each ran to its deadline); a rank that fails stops its peers after a short grace; hung ranks get their Python stacks
@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ebbtide.bench import _spawn  # noqa: E402
+from ebbtide.testing import spawn  # noqa: E402
 
 MiB = 1 << 20
 # Seconds per scenario (the spawn helper's deadline); conftest.py reads this for the pytest-timeout backstop.
@@ -28,7 +28,8 @@ DEADLINE_S = {"test_scenario_code_on_gloo": 100, "test_nccl_flat_bound_world": 1
 
 
 def _run(world, test, **kw):
-    return _spawn.run("cycle_scenario", world, module="ebbtide.bench.comm_scenarios", timeout=DEADLINE_S[test], **kw)
+    return spawn.ranks("cycle_scenario", world, module="ebbtide.testing.scenarios.comm", timeout=DEADLINE_S[test],
+                       **kw)
 
 
 def test_scenario_code_on_gloo():
@@ -42,10 +43,10 @@ def test_scenario_code_on_gloo():
 
 # Share of communicator memory release(include_world=True) must free (the goal). Communicator memory is counted
 # from a baseline with NCCL's process-wide state already loaded (device code, context stack reservation: no API
-# returns it while the process lives; see comm_scenarios._nccl_process_state), measured by a throwaway 1-rank
-# communicator; counted from the bare CUDA context instead, ~418 MiB of that state per GPU (2 H200) would count as
-# communicator memory. The process state is reported on its own. release() ends with a barrier, so no rank
-# measures before its peers have unmapped its buffers.
+# returns it while the process lives; see ebbtide.testing.scenarios.comm.nccl_process_state), measured by a
+# throwaway 1-rank communicator; counted from the bare CUDA context instead, ~418 MiB of that state per GPU (2 H200)
+# would count as communicator memory. The process state is reported on its own. release() ends with a barrier, so
+# no rank measures before its peers have unmapped its buffers.
 FREED_SHARE = 0.95
 
 
@@ -115,9 +116,8 @@ def test_nccl_split_group_and_device_mesh():
     """split_group children (members and non-members) and a DeviceMesh survive cycles with WORLD kept and with
     WORLD rebuilt (where split() needs the rank map: Note [A rebuilt WORLD has no rank map]), and a split of the rebuilt
     WORLD made afterwards survives one more cycle."""
-    import comm_spawn  # tests/comm is on sys.path (conftest.py)
-
-    res = comm_spawn.run("nccl_split", 2, timeout=DEADLINE_S["test_nccl_split_group_and_device_mesh"])
+    res = spawn.ranks("nccl_split", 2, module="comm_workers",
+                      timeout=DEADLINE_S["test_nccl_split_group_and_device_mesh"])
     assert res[0]["groups"] >= 4  # WORLD + pair + solo + first (+ the mesh's group)
 
 
@@ -126,8 +126,7 @@ def test_release_with_a_collective_that_cannot_finish():
     """A collective launched on rank 0 only, in flight on a side stream: release(timeout=5) fails on every rank
     within the bound with the same reason (rank 0's device did not drain), nothing is released, and once
     rank 1 joins the collective it completes exactly and a release/reload cycle works (comm_workers.nccl_in_flight)."""
-    import comm_spawn  # tests/comm is on sys.path (conftest.py)
-
-    res = comm_spawn.run("nccl_in_flight", 2, timeout=DEADLINE_S["test_release_with_a_collective_that_cannot_finish"])
+    res = spawn.ranks("nccl_in_flight", 2, module="comm_workers",
+                      timeout=DEADLINE_S["test_release_with_a_collective_that_cannot_finish"])
     for r in res:
         assert r["kind"] == "StateError" and "on ranks [0]" in r["msg"] and "did not finish" in r["msg"], r

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-import comm_spawn as _spawn  # noqa: E402  (tests/comm is on sys.path: conftest.py)
+from ebbtide.testing import spawn  # noqa: E402
 
 SLOW = 1.5  # seconds each inner's teardown takes; two waves (subgroups, then WORLD): 3 s for one release
 DEADLINE_S = {"test_reload_does_not_wait_and_next_release_does": 120, "test_failure_raised_at_next_release": 120,
@@ -15,7 +15,7 @@ DEADLINE_S = {"test_reload_does_not_wait_and_next_release_does": 120, "test_fail
 
 
 def test_reload_does_not_wait_and_next_release_does():
-    res = _spawn.run("reload_beside_teardown", 2, module="detached_workers", slow=SLOW, timeout=120)
+    res = spawn.ranks("reload_beside_teardown", 2, module="detached_workers", slow=SLOW, timeout=120)
     for r in res:
         # (1) reload returned well before the first wave's teardowns ended, while they still ran
         assert r["release_s"] < SLOW / 2 and r["reload_s"] < SLOW / 2 and r["pending_after_reload"], r
@@ -28,7 +28,7 @@ def test_reload_does_not_wait_and_next_release_does():
 
 
 def test_failure_raised_at_next_release():
-    res = _spawn.run("failure_at_next_release", 2, module="detached_workers", timeout=120)
+    res = spawn.ranks("failure_at_next_release", 2, module="detached_workers", timeout=120)
     for r in res:  # every rank raises, naming the rank that failed and the cause
         assert "on ranks [1]" in r["release"] and "injected teardown failure" in r["release"], r
         assert "nothing was released" in r["release"], r
@@ -36,7 +36,7 @@ def test_failure_raised_at_next_release():
 
 
 def test_every_wave_is_attempted_after_a_failure():
-    res = _spawn.run("every_wave_after_a_failure", 2, module="detached_workers", timeout=120)
+    res = spawn.ranks("every_wave_after_a_failure", 2, module="detached_workers", timeout=120)
     assert res[1]["failed"] and not res[0]["failed"], res
     for r in res:
         assert r["attempted"] == r["groups"], r  # WORLD's wave ran after its subgroups' failed
@@ -44,7 +44,7 @@ def test_every_wave_is_attempted_after_a_failure():
 
 
 def test_ranks_must_agree_on_wait():
-    res = _spawn.run("wait_must_agree", 2, module="detached_workers", timeout=120)
+    res = spawn.ranks("wait_must_agree", 2, module="detached_workers", timeout=120)
     assert all("include_world/include_cpu/" in r and "wait" in r for r in res), res
 
 
@@ -52,7 +52,7 @@ def test_ranks_must_agree_on_wait():
 def test_nccl_reload_beside_teardown():
     """NCCL on 2 GPUs: reload() beside the running teardowns (WORLD included) gives exact collectives on every group,
     does not wait for the teardowns, and device memory does not drift over the cycles."""
-    res = _spawn.run("nccl_reload_beside_teardown", 2, module="detached_workers", timeout=150, cycles=6)
+    res = spawn.ranks("nccl_reload_beside_teardown", 2, module="detached_workers", timeout=150, cycles=6)
     for r in res:
         rows = r["rows"]
         for row in rows:

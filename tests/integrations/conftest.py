@@ -1,4 +1,4 @@
-"""tests/integrations: this folder on sys.path (megatron_spawn, megatron_workers, megatron_opt_workers)."""
+"""tests/integrations: this folder on sys.path (the rank bodies: megatron_workers, megatron_opt_workers, ...)."""
 import os
 import sys
 

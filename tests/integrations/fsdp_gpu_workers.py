@@ -4,13 +4,13 @@ receiving process for the CUDA IPC weight sync."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 import os
 
 import torch
 import torch.distributed as dist
 
-from ebbtide.bench._spawn import join_store
+from ebbtide.testing.bits import digests
+from ebbtide.testing.spawn import join_store
 
 SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=32, max_position_embeddings=256)
@@ -60,11 +60,6 @@ def step(model, opt, ids):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach().float().cpu()
-
-
-def digests(named: dict) -> dict:
-    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-            for n, t in named.items()}
 
 
 def offload_cycles(rank, world, addr, steps=10):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*torch.distributed.*")
 
-from ebbtide.bench._spawn import join_store  # noqa: E402
+from ebbtide.testing.spawn import join_store  # noqa: E402
 from ebbtide.errors import EbbtideError  # noqa: E402
 
 

@@ -23,7 +23,7 @@ SIZES = {"tiny": (2, 256, 4, 1024, 128, 2), "quick": (4, 1024, 16, 32000, 512, 2
 def _setup(rank, world, init, tp, ep=1, groups=False):
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
-    from ebbtide.bench._spawn import join_store  # noqa: PLC0415
+    from ebbtide.testing.spawn import join_store  # noqa: PLC0415
 
     torch.cuda.set_device(rank)
     if groups:

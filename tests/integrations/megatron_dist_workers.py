@@ -50,7 +50,7 @@ def cpu_megatron() -> None:
 def _setup(rank, world, init, tp=1, ep=1):
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
-    from ebbtide.bench._spawn import join_store  # noqa: PLC0415
+    from ebbtide.testing.spawn import join_store  # noqa: PLC0415
 
     cpu_megatron()
     dist.init_process_group("gloo", store=join_store(init), rank=rank, world_size=world,

@@ -19,7 +19,7 @@ from megatron.core.optimizer import OptimizerConfig  # noqa: E402
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params  # noqa: E402
 
 import ebbtide.integrations.megatron as ebt  # noqa: E402
-from ebbtide.bench._spawn import join_store  # noqa: E402
+from ebbtide.testing.spawn import join_store  # noqa: E402
 from ebbtide.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
 from ebbtide.optim._testing import round_moments_to_bf16  # noqa: E402
 

@@ -182,7 +182,7 @@ def tp_moe_weights(rank, world, init, experts=4):
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
 
     import ebbtide.integrations.megatron as ebt  # noqa: PLC0415
-    from ebbtide.bench._spawn import join_store  # noqa: PLC0415
+    from ebbtide.testing.spawn import join_store  # noqa: PLC0415
     from megatron_dist_workers import cpu_megatron, no_te_moe_fix  # noqa: PLC0415
 
     cpu_megatron()

@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 from megatron.core import parallel_state as ps  # noqa: E402
 
 import ebbtide.integrations.megatron as ebt  # noqa: E402
-from ebbtide.bench._spawn import join_store  # noqa: E402
+from ebbtide.testing.spawn import join_store  # noqa: E402
 from ebbtide.errors import StateError  # noqa: E402
 
 

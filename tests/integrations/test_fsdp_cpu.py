@@ -3,7 +3,6 @@ on a CPU mesh), the memory tags in the host-memory fake of the CUDA driver (so p
 back at the same addresses). GPU runs of the same: test_fsdp_gpu.py."""
 import contextlib
 import multiprocessing as mp
-import socket
 
 import pytest
 
@@ -12,8 +11,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch.distributed.fsdp")
 
 from ebbtide import _native  # noqa: E402
-
-import megatron_spawn  # noqa: E402  (the repository's rank launcher with this folder on the ranks' path)
+from ebbtide.testing import spawn  # noqa: E402
+from ebbtide.testing.ports import free_port  # noqa: E402
 
 FAKE = _native.PACKAGE_DIR / "libebbtide_fake_cuda.so"
 needs_fake = pytest.mark.skipif(not FAKE.exists(), reason="the fake CUDA driver (libebbtide_fake_cuda.so) is not built")
@@ -26,7 +25,7 @@ def fake_driver(monkeypatch):
 
 @needs_fake
 def test_offload_restore_every_step_trains_bit_for_bit_and_keeps_addresses(fake_driver):
-    res = megatron_spawn.run("memory_round_trip", 2, module="fsdp_workers", timeout=300, steps=4)
+    res = spawn.ranks("memory_round_trip", 2, module="fsdp_workers", timeout=300, steps=4)
     # the bitwise comparison with the twin runs inside each rank; here: every step ran, each rank its own data
     assert all(len(r["losses"]) == 4 for r in res) and res[0]["losses"] != res[1]["losses"], res
     assert all(r["paused"] == {"fsdp_weights": "paused", "fsdp_optimizer": "paused"} for r in res), res
@@ -34,7 +33,7 @@ def test_offload_restore_every_step_trains_bit_for_bit_and_keeps_addresses(fake_
 
 @needs_fake
 def test_refusals_change_nothing(fake_driver):
-    res = megatron_spawn.run("refusals", 2, module="fsdp_workers", timeout=300)
+    res = spawn.ranks("refusals", 2, module="fsdp_workers", timeout=300)
     want = {"not wrapped": "InvalidArgumentError", "plain Distributed": "UnsupportedError", "HSDP": "UnsupportedError",
             "CPUOffloadPolicy": "UnsupportedError", "not a GPU": "UnsupportedError", "in flight": "StateError",
             "without offload": "StateError", "called twice": "StateError", "was replaced": "StateError",
@@ -43,7 +42,7 @@ def test_refusals_change_nothing(fake_driver):
 
 
 def test_weights_reach_the_receiver_bit_for_bit_with_one_gather_per_bucket():
-    res = megatron_spawn.run("weights_sync", 2, module="fsdp_workers", timeout=300)
+    res = spawn.ranks("weights_sync", 2, module="fsdp_workers", timeout=300)
     assert res[0]["buckets"] > 2 and res[0]["names"][0].startswith("model."), res
 
 
@@ -51,9 +50,7 @@ def test_weights_reach_the_receiver_bit_for_bit_with_one_gather_per_bucket():
 def _dying(where):
     import fsdp_workers
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=fsdp_workers.dying_rank, args=(r, 2, port, where, q)) for r in range(2)]
@@ -87,11 +84,11 @@ def test_a_rank_dying_gives_the_other_a_typed_error_in_bounded_time(fake_driver,
 def test_sharded_adam_is_bit_identical_to_torch_adamw(fake_driver, weights, steps, offload):
     """20 steps with an offload after each; the discard mode; and without offloads (zero_grad alone clears the
     gradients FSDP would otherwise accumulate into)."""
-    res = megatron_spawn.run("exact_sharded_adam", 2, module="fsdp_workers", timeout=400, steps=steps,
+    res = spawn.ranks("exact_sharded_adam", 2, module="fsdp_workers", timeout=400, steps=steps,
                              weights=weights, offload=offload)
     assert all(len(r["losses"]) == steps for r in res), res
 
 
 def test_the_mesh_groups_release_and_reload():
-    res = megatron_spawn.run("groups_cycle", 2, module="fsdp_workers", timeout=300)
+    res = spawn.ranks("groups_cycle", 2, module="fsdp_workers", timeout=300)
     assert all(len(r["losses"]) == 2 for r in res), res

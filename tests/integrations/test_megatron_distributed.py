@@ -7,12 +7,12 @@ import pytest
 pytest.importorskip("torch.distributed")
 pytest.importorskip("megatron.core")
 
-import megatron_spawn as _spawn  # noqa: E402
+from ebbtide.testing import spawn  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dp_exact_matches_megatron_distributed_optimizer(world):
-    res = _spawn.run("dp_exact", world, module="megatron_dist_workers", timeout=240)
+    res = spawn.ranks("dp_exact", world, module="megatron_dist_workers", timeout=240)
     for r in res:
         assert len(r["losses"]) == 6 and all(x == x for x in r["losses"])
         # Each rank owns 1/world of the buffers (bucket padding aside), and 12 host bytes per owned element.
@@ -22,15 +22,15 @@ def test_dp_exact_matches_megatron_distributed_optimizer(world):
 
 def test_fp32_reduced_grads_exact_matches_megatron_distributed_optimizer():
     """grad_reduce_in_fp32=True: the shard's gradients are fp32 in DDP's buffer and go to the kernel as fp32."""
-    _spawn.run("dp_exact", 2, module="megatron_dist_workers", timeout=240, fp32_grads=True)
+    spawn.ranks("dp_exact", 2, module="megatron_dist_workers", timeout=240, fp32_grads=True)
 
 
 def test_tp2_dp2_exact_matches_megatron_distributed_optimizer():
-    _spawn.run("dp_exact", 4, module="megatron_dist_workers", timeout=240, tp=2)
+    spawn.ranks("dp_exact", 4, module="megatron_dist_workers", timeout=240, tp=2)
 
 
 def test_moe_expert_parallel_2_exact_matches_megatron():
-    res = _spawn.run("moe_exact", 2, module="megatron_dist_workers", timeout=240)
+    res = spawn.ranks("moe_exact", 2, module="megatron_dist_workers", timeout=240)
     assert all(r["expert_groups"] >= 1 for r in res), res
     for r in res:  # the step ran over buckets within the pipeline's 1000 elements, params next to each other one
         b = r["buckets"]  # copy, and some buckets holding several param groups (decay and not; dense and expert)
@@ -40,7 +40,7 @@ def test_moe_expert_parallel_2_exact_matches_megatron():
 
 @pytest.mark.parametrize("bf16_moments", [False, True], ids=["fp32-moments", "bf16-moments"])
 def test_a_step_interrupted_on_one_rank_is_made_whole(bf16_moments):
-    res = _spawn.run("dp_interrupted", 2, module="megatron_dist_workers", timeout=240, bf16_moments=bf16_moments)
+    res = spawn.ranks("dp_interrupted", 2, module="megatron_dist_workers", timeout=240, bf16_moments=bf16_moments)
     assert len(res[0]["errors"]) == 1 and "finished on the plain path" in res[0]["errors"][0], res[0]
     assert res[1]["errors"] == []
     for r in res:
@@ -51,7 +51,7 @@ def test_a_step_interrupted_on_one_rank_is_made_whole(bf16_moments):
 def test_host_memory_per_rank_is_the_shards_bytes_measured(bf16_moments):
     """Resident memory each rank gains building the optimizer is its shard's 12 B per owned element (8 with bf16
     moments) within 5%, plus its transfer slots: not the whole model's."""
-    res = _spawn.run("dp_host_memory", 2, module="megatron_dist_workers", timeout=300, bf16_moments=bf16_moments)
+    res = spawn.ranks("dp_host_memory", 2, module="megatron_dist_workers", timeout=300, bf16_moments=bf16_moments)
     for r in res:
         print({k: round(v / 2**20, 2) for k, v in r.items()})
         assert r["host_bytes"] == (8 if bf16_moments else 12) * r["owned"], r
@@ -61,7 +61,7 @@ def test_host_memory_per_rank_is_the_shards_bytes_measured(bf16_moments):
 
 
 def test_mismatched_forms_are_refused():
-    res = _spawn.run("refusals", 2, module="megatron_dist_workers", timeout=120)
+    res = spawn.ranks("refusals", 2, module="megatron_dist_workers", timeout=120)
     for r in res:
         assert "build both the same way" in r["plain_config"], r
         assert "optimizer_cpu_offload" in r["cpu_offload"], r
@@ -81,7 +81,7 @@ def _gpus(n):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gpu_exact_20_steps_match_megatron_hdo(tp):
     """DP=2 (tp=1) and TP=2: losses bit-identical to DistributedOptimizer + HybridDeviceOptimizer (for-loop)."""
-    res = _spawn.run("exact", 2, module="megatron_dist_gpu_workers", timeout=300, tp=tp)
+    res = spawn.ranks("exact", 2, module="megatron_dist_gpu_workers", timeout=300, tp=tp)
     for r in res:
         print(f"tp={tp}: owned {r['owned']} of {r['total']} elements, host {r['host_bytes'] / 2**20:.1f} MiB; "
               f"optimizer step {r['step_s'] * 1e3:.1f} ms vs Megatron HDO {r['hdo_step_s'] * 1e3:.1f} ms")
@@ -94,8 +94,8 @@ def test_gpu_exact_20_steps_match_megatron_hdo(tp):
 @_gpus(2)
 def test_gpu_step_per_rank_dp2_vs_dp1():
     """The shard halves the CPU step: DP=2 per-rank step vs the same model at DP=1 (cores split between ranks)."""
-    one = _spawn.run("step_time", 1, module="megatron_dist_gpu_workers", timeout=300)[0]
-    two = _spawn.run("step_time", 2, module="megatron_dist_gpu_workers", timeout=300)
+    one = spawn.ranks("step_time", 1, module="megatron_dist_gpu_workers", timeout=300)[0]
+    two = spawn.ranks("step_time", 2, module="megatron_dist_gpu_workers", timeout=300)
     worst = max(r["step_s"] for r in two)
     print(f"CPU step per rank: DP=1 {one['step_s'] * 1e3:.1f} ms ({one['threads']} threads, "
           f"{one['host_bytes'] / 2**30:.2f} GiB host), DP=2 {worst * 1e3:.1f} ms ({two[0]['threads']} threads each, "
@@ -112,7 +112,7 @@ def test_gpu_moe_ep2_cycles_match_megatron_hdo(dispatcher):
     losses bit-identical to Megatron's DistributedOptimizer + HybridDeviceOptimizer without cycles."""
     if dispatcher == "flex":
         pytest.importorskip("deep_ep", reason="deep_ep is not installed (scripts/build-deepep builds it)")
-    res = _spawn.run("moe", 2, module="megatron_dist_gpu_workers", timeout=300, dispatcher=dispatcher)
+    res = spawn.ranks("moe", 2, module="megatron_dist_gpu_workers", timeout=300, dispatcher=dispatcher)
     for r in res:
         print(f"{dispatcher}: cycles {r['cycles'][-1]}")
 
@@ -124,13 +124,13 @@ def test_gpu_discarded_weights_rebuilt_from_the_shards_mirror(overlap):
     """One GPU, the distributed optimizer at DP=1 (ShardedAdam over every element of the DDP buckets): the weights
     dropped at each offload (nothing copied down) and rebuilt from the host mirror of the shards, losses and params
     bit-identical to a twin that never offloads."""
-    (r,) = _spawn.run("discard_cycles", 1, module="megatron_dist_gpu_workers", timeout=300, overlap=overlap)
+    (r,) = spawn.ranks("discard_cycles", 1, module="megatron_dist_gpu_workers", timeout=300, overlap=overlap)
     assert all(down == 0 and up == r["mirror_bytes"] for down, up in r["copied"]), r["copied"]
 
 
 @pytest.mark.multigpu
 @_gpus(2)
 def test_gpu_dp2_discarded_weights_rebuilt_from_each_ranks_shards():
-    res = _spawn.run("discard_cycles", 2, module="megatron_dist_gpu_workers", timeout=300, overlap=True)
+    res = spawn.ranks("discard_cycles", 2, module="megatron_dist_gpu_workers", timeout=300, overlap=True)
     for r in res:
         assert all(down == 0 and up == r["mirror_bytes"] for down, up in r["copied"]), r["copied"]

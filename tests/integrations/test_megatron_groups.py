@@ -7,14 +7,14 @@ import pytest
 pytest.importorskip("torch.distributed")
 pytest.importorskip("megatron.core.parallel_state")
 
-import megatron_spawn as spawn  # noqa: E402
+from ebbtide.testing import spawn  # noqa: E402
 
 M = "megatron_workers"
 
 
 @pytest.mark.parametrize("world,tp,pp,ep", [(2, 1, 2, 1), (4, 2, 2, 1), (2, 1, 1, 2), (4, 2, 1, 2)])
 def test_groups_install_release_reload(world, tp, pp, ep):
-    res = spawn.run("groups_cycle", world, module=M, tp=tp, pp=pp, ep=ep, cycles=2, timeout=170)
+    res = spawn.ranks("groups_cycle", world, module=M, tp=tp, pp=pp, ep=ep, cycles=2, timeout=170)
     for r in res:
         assert r["distinct_groups"] >= 8, r  # TP, PP, DP, MP, CP, DP-with-CP, the Gloo twins, EP, ...
         assert all(c["released"] >= r["distinct_groups"] for c in r["cycles"]), r
@@ -27,7 +27,7 @@ def test_groups_install_release_reload(world, tp, pp, ep):
 
 
 def test_groups_adapter_after_megatron_is_refused():
-    res = spawn.run("install_too_late", 2, module=M)
+    res = spawn.ranks("install_too_late", 2, module=M, timeout=150)
     for r in res:
         assert "before parallel_state.initialize_model_parallel" in r["install"]
         assert "not reloadable" in r["check"]

@@ -7,13 +7,13 @@ import pytest
 pytest.importorskip("torch.distributed")
 pytest.importorskip("megatron.core")
 
-import megatron_spawn as _spawn  # noqa: E402
+from ebbtide.testing import spawn  # noqa: E402
 
 
 def test_tp2_full_weights_and_each_rank_sends_equal_tp1():
-    (one,) = _spawn.run("weights", 1, module="megatron_weights_workers", timeout=240, tp=1)
+    (one,) = spawn.ranks("weights", 1, module="megatron_weights_workers", timeout=240, tp=1)
     assert one["dims"] == {}
-    two = _spawn.run("weights", 2, module="megatron_weights_workers", timeout=240, tp=2)
+    two = spawn.ranks("weights", 2, module="megatron_weights_workers", timeout=240, tp=2)
     for r in two:
         # fused QKV and fc1 (column), proj and fc2 (row), the embedding and output layer (vocabulary) are split
         assert {d for d in r["dims"].values()} == {0, 1}, r["dims"]
@@ -23,12 +23,12 @@ def test_tp2_full_weights_and_each_rank_sends_equal_tp1():
 
 
 def test_distributed_optimizer_host_mirror_rebuilds_the_weights_bitwise():
-    res = _spawn.run("shard_mirror", 2, module="megatron_weights_workers", timeout=240)
+    res = spawn.ranks("shard_mirror", 2, module="megatron_weights_workers", timeout=240)
     assert all(len(r["losses"]) == 4 and r["owned_written"] for r in res), res
 
 
 def test_ep2_full_weights_hold_every_expert_and_serve_megatrons_forward():
-    res = _spawn.run("ep_weights", 2, module="megatron_weights_workers", timeout=240)
+    res = spawn.ranks("ep_weights", 2, module="megatron_weights_workers", timeout=240)
     experts, layers, per_expert = 4, 2, 4  # fc1 and fc2, weight and bias
     for r in res:
         assert r["local_experts"] == layers * (experts // 2) * per_expert, r["local_experts"]
@@ -43,7 +43,7 @@ def test_ep2_full_weights_hold_every_expert_and_serve_megatrons_forward():
 
 
 def test_tp2_with_whole_experts_gathers_the_rest_and_leaves_the_experts():
-    res = _spawn.run("tp_moe_weights", 2, module="megatron_weights_workers", timeout=240)
+    res = spawn.ranks("tp_moe_weights", 2, module="megatron_weights_workers", timeout=240)
     for r in res:
         assert r["experts_in_dims"] == [] and r["split"] > 0, r
         assert r["fc1_shape"] == r["want_fc1"] and r["qkv_rows"] == r["want_qkv_rows"], r

@@ -1,5 +1,5 @@
-"""One variant of the ``fsdp`` suite in a process of its own (``python -m ebbtide.bench.suites._fsdp_worker SPEC``,
-last stdout line its JSON): a transformers Qwen3 (random weights from a config) under ``fully_shard`` on one GPU,
+"""One variant of the ``fsdp`` suite in a process of its own (``cmd_bench(spec)`` run by ``ebbtide.testing.spawn.call``,
+its result a dict): a transformers Qwen3 (random weights from a config) under ``fully_shard`` on one GPU,
 trained, its weights pushed to a rollout process on the same GPU, its training state offloaded and onloaded, every
 phase timed with the device drained around it.
 
@@ -21,12 +21,11 @@ Variants:
 """
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
-import sys
 import time
+
+from ...testing.ports import free_port
 
 SIZES = {  # Qwen3-1.7B's shape (tied embeddings: 1.72 B parameters), and a small one for --quick
     "default": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -65,12 +64,6 @@ def served_specs(size: str) -> list:
     with torch.device("meta"):
         m = Qwen3ForCausalLM(_config(size))
     return [(n, list(p.shape), "bfloat16") for n, p in m.named_parameters()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Phases:
@@ -203,7 +196,7 @@ def cmd_bench(spec: dict) -> dict:
         for k in ("LD_PRELOAD", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP"):
             os.environ.pop(k, None)  # the rollout process is started without it
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     specs = served_specs(size)
     ctx = mp.get_context("spawn")
@@ -266,20 +259,9 @@ def cmd_bench(spec: dict) -> dict:
 def run(spec: dict, timeout: float = 1200.0, env: dict | None = None) -> dict:
     """``spec`` in a fresh process (``env``: its environment, default this one's); its JSON result, or
     RuntimeError with why it failed."""
-    from ._process import run_json_worker  # noqa: PLC0415
+    from ...testing import spawn  # noqa: PLC0415
 
-    res, why = run_json_worker(__name__, [json.dumps(spec)], dict(os.environ) if env is None else env, timeout)
-    if res is None:
-        raise RuntimeError(f"fsdp worker {spec.get('variant')}: {why}")
-    return res
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    spec = json.loads(argv[0])
-    print(json.dumps(cmd_bench(spec)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        return spawn.call("cmd_bench", spec, module=__name__, env=env, timeout=timeout)
+    except spawn.WorkerFailed as e:
+        raise RuntimeError(f"fsdp worker {spec.get('variant')}: {e.brief}") from None

@@ -1,7 +1,8 @@
-"""Measurement worker of the `memory` suite: ``python -m ebbtide.bench.suites._memory_worker ours|tms <bytes>
-<counts>`` (counts: comma-separated allocation counts for the discard rows), ``dropin-ours|dropin-tms <bytes>`` (CPU
-backup under torch_memory_saver's defaults) or ``disk-ours|disk-tms|disk-probe <bytes> <dir>`` (the disk tier, and
-the direct-I/O probe of the same directory) prints one JSON object of timings (seconds) on its last line.
+"""Measurement worker of the `memory` suite: ``measure(which, total_bytes, arg)``, run by
+``ebbtide.testing.spawn.call`` in a process of its own, returns a dict of timings (seconds): ``ours`` / ``tms`` (arg:
+the allocation counts of the discard rows), ``dropin-ours`` / ``dropin-tms`` (CPU backup under torch_memory_saver's
+defaults), ``disk-ours`` / ``disk-tms`` / ``disk-probe`` (arg: the directory; the disk tier, and the direct-I/O probe
+of the same directory).
 
 Each side runs in its own process so neither inherits the other's GPU pools, pinned host memory or caches; both
 follow the same order (discard tags first and left paused, then CPU-backed tags), time wall-clock around the
@@ -10,10 +11,8 @@ synchronous Python calls after a torch.cuda.synchronize(), and touch the data fi
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -344,18 +343,14 @@ def disk_probe(total: int, directory: str, chunk: int = 64 << 20, threads: int =
     return {"bytes": n * chunk, "write_s": w, "read_s": r, "chunk": chunk, "threads": threads}
 
 
-if __name__ == "__main__":
-    which, total = sys.argv[1], int(sys.argv[2])
+def measure(which: str, total: int, arg=None) -> dict:
+    """One side's timings (see the module note). Run it with ``teardown=False``: pools and pinned memory go back
+    with the process."""
     if which == "disk-probe":  # no GPU needed
-        print(json.dumps(disk_probe(total, sys.argv[3])), flush=True)
-        os._exit(0)
+        return disk_probe(total, arg)
     torch.cuda.init()
     if which.startswith("dropin-"):
-        result = {"dropin-ours": dropin_ours, "dropin-tms": dropin_tms}[which](total)
-    elif which.startswith("disk-"):
-        result = {"disk-ours": disk_ours, "disk-tms": disk_tms}[which](total, sys.argv[3])
-    else:
-        counts = [int(c) for c in sys.argv[3].split(",")]
-        result = {"ours": ours, "tms": tms}[which](total, counts)
-    print(json.dumps(result), flush=True)
-    os._exit(0)  # skip interpreter teardown: pools and pinned memory go back with the process
+        return {"dropin-ours": dropin_ours, "dropin-tms": dropin_tms}[which](total)
+    if which.startswith("disk-"):
+        return {"disk-ours": disk_ours, "disk-tms": disk_tms}[which](total, arg)
+    return {"ours": ours, "tms": tms}[which](total, arg)

@@ -1,10 +1,10 @@
 """The sync suite's "into SGLang's loaders" measurement, in a process of its own (SGLang's imports publish server
-arguments and may stand in for torchvision): ``python -m ebbtide.bench.suites._sglang_loader_worker MODEL QUICK
-REPS DEVICE``; prints one JSON line.
+arguments and may stand in for torchvision): ``main(model, quick, reps, device)`` run by
+``ebbtide.testing.spawn.call``; returns the result dict.
 
 The same buckets (the sync suite's plan: FP8 128x128 linears, raw norms/embeddings/router, 512 MiB) go into two
-copies of the served model (``_sglang_served``: SGLang's layers, FP8 served form), as SGLang's weight updater hands
-them over after rebuilding the request's tensors:
+copies of the served model (``ebbtide.testing.scenarios.sglang_served``: SGLang's layers, FP8 served form), as
+SGLang's weight updater hands them over after rebuilding the request's tensors:
 - SGLang's path for slime's request (``load_format="flattened_bucket"``): ``FlattenedTensorBucket`` rebuilds the
   views of each bucket, then the model's ``load_weights`` (SGLang's Qwen3 / Qwen3-MoE code) places them;
 - ebbtide's loader (``load_format=ebbtide.integrations.sglang.LOADER``): its ``load_weights`` per bucket
@@ -15,33 +15,15 @@ the medians, the first (recording) update of ebbtide's loader, and whether both 
 """
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
-
-
-def _rebuild(payload: dict) -> list:
-    """What SGLang's weight updater does with a flattened-bucket request's payload: its metadata converted, the
-    bucket's views rebuilt (``_update_weights_from_flattened_bucket``)."""
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata  # noqa: PLC0415
-
-    meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
-                                    end_idx=m.end_idx, numel=m.numel) for m in payload["metadata"]]
-    return FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=meta).reconstruct_tensors()
-
-
-def _flattened(bucket, buf) -> list:
-    """Slime's flattened-bucket request for ``bucket`` in ``buf``, as SGLang's process rebuilds it."""
-    from ...integrations.sglang import flattened_payload  # noqa: PLC0415
-
-    return _rebuild(flattened_payload(bucket, buf))
 
 
 def main(model: str, quick: bool, reps: int, device: str) -> dict:
     import torch  # noqa: PLC0415
 
-    from . import _sglang_served as served  # noqa: PLC0415
+    from ...testing.bits import same_bits  # noqa: PLC0415
+    from ...testing.scenarios import sglang_served as served  # noqa: PLC0415
 
     stood_in = served.prepare()
     from ...sync import fill_bucket  # noqa: PLC0415
@@ -76,7 +58,7 @@ def main(model: str, quick: bool, reps: int, device: str) -> dict:
 
     def sglang_update():
         for p in flat:
-            theirs.load_weights(_rebuild(p))
+            theirs.load_weights(served.rebuild_flattened(p))
         sync()
 
     def ebbtide_update():
@@ -99,7 +81,7 @@ def main(model: str, quick: bool, reps: int, device: str) -> dict:
     for _ in range(reps):
         t_theirs.append(timed(sglang_update))
         t_ours.append(timed(ebbtide_update))
-    same = all(torch.equal(p, q) for (_, p), (_, q) in zip(theirs.named_parameters(), ours.named_parameters()))
+    same = all(same_bits(p, q) for (_, p), (_, q) in zip(theirs.named_parameters(), ours.named_parameters()))
     # and both hold the sent bytes: every output SGLang keeps under its own name (o_proj, down_proj, norms, ...)
     params = dict(theirs.named_parameters())
     direct = [(o, buf) for b, buf in zip(plan.buckets, bufs) for o in b.outputs if o.name in params]
@@ -115,7 +97,3 @@ def main(model: str, quick: bool, reps: int, device: str) -> dict:
             "fallback": sorted({n for r in st.records.values() for n in r.fallback})[:8],
             "replayed": st.replayed, "stood_in": stood_in}
 
-
-if __name__ == "__main__":
-    m, q, r, d = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
-    print(json.dumps(main(m, q, r, d)))

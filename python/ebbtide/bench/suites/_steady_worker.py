@@ -1,5 +1,5 @@
-"""Measurement worker of the `steady` suite: ``python -m ebbtide.bench.suites._steady_worker SPEC_JSON`` runs one
-memory setup ("mode") in this process and prints one JSON object of timings on its last line.
+"""Measurement worker of the `steady` suite: ``measure(spec)``, run by ``ebbtide.testing.spawn.call`` in a process of
+its own, runs one memory setup ("mode") and returns a dict of timings.
 
 The same code runs in every mode; only where the memory comes from differs (``MODES``):
 - ``plain``: no memory library (the reference every other mode is held to);
@@ -21,10 +21,8 @@ process): the decode right after a weight update through ``ebbtide.sync`` agains
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -327,8 +325,9 @@ def update_rows(spec: dict) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    spec = json.loads((argv or sys.argv[1:])[0])
+def measure(spec: dict) -> dict:
+    """Every part of ``spec`` in this process's memory setup. Run it with ``teardown=False``: no interpreter teardown,
+    whatever is paused goes back with the process."""
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     mem = _Memory(spec["mode"])
@@ -346,11 +345,4 @@ def main(argv=None) -> int:
         else:
             raise ValueError(f"unknown part {part!r}")
     res["wall_s"] = time.perf_counter() - t0
-    print(json.dumps(res), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    return res

@@ -72,7 +72,7 @@ def run(ctx):
         torch.cuda.empty_cache()  # earlier in-process suites' cached blocks would crowd the two processes
     from ..colocate.launcher import run_loop  # noqa: PLC0415
 
-    from .._spawn import TEST_ARTIFACTS  # noqa: PLC0415
+    from ...testing.spawn import TEST_ARTIFACTS  # noqa: PLC0415
 
     runs = [1] + ([2] if ctx.gpus >= 2 else [])
     for gpus in runs:

@@ -1,13 +1,13 @@
 """Suite `comm`: release/reload of NCCL process groups beside plain ``destroy_process_group`` + ``new_group``.
 
-Both run in the same processes on the same WORLD (ebbtide.bench.comm_scenarios.cycle_scenario, one rank per GPU):
+Both run in the same processes on the same WORLD (ebbtide.testing.scenarios.comm.cycle_scenario, one rank per GPU):
 the anchor first (plain torch groups created, used, destroyed, re-created and used), then ebbtide.comm adopts WORLD
 and the same groups go through release/reload cycles and a soak. Memory is cudaMemGetInfo per GPU; times are
 wall-clock on each rank (the slowest rank is reported), each followed by a device sync.
 2 GPUs: WORLD + 6 overlapping groups + a singleton per rank. 4 or 8 GPUs: additionally the
 Megatron-like topology (TP=2 x PP=world/2, embedding, position-embedding, model-parallel, singleton DP groups).
 Where deep_ep and megatron-core are installed: Megatron's DeepEP buffer through the cycles
-(ebbtide.bench.deepep_scenario): rebuild time beside DeepEP's own construction, memory, dispatch+combine after.
+(ebbtide.testing.scenarios.deepep): rebuild time beside DeepEP's own construction, memory, dispatch+combine after.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def run(ctx):
         raise Skip(f"torch.distributed unavailable: {e}") from e
     if not dist.is_nccl_available():
         raise Skip("torch was built without NCCL")
-    from .. import _spawn  # noqa: PLC0415
+    from ...testing import spawn  # noqa: PLC0415
 
     soak = 10 if ctx.quick else 50
     runs = [(2, "flat")]
@@ -163,8 +163,8 @@ def run(ctx):
     for world, kind in runs:
         ctx.progress(f"comm: {kind} topology on {world} GPUs, {soak}-cycle soak")
         # A deadline inside one 10-minute device command; a failing rank stops its peers within seconds, and
-        # hung ranks' stacks land in $EBBTIDE_COMM_LOGDIR (see ebbtide.bench._spawn).
-        res = _spawn.run("cycle_scenario", world, module="ebbtide.bench.comm_scenarios",
+        # hung ranks' stacks land in $EBBTIDE_COMM_LOGDIR (see ebbtide.testing.spawn).
+        res = spawn.ranks("cycle_scenario", world, module="ebbtide.testing.scenarios.comm",
                          timeout=240 if ctx.quick else 540, kind=kind, cycles=3, soak=soak)
         yield from _rows(res, f"{world} GPUs {kind}", soak)
     import importlib.util  # noqa: PLC0415
@@ -174,5 +174,5 @@ def run(ctx):
         ctx.progress(f"comm: DeepEP rows skipped ({', '.join(missing)} not installed; scripts/build-deepep)")
         return
     ctx.progress("comm: DeepEP buffer (Megatron's fused_a2a) through release/reload cycles on 2 GPUs")
-    res = _spawn.run("deepep_cycles", 2, module="ebbtide.bench.deepep_scenario", timeout=240, cycles=3)
+    res = spawn.ranks("deepep_cycles", 2, module="ebbtide.testing.scenarios.deepep", timeout=240, cycles=3)
     yield from _deepep_rows(res)

@@ -45,7 +45,7 @@ def run(ctx):
     ctx.require_gpu()
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise Skip("megatron-core is not installed (pip install megatron-core==0.16.1)")
-    from . import _megatron_worker as w  # noqa: PLC0415
+    from ...testing import spawn  # noqa: PLC0415
 
     size = "quick" if ctx.quick else "default"
     steps, warmup = (3, 1) if ctx.quick else (5, 2)
@@ -58,7 +58,8 @@ def run(ctx):
     for v in variants:
         ctx.progress(f"megatron: {v}, model {size}, {warmup}+{steps} steps")
         try:
-            res[v] = w.run("bench", {"variant": v, "size": size, "steps": steps, "warmup": warmup}, timeout=1800)
+            res[v] = spawn.call("bench", v, size=size, steps=steps, warmup=warmup, timeout=1800, teardown=False,
+                                module="ebbtide.bench.suites._megatron_worker")
         except Exception as e:  # noqa: BLE001 (an anchor that fails loses its rows, not the suite)
             if v == "ebbtide":
                 raise
@@ -118,7 +119,7 @@ LOOP_PHASES = (("optimizer", "optimizer step"), ("sync", "weight sync (trainer -
 
 
 def _colocated(ctx):
-    from .._spawn import TEST_ARTIFACTS  # noqa: PLC0415
+    from ...testing.spawn import TEST_ARTIFACTS  # noqa: PLC0415
     from ..colocate.launcher import run_loop  # noqa: PLC0415
 
     art = settings.get(TEST_ARTIFACTS)  # scripts/gpu-check packs this folder into logs.tgz

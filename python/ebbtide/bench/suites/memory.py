@@ -24,8 +24,8 @@ import os
 import tempfile
 
 from ... import settings
+from ...testing import spawn
 from ..registry import Row, Skip, suite
-from ._process import run_json_worker
 
 GB = 1e9
 GiB = 1 << 30
@@ -43,8 +43,11 @@ def _worker(which: str, total: int, counts: tuple, log) -> tuple[dict | None, st
     # Default settings: the caller's EBBTIDE_MEM_COALESCE does not leak into the "default" rows.
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "EBBTIDE_MEM_COALESCE")}
     log(f"memory: running the {which} worker ({total / GiB:.0f} GiB) ...")
-    return run_json_worker("ebbtide.bench.suites._memory_worker",
-                           [which, str(total), ",".join(str(n) for n in counts)], env, timeout=1800)
+    try:
+        return spawn.call("measure", which, total, list(counts), module="ebbtide.bench.suites._memory_worker",
+                          env=env, timeout=1800, teardown=False), ""
+    except spawn.WorkerFailed as e:
+        return None, e.brief
 
 
 def _ms(x: float) -> str:
@@ -99,7 +102,11 @@ def _disk_dir() -> str:
 def _run_worker(which: str, args: list, log, what: str) -> tuple[dict | None, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",) and not k.startswith("TMS_")}
     log(f"memory: {what} ...")
-    return run_json_worker("ebbtide.bench.suites._memory_worker", [which, *map(str, args)], env, timeout=1800)
+    try:
+        return spawn.call("measure", which, *args, module="ebbtide.bench.suites._memory_worker", env=env,
+                          timeout=1800, teardown=False), ""
+    except spawn.WorkerFailed as e:
+        return None, e.brief
 
 
 def _dropin_rows(ctx, total: int, d2h: float, h2d: float):

@@ -19,12 +19,11 @@ update received through ``ebbtide.sync`` against the same decode after the ancho
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
 
+from ...testing import spawn
 from ..registry import Row, Skip, suite
-from ._process import run_json_worker
 from ._steady_worker import ALLOC_SIZES
 
 THEIR_MODES = ("tms-torch", "tms-preload")
@@ -95,7 +94,11 @@ def run_worker(mode: str, spec: dict, timeout: float = 900) -> tuple[dict | None
     wspec = dict(spec, mode=mode, decodes=decodes,
                  parts=[p for p in ("decode", "train", "alloc", "update")
                         if p in parts or (p == "decode" and decodes)])
-    return run_json_worker("ebbtide.bench.suites._steady_worker", [json.dumps(wspec)], worker_env(mode), timeout)
+    try:
+        return spawn.call("measure", wspec, module="ebbtide.bench.suites._steady_worker", env=worker_env(mode),
+                          timeout=timeout, teardown=False), ""
+    except spawn.WorkerFailed as e:
+        return None, e.brief
 
 
 def brief(res: dict) -> str:

@@ -43,8 +43,8 @@ import statistics
 import time
 
 from ...anchors.sync import slime_update
+from ...testing import spawn
 from ..registry import Row, suite
-from ._process import run_json_worker
 
 GB = 1e9
 GiB = 1 << 30
@@ -383,9 +383,11 @@ def _loader_rows(ctx, model: str, label: str, hbm: float):
         ctx.progress(f"sync {model}: SGLang not installed, no 'into SGLang's loaders' row")
         return
     ctx.progress(f"sync {model}: into SGLang's loaders (ebbtide's loader vs SGLang's load_weights)")
-    r, why = run_json_worker("ebbtide.bench.suites._sglang_loader_worker",
-                             [model, "1" if ctx.quick else "0", "3" if ctx.quick else "8", "cuda:0"],
-                             dict(os.environ), timeout=900)
+    try:
+        r = spawn.call("main", model, ctx.quick, 3 if ctx.quick else 8, "cuda:0",
+                       module="ebbtide.bench.suites._sglang_loader_worker", timeout=900)
+    except spawn.WorkerFailed as e:
+        r, why = None, e.brief
     if r is None:
         ctx.progress(f"sync {model}: into SGLang's loaders failed: {why}")
         yield Row("sync", f"{label}: into SGLang's loaders", "GB/s", None, anchor_note="worker failed",

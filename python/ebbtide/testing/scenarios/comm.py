@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 
-__all__ = ["topology", "cycle_scenario"]
+__all__ = ["topology", "cycle_scenario", "nccl_process_state"]
 
 
 def topology(kind: str, world: int) -> list[tuple[str, list[int]]]:
@@ -56,7 +56,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     import ebbtide.comm as comm
     from ebbtide.errors import StateError
 
-    from ._spawn import join_store, progress
+    from ..spawn import join_store, progress
 
     gpu = backend == "nccl"
     if gpu:
@@ -80,10 +80,10 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
             "r": torch.empty(4096, device=dev)}
     (bufs["x"] == 0).all()  # warm the caching allocator for the checks below (keeps the baseline honest)
     free_ctx = free()
-    # Baseline with NCCL's process-wide state loaded (see _nccl_process_state): what no communicator API returns.
+    # Baseline with NCCL's process-wide state loaded (see nccl_process_state): what no communicator API returns.
     progress(f"rank {rank}: CUDA context up; free {_mib(free_ctx)}; CUDA stack limit {_stack_limit()}")
     store = join_store(init, timeout=pg_timeout)
-    free_nccl = _nccl_process_state(rank, world, store, dev, bufs["x"], progress) if gpu else None
+    free_nccl = nccl_process_state(rank, world, store, dev, bufs["x"], progress) if gpu else None
     progress(f"rank {rank}: init_process_group({backend}, bound={bound}) kind={kind} cycles={cycles} soak={soak}")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             device_id=dev if (gpu and bound) else None,
@@ -254,7 +254,7 @@ def cycle_scenario(rank: int, world: int, init: str, *, backend: str = "nccl", k
     return out
 
 
-def _nccl_process_state(rank: int, world: int, store, dev, buf, progress) -> int | None:
+def nccl_process_state(rank: int, world: int, store, dev, buf, progress) -> int | None:
     """Free device bytes once NCCL's process-wide state is loaded, measured with a throwaway NCCL communicator over
     the same ranks (created, used for one all_reduce, destroyed on every rank) before WORLD exists.
 

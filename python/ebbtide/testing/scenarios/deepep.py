@@ -1,4 +1,4 @@
-"""The DeepEP scenario of ``ebbtide bench comm`` (and its GPU test), one rank per GPU: Megatron-core's own
+"""The DeepEP scenario of ``ebbtide bench comm`` and its GPU test, one rank per GPU: Megatron-core's own
 ``fused_a2a.get_buffer`` builds the DeepEP buffer (its module global, the object Megatron's flex dispatcher keeps),
 then release/reload cycles of every group, WORLD included:
 - the buffer stays the same object, and dispatch + combine of a fixed MoE batch give bitwise the same results after
@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 import ebbtide.comm as comm
-from ebbtide.bench._spawn import join_store, progress
 from ebbtide.comm import _deepep
 from ebbtide.errors import StateError
+
+from ..bits import same_bits
+from ..spawn import join_store, progress
 
 
 def _inputs(rank, tokens, hidden, experts, topk):
@@ -100,7 +102,7 @@ def deepep_cycles(rank, world, init, cycles=3, tokens=4096, hidden=4096, experts
         if fused_a2a._buffer is not buf or fused_a2a.get_buffer(ep, hidden * 2) is not buf:
             raise AssertionError("Megatron's DeepEP buffer object changed across the cycle")
         got = dispatch_combine(buf, x, idx, w, experts)
-        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+        if not all(same_bits(a, b) for a, b in zip(got, want)):
             raise AssertionError(f"cycle {c}: dispatch/combine results differ from before the first release")
         d_rel = [g.seconds for g in rep.groups if g.desc == "DeepEP buffer"][0]
         rows.append({"freed_bytes": f_rel - f_live, "release_s": rep.seconds, "reload_s": rep2.seconds,

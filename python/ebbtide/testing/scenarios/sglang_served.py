@@ -14,8 +14,9 @@ process group, as SGLang's own layer tests do) and puts an inert stand-in, in th
 SGLang imports at module level but no weight loader calls, where it does not import: torchvision (SGLang's
 multimodal utilities; CI's CPU torch has no matching build), on CUDA SGLang's kernel package ``sgl_kernel`` (its
 activation and norm kernels, a multi-hundred-MB wheel per CUDA version), and IPython (the frontend's notebook
-display helpers). Used by the sync
-suite's "into SGLang's loaders" rows and by ``tests/sync``.
+display helpers). ``rebuild_flattened`` / ``flattened_request`` are SGLang's side of slime's flattened-bucket
+request (what its weight updater hands ``load_weights``). Used by the sync suite's "into SGLang's loaders" rows and by
+``tests/sync``.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import sys
 import types
 from unittest import mock
 
-__all__ = ["prepare", "build", "HEAD_DIM"]
+__all__ = ["prepare", "build", "rebuild_flattened", "flattened_request", "HEAD_DIM"]
 
 HEAD_DIM = 128
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -167,3 +168,20 @@ def build(specs, *, fp8: bool, device="cpu"):
     for prm in model.parameters():  # SGLang's loaders write fresh parameters; start from zeros, not garbage
         prm.data.zero_()
     return model
+
+
+def rebuild_flattened(payload: dict) -> list:
+    """What SGLang's weight updater does with a flattened-bucket request's payload: its metadata converted, the
+    bucket's views rebuilt (``_update_weights_from_flattened_bucket``)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata  # noqa: PLC0415
+
+    meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                    end_idx=m.end_idx, numel=m.numel) for m in payload["metadata"]]
+    return FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=meta).reconstruct_tensors()
+
+
+def flattened_request(bucket, buf) -> list:
+    """Slime's flattened-bucket request for ``bucket`` in ``buf``, as SGLang's process rebuilds it."""
+    from ebbtide.integrations.sglang import flattened_payload  # noqa: PLC0415
+
+    return rebuild_flattened(flattened_payload(bucket, buf))
