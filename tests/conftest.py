@@ -1,4 +1,5 @@
-"""Shared test setup: GPU markers skip loudly (with the reason) where the hardware is missing."""
+"""Shared test setup: GPU markers skip loudly (with the reason) where the hardware is missing; fixtures every
+component's tests use. Reusable test logic (fresh processes, ports, bit comparison, scenarios) is ebbtide.testing."""
 from __future__ import annotations
 
 import functools
@@ -29,3 +30,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     n, why = gpu_count()
     return f"ebbtide: {n} CUDA GPU(s){' (' + why + ')' if why else ''}"
+
+
+@pytest.fixture(scope="session")
+def native():
+    """The native extension module, or a skip saying why it is not built here."""
+    from ebbtide import _native  # noqa: PLC0415
+
+    try:
+        return _native.load()
+    except ImportError as e:
+        pytest.skip(f"native extension not built here: {e}")

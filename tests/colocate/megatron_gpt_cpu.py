@@ -8,7 +8,6 @@ against ``router_fp32``. Prints one JSON line."""
 import contextlib
 import json
 import os
-import socket
 import sys
 import warnings
 
@@ -17,15 +16,15 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from ebbtide.testing.ports import free_port  # noqa: E402
+
 
 def main():
     layers, hidden, heads, ffn, vocab, seq = (int(x) for x in sys.argv[1:7])
     experts = int(sys.argv[7]) if len(sys.argv) > 7 else 0
     topk = int(sys.argv[8]) if len(sys.argv) > 8 else 2
     fp32_router = len(sys.argv) > 9 and sys.argv[9] == "fp32"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel

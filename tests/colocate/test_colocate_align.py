@@ -1,5 +1,4 @@
 """align_ranks: the loops' barrier on the launcher's store after their untimed verification."""
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -9,12 +8,11 @@ import pytest
 dist = pytest.importorskip("torch.distributed")
 
 from ebbtide.bench.colocate.rank import align_ranks  # noqa: E402
+from ebbtide.testing.ports import free_port  # noqa: E402
 
 
 def _stores(n):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     master = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=30))
     return [master] + [dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
                        for _ in range(n - 1)]

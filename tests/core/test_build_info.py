@@ -10,7 +10,7 @@ import pytest
 
 import ebbtide
 from ebbtide import _native
-from helpers import run_python
+from ebbtide.testing import spawn
 
 C = _native.load()
 
@@ -57,17 +57,18 @@ def test_cpu_features_match_proc_cpuinfo():
 
 def test_cpu_isa_can_be_lowered_but_not_raised():
     best = C.cpu_isa()
-    p = run_python("import ebbtide._native as n; print(n.load().cpu_isa())", env={"EBBTIDE_CPU_ISA": "scalar"})
+    p = spawn.python("import ebbtide._native as n; print(n.load().cpu_isa())", extra_env={"EBBTIDE_CPU_ISA": "scalar"})
     assert p.stdout.strip() == "scalar"
-    p = run_python("import ebbtide._native as n; print(n.load().cpu_isa())", env={"EBBTIDE_CPU_ISA": "SCALAR"})
+    p = spawn.python("import ebbtide._native as n; print(n.load().cpu_isa())", extra_env={"EBBTIDE_CPU_ISA": "SCALAR"})
     assert p.stdout.strip() == "scalar"  # any case
     if not C.cpu_features()["avx512f"]:
-        p = run_python("import ebbtide._native as n; print(n.load().cpu_isa())", env={"EBBTIDE_CPU_ISA": "avx512"})
+        p = spawn.python("import ebbtide._native as n; print(n.load().cpu_isa())",
+                         extra_env={"EBBTIDE_CPU_ISA": "avx512"})
         assert p.stdout.strip() == best and "not supported" in p.stderr
 
 
 def test_unknown_cpu_isa_is_a_setting_error_not_a_fallback():
-    p = run_python("""
+    p = spawn.python("""
         import ebbtide._native as n
         from ebbtide.errors import SettingError
         try:
@@ -75,14 +76,14 @@ def test_unknown_cpu_isa_is_a_setting_error_not_a_fallback():
         except SettingError as e:
             print(e.name, e.value)
             print(e)
-    """, env={"EBBTIDE_CPU_ISA": "avx-512"})
+    """, extra_env={"EBBTIDE_CPU_ISA": "avx-512"})
     first, message = p.stdout.splitlines()[:2]
     assert first == "EBBTIDE_CPU_ISA avx-512"
     assert "one of avx512_bf16, avx512, avx2, neon, scalar" in message
 
 
 def test_driver_missing_is_reported_not_raised_at_import(tmp_path):
-    p = run_python("""
+    p = spawn.python("""
         import ebbtide._native as n
         C = n.load()
         st, why = C.driver_status()
@@ -92,7 +93,7 @@ def test_driver_missing_is_reported_not_raised_at_import(tmp_path):
             C.driver_version()
         except Exception as e:
             print(type(e).__name__)
-    """, env={"EBBTIDE_LIBCUDA": str(tmp_path / "libcuda-missing.so")})
+    """, extra_env={"EBBTIDE_LIBCUDA": str(tmp_path / "libcuda-missing.so")})
     status, count, why, exc = p.stdout.splitlines()[0].split()[0], p.stdout.split()[1], *p.stdout.splitlines()[1:3]
     assert status == "5" and count == "0"
     assert "libcuda-missing.so" in why
@@ -100,8 +101,8 @@ def test_driver_missing_is_reported_not_raised_at_import(tmp_path):
 
 
 def test_driver_library_without_symbols_is_refused():
-    p = run_python("import ebbtide._native as n; print(n.load().driver_status()[1])",
-                   env={"EBBTIDE_LIBCUDA": "libm.so.6"})
+    p = spawn.python("import ebbtide._native as n; print(n.load().driver_status()[1])",
+                     extra_env={"EBBTIDE_LIBCUDA": "libm.so.6"})
     assert "lacks the required symbol cuInit" in p.stdout
 
 
@@ -122,19 +123,19 @@ def test_info_command_is_truthful():
 def test_logging_levels_subsystems_file_and_python_sink(tmp_path):
     # An error at INFO level is logged with its subsystem; WARN (the default) stays quiet.
     code = "import ebbtide._native as n\ntry: n.load().host_triad_bandwidth(16, 1, 1)\nexcept Exception: pass"
-    quiet = run_python(code)
+    quiet = spawn.python(code)
     assert "ebbtide" not in quiet.stderr
-    loud = run_python(code, env={"EBBTIDE_DEBUG": "INFO"})
+    loud = spawn.python(code, extra_env={"EBBTIDE_DEBUG": "INFO"})
     assert "INFO" in loud.stderr and "bytes_per_array must be >= 4096" in loud.stderr
     log = tmp_path / "log-%p.txt"
-    run_python(code, env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(log)})
+    spawn.python(code, extra_env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(log)})
     files = list(tmp_path.glob("log-*.txt"))
     assert len(files) == 1 and "bytes_per_array" in files[0].read_text()
     for spec, mask in (("COMM", 1 << 3), ("mem,shim", (1 << 1) | (1 << 2)), ("^COMM", 0xffffffff & ~(1 << 3))):
-        p = run_python("import ebbtide._native as n; print(*n.load().log_get())",
-                       env={"EBBTIDE_DEBUG": "TRACE", "EBBTIDE_DEBUG_SUBSYS": spec})
+        p = spawn.python("import ebbtide._native as n; print(*n.load().log_get())",
+                         extra_env={"EBBTIDE_DEBUG": "TRACE", "EBBTIDE_DEBUG_SUBSYS": spec})
         assert p.stdout.split() == ["3", str(mask)], spec
-    p = run_python("""
+    p = spawn.python("""
         import ebbtide._native as n
         C = n.load()
         lines = []
@@ -150,7 +151,7 @@ def test_logging_levels_subsystems_file_and_python_sink(tmp_path):
 
 
 def test_shim_without_a_cuda_runtime_returns_an_error_not_a_crash():
-    p = run_python("""
+    p = spawn.python("""
         import ctypes, ebbtide._native as n
         lib = ctypes.CDLL(n.runtime_library_path())
         ptr = ctypes.c_void_p()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ebbtide import _native
-from helpers import run_python
+from ebbtide.testing import spawn
 
 C = _native.load()
 
@@ -70,7 +70,7 @@ def test_override_selects_any_supported_level_and_is_reported():
     want = _expected()
     code = "import ebbtide._native as n; C = n.load(); print(C.cpu_isa()); print(C.cpu_isa_reason())"
     for level in _supported(_cpuinfo()[3]):
-        p = run_python(code, env={"EBBTIDE_CPU_ISA": level})
+        p = spawn.python(code, extra_env={"EBBTIDE_CPU_ISA": level})
         isa, reason = p.stdout.strip().split("\n", 1)
         assert isa == level
         if level != want:
@@ -78,6 +78,6 @@ def test_override_selects_any_supported_level_and_is_reported():
 
 
 def test_ebbtide_info_shows_the_level_and_the_reason():
-    p = run_python("import sys; from ebbtide import cli; sys.exit(cli.main(['info']))")
+    p = spawn.python("import sys; from ebbtide import cli; sys.exit(cli.main(['info']))")
     assert f"CPU ISA          : {C.cpu_isa()}" in p.stdout
     assert f"CPU ISA because  : {C.cpu_isa_reason()}" in p.stdout

@@ -8,13 +8,12 @@ component of more than one module.
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import ebbtide
+from ebbtide.testing import spawn
 
 PACKAGE_DIR = Path(ebbtide.__file__).resolve().parent
 
@@ -128,5 +127,5 @@ MEMORY_MODULES = sorted(n for n in modules(PACKAGE_DIR) if n.startswith("ebbtide
 @pytest.mark.parametrize("name", MEMORY_MODULES)
 def test_memory_module_imports_alone(name):
     # First import in a fresh interpreter: a cycle that Python resolves only in one import order fails here.
-    p = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=120)
+    p = spawn.python(f"import {name}", timeout=120, check=False)
     assert p.returncode == 0, p.stderr[-4000:]

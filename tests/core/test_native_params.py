@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from helpers import run_python  # noqa: E402
+from ebbtide.testing import spawn
 
 LOG_CODE = "import ebbtide._native as n\ntry: n.load().host_triad_bandwidth(16, 1, 1)\nexcept Exception: pass"
 
@@ -23,7 +20,7 @@ LOG_CODE = "import ebbtide._native as n\ntry: n.load().host_triad_bandwidth(16, 
 def test_bad_logging_setting_is_reported_and_log_get_fails(var, value, accepted):
     """The logger cannot fail the calls that log: a bad value keeps that setting's default, is said on stderr
     once, and ebt_log_get (the logger's configuration query) raises SettingError naming it."""
-    p = run_python("""
+    p = spawn.python("""
         import ebbtide._native as n
         from ebbtide.errors import SettingError
         C = n.load()
@@ -34,24 +31,24 @@ def test_bad_logging_setting_is_reported_and_log_get_fails(var, value, accepted)
         else:
             print("no error")
         C.log_configure(1, 0xffffffff)   # an explicit configuration still works
-    """, env={var: value})
+    """, extra_env={var: value})
     assert p.stdout.split() == [var, value]
     assert p.stderr.count(f"{var}='{value}' is not a valid setting: expected {accepted}") == 1
 
 
 def test_logging_level_any_case_and_subsystems_with_blanks():
-    p = run_python("import ebbtide._native as n; print(*n.load().log_get())",
-                   env={"EBBTIDE_DEBUG": "trace", "EBBTIDE_DEBUG_SUBSYS": " mem , shim "})
+    p = spawn.python("import ebbtide._native as n; print(*n.load().log_get())",
+                     extra_env={"EBBTIDE_DEBUG": "trace", "EBBTIDE_DEBUG_SUBSYS": " mem , shim "})
     assert p.stdout.split() == ["3", str((1 << 1) | (1 << 2))]
 
 
 def test_debug_file_is_private_and_appended(tmp_path):
     log = tmp_path / "ebt.log"
-    run_python(LOG_CODE, env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(log)})
+    spawn.python(LOG_CODE, extra_env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(log)})
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
     first = log.read_text()
     assert "bytes_per_array" in first
-    run_python(LOG_CODE, env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(log)})
+    spawn.python(LOG_CODE, extra_env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(log)})
     assert log.read_text().startswith(first) and len(log.read_text()) > len(first)
 
 
@@ -62,29 +59,30 @@ def test_debug_file_never_follows_a_symlink(tmp_path):
     target.write_text("precious\n")
     link = tmp_path / "ebt.log"
     os.symlink(target, link)
-    p = run_python(LOG_CODE, env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(link)})
+    p = spawn.python(LOG_CODE, extra_env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(link)})
     assert target.read_text() == "precious\n"
     assert "is a symbolic link (refused)" in p.stderr and "bytes_per_array" in p.stderr
 
 
 def test_debug_file_unwritable_falls_back_to_stderr_with_reason(tmp_path):
-    p = run_python(LOG_CODE, env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(tmp_path / "no" / "dir.log")})
+    p = spawn.python(LOG_CODE,
+                     extra_env={"EBBTIDE_DEBUG": "INFO", "EBBTIDE_DEBUG_FILE": str(tmp_path / "no" / "dir.log")})
     assert "cannot open" in p.stderr and "bytes_per_array" in p.stderr
 
 
 def test_libcuda_hook_failure_names_the_path():
-    p = run_python("""
+    p = spawn.python("""
         from ebbtide import _native
         st, why = _native.load().driver_status()
         print(st)
         print(why)
-    """, env={"EBBTIDE_LIBCUDA": "/nonexistent/libcuda-test-hook.so"})
+    """, extra_env={"EBBTIDE_LIBCUDA": "/nonexistent/libcuda-test-hook.so"})
     st, why = p.stdout.splitlines()[:2]
     assert st == "5" and "/nonexistent/libcuda-test-hook.so" in why
 
 
 def test_adam_engine_refuses_an_unknown_isa_instead_of_running_scalar():
-    p = run_python("""
+    p = spawn.python("""
         import ebbtide._native as n
         from ebbtide.errors import SettingError
         O = n.load().optim
@@ -93,5 +91,5 @@ def test_adam_engine_refuses_an_unknown_isa_instead_of_running_scalar():
         except SettingError as e:
             print(e.name, e.value)
         print(O.AdamEngine(1, "scalar").isa)   # naming a kernel explicitly does not read the setting
-    """, env={"EBBTIDE_CPU_ISA": "avx1024"})
+    """, extra_env={"EBBTIDE_CPU_ISA": "avx1024"})
     assert p.stdout.split() == ["EBBTIDE_CPU_ISA", "avx1024", "scalar"]

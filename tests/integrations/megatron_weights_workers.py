@@ -4,16 +4,10 @@ host transport. With ``use_cpu_initialization`` Megatron draws every split weigh
 piece, so the same seed gives the TP=1 model's tensors bit for bit: the oracle."""
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from ebbtide.testing.bits import digests
 from megatron_dist_workers import _gpt, _setup
-
-
-def _digests(named: dict) -> dict:
-    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for n, t in sorted(named.items())}
 
 
 def weights(rank, world, init, tp=1):
@@ -26,7 +20,7 @@ def weights(rank, world, init, tp=1):
     model = _gpt(seed=11, hidden=128, heads=4, vocab=256)
     dims = ebt.tensor_parallel_dims([model])
     full = ebt.full_weights([model])
-    out = {"dims": dims, "digests": _digests(full)}
+    out = {"dims": dims, "digests": digests(full)}
     if tp > 1:
         from megatron.core import parallel_state as ps  # noqa: PLC0415
 
@@ -124,7 +118,7 @@ def ep_weights(rank, world, init, experts=4, topk=2):
                                    max_seq=seq), moe=MoEConfig(experts, topk)).float()
     ours = dict(mine.named_parameters())
     out = {"local_experts": len(names), "full": len(full), "names_equal": sorted(ours) == sorted(full),
-           "local_digests": _digests(local), "digests": _digests(full)}
+           "local_digests": digests(local), "digests": digests(full)}
     with torch.no_grad():
         for n, p in ours.items():
             p.copy_(full[n])
@@ -207,4 +201,4 @@ def tp_moe_weights(rank, world, init, experts=4):
     return {"experts_in_dims": sorted(n for n in dims if ".mlp.experts." in n),
             "split": len(dims), "fc1_shape": list(full[fc1].shape), "want_fc1": [ffn, hidden],
             "qkv_rows": full["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0], "want_qkv_rows": 3 * hidden,
-            "experts": _digests({n: t for n, t in full.items() if ".mlp.experts." in n})}
+            "experts": digests({n: t for n, t in full.items() if ".mlp.experts." in n})}

@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core")
 
 import ebbtide  # noqa: E402
 from ebbtide.integrations.megatron.hybrid_device import MegatronCPUAdam, install, uninstall  # noqa: E402
-from ebbtide.optim._testing import bits_equal  # noqa: E402
+from ebbtide.testing.bits import bits_equal  # noqa: E402
 
 
 class ExactAdapter(MegatronCPUAdam):

@@ -1,29 +1,31 @@
 """One scenario per process: the program side and the test side, shared by every memory scenario program.
 
-Program side (``fake_*.py``, ``gpu_scenarios.py``, ``adopt_scenarios.py``, ``compat_scenarios.py``): the module ends
-with ``main(globals())``, which runs ``python <program> <scenario> [args...]`` as ``scenario(*args)`` and prints
-"OK". A scenario that raises ``Skip`` prints "SKIP: <why>" and exits 0; any other failure prints its traceback and,
-where ebbtide.memory was imported, the engine's stats and release report, and exits 1. Nothing here imports torch
-or the engine at import time: the fake-driver programs must not pay for torch, and cupy_prog must not load it.
+Test side: ``run(program, scenario, *args, env=..., timeout=..., what=...)`` runs ``scenario(*args)`` of the program
+(a module of this folder: ``fake_*.py``, ``gpu_scenarios.py``, ``adopt_scenarios.py``, ``compat_scenarios.py``,
+``cupy_prog.py``) in a fresh interpreter through ebbtide.testing.spawn.call: a scenario that raises ``Skip`` makes the
+test skip with its reason; a failure raises with the traceback, the engine's stats and release report (printed by
+``diagnostics`` after a failure, where ebbtide.memory was imported) and the tail of the output. Arguments are text,
+as on a command line.
 
-Test side: ``run(program, *args, env=..., timeout=..., what=...)`` starts the program in a fresh interpreter, turns a
-"SKIP:" last line into a pytest skip, and fails with the tails of both streams unless the output ends with "OK".
+Program side: the helpers below, ``Skip``, and ``main(globals())`` at the end of each program, which runs
+``python <program> <scenario> [args...]`` by hand (and the programs' own helper children: ``_ipc_child``) and prints
+"OK" or "SKIP: <why>". What a program needs before every scenario (``torch.cuda.init()``) runs at its import. Nothing
+here imports torch or the engine at import time: the fake-driver programs must not pay for torch, and cupy_prog must
+not load it.
 """
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
+from ebbtide.testing import spawn
+from ebbtide.testing.spawn import Skip  # raised by a scenario the implementation or hook mode does not offer
+
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
 MiB = 1 << 20
-
-
-class Skip(Exception):
-    """Raised by a scenario that the implementation or hook mode under test does not offer."""
 
 
 # ---- program side -----------------------------------------------------------------------------------------------
@@ -77,6 +79,9 @@ def diagnostics() -> None:
         print(f"(diagnostics failed: {e})")
 
 
+spawn.on_failure(diagnostics)  # inside a scenario process: after a scenario raised, before its report
+
+
 def main(scenarios: dict, argv: list | None = None) -> None:
     """Run ``argv[1](*argv[2:])`` from the program's namespace; print "OK", "SKIP: <why>", or fail with diagnostics."""
     argv = sys.argv if argv is None else argv
@@ -99,25 +104,10 @@ def clean_env(drop_prefixes: tuple = ("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLO
     return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith(drop_prefixes)}
 
 
-def start(program: str | Path, *args: str, env: dict | None = None,
-          timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(program), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
-
-
-def check(p: subprocess.CompletedProcess, what: str, out_tail: int = 6000, err_tail: int = 8000) -> None:
-    """Skip on a "SKIP:" last line; otherwise the program must have exited 0 with "OK" last."""
-    out = p.stdout.strip()
-    if p.returncode == 0 and out.splitlines() and out.splitlines()[-1].startswith("SKIP:"):
-        import pytest  # noqa: PLC0415
-
-        pytest.skip(out.splitlines()[-1][5:].strip())
-    assert p.returncode == 0 and out.endswith("OK"), (
-        f"{what} failed ({p.returncode})\n--- stdout\n{p.stdout[-out_tail:]}\n--- stderr\n{p.stderr[-err_tail:]}")
-
-
-def run(program: str | Path, *args: str, env: dict | None = None, timeout: float = 300, what: str | None = None,
-        out_tail: int = 6000, err_tail: int = 8000) -> subprocess.CompletedProcess:
-    p = start(program, *args, env=env, timeout=timeout)
-    check(p, what or f"{Path(program).name} {' '.join(args)}", out_tail, err_tail)
-    return p
+def run(program: str | Path, scenario: str, *args: str, env: dict | None = None, timeout: float = 300,
+        what: str | None = None):
+    """``scenario(*args)`` of ``program`` in a fresh interpreter with the environment ``env`` (default: this one's);
+    returns what the scenario returned."""
+    program = Path(program)
+    return spawn.call(scenario, *(str(a) for a in args), module=program.stem, path=[str(program.parent)], env=env,
+                      timeout=timeout, what=what or f"{program.name} {scenario} {' '.join(map(str, args))}".strip())

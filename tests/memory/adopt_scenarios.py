@@ -3,7 +3,7 @@
 graph(): capture into a tagged pool, pause, resume, replay. The paused-block guard and check() (with a negative
 control that places a block in paused memory on purpose). Poison of discarded memory. The memory margin. The
 release report. expandable_segments (refused in preload mode, supported in torch mode). Every step prints the
-device memory in use; a failure prints ebbtide's stats and release report. Prints "OK" or "SKIP: <why>".
+device memory in use; a failure prints ebbtide's stats and release report.
 """
 from __future__ import annotations
 
@@ -291,6 +291,7 @@ def _ipc_child(mode: str, sock_fd: str):
     sock.sendall(b"written")
 
 
+torch.cuda.init()  # before every scenario: this module is imported only in a scenario's own process
+
 if __name__ == "__main__":
-    torch.cuda.init()
-    main(globals())  # _ipc_child also takes its socket fd
+    main(globals())  # by hand, and _ipc_child (which also takes its socket fd)

@@ -3,8 +3,8 @@
 The same code runs against ebbtide's implementation (ebbtide.compat.shim_path() first on PYTHONPATH) and the real
 package (its unpacked wheel on PYTHONPATH): it only ever does ``import torch_memory_saver``. test_compat_gpu.py sets
 the environment (LD_PRELOAD of the implementation's preload library, TMS_INIT_ENABLE for process-wide scenarios).
-Each step prints the device memory in use, so one run's log explains a failure. Prints "OK", or "SKIP: <why>" for
-a scenario the implementation does not offer in that mode; on failure, ebbtide's stats and release report.
+Each step prints the device memory in use, so one run's log explains a failure. A scenario the implementation does
+not offer in that mode raises Skip; on failure, ebbtide's stats and release report.
 """
 from __future__ import annotations
 
@@ -278,8 +278,10 @@ def _preloaded_child(mode: str):
     assert torch.all(x == 9.0).item()
 
 
+# before every scenario: this module is imported only in a scenario's own process
+print(f"[{IMPL}/{MODE}] torch_memory_saver from {tms_module.__file__}; LD_PRELOAD={os.environ.get('LD_PRELOAD')}",
+      flush=True)
+torch.cuda.init()
+
 if __name__ == "__main__":
-    print(f"[{IMPL}/{MODE}] torch_memory_saver from {tms_module.__file__}; LD_PRELOAD={os.environ.get('LD_PRELOAD')}",
-          flush=True)
-    torch.cuda.init()
     main(globals())

@@ -3,16 +3,17 @@ ebbtide.memory.preload_env(default_tag="cupy", default_backup="cpu"), every CuPy
 the program pauses and resumes itself through ebbtide (Python over the C API, no torch) and checks its data and
 the driver's free memory. CuPy links cudart statically (its cudaMalloc never reaches the shim: measured on H200,
 0 calls forwarded), so the program installs ebbtide.memory.cupy_allocator(), which follows the same default-tag
-routing. Prints "OK", "SKIP: <why>" without CuPy, or fails with diagnostics."""
+routing. ``main`` skips without CuPy (Skip), or fails with diagnostics."""
 from __future__ import annotations
 
 import sys
 
+from _scenario_runner import Skip
+
 try:
     import cupy
 except ImportError as e:
-    print(f"SKIP: cupy not importable: {e}")
-    sys.exit(0)
+    cupy, NO_CUPY = None, f"cupy not importable: {e}"
 
 import ebbtide.memory as em
 
@@ -25,6 +26,8 @@ def free_bytes() -> int:
 
 
 def main() -> None:
+    if cupy is None:
+        raise Skip(NO_CUPY)
     assert "torch" not in sys.modules, "this program must not use PyTorch"
     assert em.hook_mode() == "preload", "run it with LD_PRELOAD (ebbtide.memory.preload_env)"
     cupy.cuda.set_allocator(em.cupy_allocator())

@@ -2,7 +2,7 @@
 
 The test module starts each in a fresh interpreter (preload mode: with ebbtide.memory.preload_env()). Checks:
 data_ptr() unchanged, content restored bitwise with CPU backup, the driver's free memory (torch.cuda.mem_get_info)
-moving by >= 99% of the paused bytes, selective tags, the caching allocator on top, OOM at resume. Prints "OK".
+moving by >= 99% of the paused bytes, selective tags, the caching allocator on top, OOM at resume.
 """
 from __future__ import annotations
 
@@ -376,6 +376,7 @@ def zombie_reclaim(mode: str):
             assert mem.free(ps[i])
 
 
+torch.cuda.init()  # before every scenario: this module is imported only in a scenario's own process
+
 if __name__ == "__main__":
-    torch.cuda.init()
     main(globals())

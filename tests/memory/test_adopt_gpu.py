@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ebbtide.testing import spawn
+
 HERE = Path(__file__).resolve().parent
 DEMO = HERE.parents[1] / "examples" / "colocate" / "memory_handoff_demo.py"
 sys.path.insert(0, str(HERE))
@@ -37,12 +39,12 @@ def test_adopt_scenario(scenario, mode):
 @pytest.mark.gpu
 def test_cupy_program_under_the_shim_keeps_its_data():
     env = _env("preload", default_tag="cupy", default_backup="cpu")
-    runner.run(HERE / "cupy_prog.py", env=env, what="cupy program")
+    runner.run(HERE / "cupy_prog.py", "main", env=env, what="cupy program")
 
 
 @pytest.mark.gpu
 def test_memory_handoff_demo_takes_turns():
     """examples/colocate/memory_handoff_demo.py: two processes whose working sets cannot fit at once take turns."""
-    p = runner.run(DEMO, "--steps", "2", env=_env("torch"), what="memory hand-off demo")
+    p = spawn.command([sys.executable, DEMO, "--steps", "2"], env=_env("torch"), what="memory hand-off demo")
     print(p.stdout)
-    assert p.stdout.count(": running, free") == 4, p.stdout
+    assert p.stdout.strip().endswith("OK") and p.stdout.count(": running, free") == 4, p.stdout

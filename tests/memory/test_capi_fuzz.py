@@ -7,13 +7,13 @@ the budget; a failure prints the seed and the calls before it, and ``python capi
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from ebbtide import _native
+from ebbtide.testing import spawn
 
 HERE = Path(__file__).resolve().parent
 FAKE = _native.PACKAGE_DIR / "libebbtide_fake_cuda.so"
@@ -28,8 +28,8 @@ def test_random_calls_keep_the_invariants(seed):
     env = dict(os.environ, EBBTIDE_LIBCUDA=str(FAKE), EBT_FAKE_DEVICE_BYTES=str(64 << 20), EBBTIDE_MEM_PREPIN="0",
                EBBTIDE_DEBUG="NONE")
     env.pop("LD_PRELOAD", None)
-    p = subprocess.run([sys.executable, str(HERE / "capi_fuzz.py"), str(seed), str(SECONDS)], capture_output=True,
-                       text=True, env=env, timeout=SECONDS + 120)
+    p = spawn.command([sys.executable, HERE / "capi_fuzz.py", seed, SECONDS], env=env, timeout=SECONDS + 120,
+                      check=False)
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     assert p.returncode == 0 and last.startswith("OK "), f"{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-3000:]}"
     assert int(last.split()[1]) > 100  # it did run

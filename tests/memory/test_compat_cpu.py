@@ -16,6 +16,7 @@ import ebbtide.compat
 from ebbtide import _native
 from ebbtide.compat import torch_memory_saver as ours
 from ebbtide.errors import InvalidArgumentError
+from ebbtide.testing import spawn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -27,7 +28,7 @@ FAKE = _native.PACKAGE_DIR / "libebbtide_fake_cuda.so"
 def _python(code: str, **env_extra) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",)}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return spawn.python(code, env=env, timeout=120, check=False)
 
 
 def test_shim_path_serves_our_module_under_the_original_name():

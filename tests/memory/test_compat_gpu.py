@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ebbtide.testing import spawn
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _scenario_runner as runner  # noqa: E402
@@ -69,11 +71,13 @@ def _env(impl: str, mode: str, scenario: str, tms_root) -> dict:
 @pytest.mark.parametrize("impl", ["ebbtide", "tms"])
 @pytest.mark.parametrize("scenario,mode", [(s, m) for s, modes in SCENARIOS.items() for m in modes])
 def test_torch_memory_saver_scenario(impl, scenario, mode, tms_root):
-    p = runner.start(HERE / "compat_scenarios.py", scenario, mode, env=_env(impl, mode, scenario, tms_root),
-                     timeout=420)
-    if (impl == "tms" and mode == "torch" and p.returncode != 0 and p.stdout.strip().endswith("OK")
-            and TMS_EXIT_BUG in p.stderr):
-        # The scenario passed; the anchor then fails at interpreter shutdown (observed with 0.0.10 on H200,
-        # torch 2.11): torch frees a block its pluggable allocator never saw and tms_torch_free exits the process.
-        pytest.xfail(f"torch_memory_saver's torch mode exits {p.returncode} at shutdown: {TMS_EXIT_BUG!r}")
-    runner.check(p, f"{impl} {scenario} [{mode}]")
+    try:
+        runner.run(HERE / "compat_scenarios.py", scenario, mode, env=_env(impl, mode, scenario, tms_root),
+                   timeout=420, what=f"{impl} {scenario} [{mode}]")
+    except spawn.WorkerFailed as e:
+        w = e.outcomes[0]
+        if impl == "tms" and mode == "torch" and w.ok and w.exitcode != 0 and TMS_EXIT_BUG in w.output():
+            # The scenario passed; the anchor then fails at interpreter shutdown (observed with 0.0.10 on H200,
+            # torch 2.11): torch frees a block its pluggable allocator never saw and tms_torch_free exits the process.
+            pytest.xfail(f"torch_memory_saver's torch mode exits {w.exitcode} at shutdown: {TMS_EXIT_BUG!r}")
+        raise

@@ -21,8 +21,7 @@ def run(scenario: str, mode: str, extra_env: dict | None = None) -> None:
 
     env = preload_env() if mode == "preload" else {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env.update(extra_env or {})
-    runner.run(HERE / "gpu_scenarios.py", scenario, mode, env=env, timeout=300, what=f"{scenario} [{mode}]",
-               out_tail=4000)
+    runner.run(HERE / "gpu_scenarios.py", scenario, mode, env=env, timeout=300, what=f"{scenario} [{mode}]")
 
 
 @pytest.mark.gpu

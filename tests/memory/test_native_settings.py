@@ -5,15 +5,10 @@ injection must not leak into other tests.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from ebbtide import _native
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from helpers import run_python  # noqa: E402
+from ebbtide.testing import spawn
 
 FAKE = _native.PACKAGE_DIR / "libebbtide_fake_cuda.so"
 RUNTIME = _native.PACKAGE_DIR / "libebbtide.so"
@@ -94,7 +89,7 @@ PROBE = """
 
 @pytest.mark.parametrize("var,value,accepted", BAD, ids=[f"{v}={x[:12]}" for v, x, _ in BAD])
 def test_bad_memory_setting_fails_every_memory_call(var, value, accepted):
-    p = run_python(PROBE, env=fake_env(**{var: value}))
+    p = spawn.python(PROBE, extra_env=fake_env(**{var: value}))
     name, got, message = p.stdout.splitlines()[:3]
     assert (name, got) == (var, value)
     assert message.startswith(f"{var}='{value}' is not a valid setting: expected ") and accepted in message
@@ -102,12 +97,12 @@ def test_bad_memory_setting_fails_every_memory_call(var, value, accepted):
 
 
 def test_good_values_in_every_accepted_spelling():
-    p = run_python("""
+    p = spawn.python("""
         import ebbtide.memory as em
         from ebbtide import _native
         N = _native.load().memory
         print(N.memory_margin(), N.coalescing(), N.current_region())
-    """, env=fake_env(EBBTIDE_MEM_MARGIN_BYTES=" 4096 ", EBBTIDE_MEM_COALESCE="Yes", EBBTIDE_MEM_POISON="off",
+    """, extra_env=fake_env(EBBTIDE_MEM_MARGIN_BYTES=" 4096 ", EBBTIDE_MEM_COALESCE="Yes", EBBTIDE_MEM_POISON="off",
                       EBBTIDE_MEM_PREPIN="TRUE", EBBTIDE_MEM_CHUNK_BYTES="1048576", TMS_INIT_ENABLE="true",
                       TMS_INIT_ENABLE_CPU_BACKUP="YES", EBBTIDE_MEM_DEFAULT_BACKUP="none"))
     assert p.stdout.split()[:2] == ["4096", "True"]
@@ -164,17 +159,17 @@ def test_bad_disk_setting_fails_the_disk_tier_only(var, value, accepted):
 
 
 def test_empty_value_means_default():
-    p = run_python("""
+    p = spawn.python("""
         from ebbtide import _native
         N = _native.load().memory
         print(N.memory_margin(), N.coalescing())
-    """, env=fake_env(EBBTIDE_MEM_MARGIN_BYTES="", EBBTIDE_MEM_COALESCE="  "))
+    """, extra_env=fake_env(EBBTIDE_MEM_MARGIN_BYTES="", EBBTIDE_MEM_COALESCE="  "))
     assert p.stdout.split() == ["0", "True"]  # the defaults: no margin, coalescing on
 
 
 def test_setting_values_are_logged_at_info():
-    p = run_python("from ebbtide import _native; print(_native.load().memory.memory_margin())",
-                   env=fake_env(EBBTIDE_DEBUG="INFO", EBBTIDE_MEM_MARGIN_BYTES="8192"))
+    p = spawn.python("from ebbtide import _native; print(_native.load().memory.memory_margin())",
+                     extra_env=fake_env(EBBTIDE_DEBUG="INFO", EBBTIDE_MEM_MARGIN_BYTES="8192"))
     assert "setting EBBTIDE_MEM_MARGIN_BYTES = 8192" in p.stderr
     assert "setting EBBTIDE_MEM_CHUNK_BYTES = 67108864 (default)" in p.stderr
 
@@ -182,12 +177,13 @@ def test_setting_values_are_logged_at_info():
 def test_preloaded_cudamalloc_fails_with_init_error_under_a_bad_setting():
     """Under LD_PRELOAD the interposer refuses every cudaMalloc (cudaErrorInitializationError = 3) and says why
     once: forwarding would silently drop the capture the process asked for."""
-    p = run_python("""
+    p = spawn.python("""
         import ctypes
         glob = ctypes.CDLL(None)
         ptr = ctypes.c_void_p()
         print(glob.cudaMalloc(ctypes.byref(ptr), 1 << 20), glob.cudaMalloc(ctypes.byref(ptr), 1 << 20))
-    """, env=fake_env(LD_PRELOAD=str(RUNTIME), EBBTIDE_MEM_DEFAULT_TAG="trainer", EBBTIDE_MEM_DEFAULT_BACKUP="CPU"))
+    """, extra_env=fake_env(LD_PRELOAD=str(RUNTIME), EBBTIDE_MEM_DEFAULT_TAG="trainer",
+                            EBBTIDE_MEM_DEFAULT_BACKUP="CPU"))
     assert p.stdout.split() == ["3", "3"]
     assert p.stderr.count("cudaMalloc(1048576) refused: EBBTIDE_MEM_DEFAULT_BACKUP='CPU'") == 1
 
@@ -249,7 +245,7 @@ QUARANTINE = """
 
 
 def test_free_retries_then_quarantines_a_refused_unmap():
-    p = run_python(QUARANTINE, env=fake_env(EBBTIDE_MEM_PREPIN="0"))
+    p = spawn.python(QUARANTINE, extra_env=fake_env(EBBTIDE_MEM_PREPIN="0"))
     assert p.stdout.strip().endswith("OK")
     assert "quarantined (never reused)" in p.stderr  # the WARN line
 
@@ -257,7 +253,7 @@ def test_free_retries_then_quarantines_a_refused_unmap():
 def test_coalesced_free_quarantines_the_whole_mapping():
     """The last live member's free unmaps the whole coalesced mapping: if the driver refuses twice, the whole
     range is quarantined (no member's VA goes back)."""
-    p = run_python("""
+    p = spawn.python("""
         import ctypes, os
         import ebbtide.memory as em
         from ebbtide import _native
@@ -285,14 +281,14 @@ def test_coalesced_free_quarantines_the_whole_mapping():
         assert g["quarantined_ranges"] == 1 and g["quarantined_bytes"] == 6 * MiB, g
         N.reset_for_testing()
         print("OK")
-    """, env=fake_env(EBBTIDE_MEM_PREPIN="0"))
+    """, extra_env=fake_env(EBBTIDE_MEM_PREPIN="0"))
     assert p.stdout.strip().endswith("OK")
 
 
 def test_retyped_error_keeps_its_message():
     """A pinned-host registration refused for lack of memory becomes HOST_OUT_OF_MEMORY with the driver's message
     (re-typing an error passes the thread's own message back in: it must survive)."""
-    p = run_python("""
+    p = spawn.python("""
         import ctypes, os
         from ebbtide import _native
         from ebbtide.errors import HostOutOfMemoryError
@@ -305,5 +301,5 @@ def test_retyped_error_keeps_its_message():
         except HostOutOfMemoryError as e:
             print(str(e))
         N.free(p)
-    """, env=fake_env(EBBTIDE_MEM_PREPIN="0"))
+    """, extra_env=fake_env(EBBTIDE_MEM_PREPIN="0"))
     assert "cuMemHostRegister (host arena)" in p.stdout

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ebbtide import _native
+from ebbtide.testing import spawn
 
 HERE = Path(__file__).resolve().parent
 PKG = _native.PACKAGE_DIR
@@ -35,7 +36,7 @@ def prog(tmp_path_factory):
 def run(prog, **extra):
     env = dict(os.environ)
     env.update({"LD_PRELOAD": str(PKG / "libebbtide.so"), "EBBTIDE_LIBCUDA": str(FAKE_DRIVER), **extra})
-    return subprocess.run([str(prog)], capture_output=True, text=True, env=env, timeout=60)
+    return spawn.command([prog], env=env, timeout=60, check=False)
 
 
 def test_interposition(prog):
@@ -46,7 +47,7 @@ def test_interposition(prog):
 def test_program_fails_without_the_shim(prog):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
-    p = subprocess.run([str(prog)], capture_output=True, text=True, env=env, timeout=60)
+    p = spawn.command([prog], env=env, timeout=60, check=False)
     assert p.returncode != 0 and "is libebbtide.so preloaded" in p.stderr  # the check can fail
 
 
@@ -82,9 +83,7 @@ print("OK")
 """
     env = dict(os.environ)
     env.update({"LD_PRELOAD": str(PKG / "libebbtide.so"), "EBBTIDE_LIBCUDA": str(FAKE_DRIVER)})
-    import sys  # noqa: PLC0415
-
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    p = spawn.python(code, env=env, timeout=60, check=False)
     assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
 
 
@@ -104,9 +103,7 @@ print(_native.load().memory.shim_active())
     env["EBBTIDE_LIBCUDA"] = str(FAKE_DRIVER)
     if preloaded:
         env["LD_PRELOAD"] = str(PKG / "libebbtide.so")
-    import sys  # noqa: PLC0415
-
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    p = spawn.python(code, env=env, timeout=60, check=False)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(preloaded)
 
@@ -123,7 +120,7 @@ def _run_args(prog, args, **extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("EBBTIDE_MEM_", "TMS_", "PYTORCH_CUDA_ALLOC", "PYTORCH_ALLOC"))}
     env.update({"LD_PRELOAD": str(PKG / "libebbtide.so"), "EBBTIDE_LIBCUDA": str(FAKE_DRIVER), **extra})
-    return subprocess.run([str(prog), *args], capture_output=True, text=True, env=env, timeout=60)
+    return spawn.command([prog, *args], env=env, timeout=60, check=False)
 
 
 def test_process_wide_mode_pause_resume_through_the_c_api(process_wide_prog):

@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 
 import ebbtide  # noqa: E402
 from ebbtide.optim import CPUAdam, available_isas  # noqa: E402
-from ebbtide.optim._testing import bits_equal, describe_mismatch, grads_for  # noqa: E402
+from ebbtide.optim._testing import grads_for  # noqa: E402
+from ebbtide.testing.bits import bits_equal, describe_mismatch  # noqa: E402
 
 # Fast mode, one step from the same fp32 state, against torch's float64 AdamW/Adam:
 #   |p_fast - p64| <= FAST_ULPS * ulp32(p64) + FAST_LR_FRACTION * lr        (element-wise)

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ebbtide.optim import CPUAdam, available_isas  # noqa: E402
-from ebbtide.optim._testing import bits_equal, describe_mismatch  # noqa: E402
+from ebbtide.testing.bits import bits_equal, describe_mismatch  # noqa: E402
 
 AVX512_ISAS = [isa for isa in ("avx512", "avx512_bf16") if isa in available_isas()]
 pytestmark = pytest.mark.skipif(not AVX512_ISAS, reason="this CPU has no AVX-512 (no AVX-512 kernel to force)")

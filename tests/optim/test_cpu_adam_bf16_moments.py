@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch")
 import ebbtide  # noqa: E402
 from ebbtide import _native  # noqa: E402
 from ebbtide.optim import CPUAdam, available_isas  # noqa: E402
-from ebbtide.optim._testing import (bits_equal, describe_mismatch, grads_for, offset_view,  # noqa: E402
-                                    round_moments_to_bf16)
+from ebbtide.optim._testing import grads_for, offset_view, round_moments_to_bf16  # noqa: E402
 from ebbtide.optim.cpu_adam import make_hyper  # noqa: E402
+from ebbtide.testing.bits import bits_equal, describe_mismatch  # noqa: E402
 
 ISAS = available_isas()
 SIZES = [1, 7, 15, 16, 17, 31, 33, 127, 129, 4099]

@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 from ebbtide.optim import CPUAdam, available_isas  # noqa: E402
 
-from ebbtide.optim._testing import bits_equal, describe_mismatch, grads_for, offset_view  # noqa: E402
+from ebbtide.optim._testing import grads_for, offset_view  # noqa: E402
+from ebbtide.testing.bits import bits_equal, describe_mismatch  # noqa: E402
 
 SIZES = [1, 15, 16, 17, 127, 128, 129, 2**20 + 37]
 
@@ -126,15 +127,11 @@ def test_every_isa_forced(isa):
 
 
 def test_env_var_lowers_isa_and_omp_num_threads_is_ignored():
-    import subprocess
-    import sys
-
     code = ("import os; from ebbtide.optim import CPUAdam; import torch; o = CPUAdam([torch.zeros(1)]); "
             "print(o.isa, o.threads == len(os.sched_getaffinity(0)))")
     for isa in {available_isas()[0], "scalar"}:  # the best and the lowest: one subprocess each
         env = {**os.environ, "EBBTIDE_CPU_ISA": isa, "OMP_NUM_THREADS": "1"}  # Ray sets OMP_NUM_THREADS=1
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             check=True).stdout.strip()
+        out = spawn.python(code, env=env).stdout.strip()
         assert out == f"{isa} True"
 
 
@@ -143,19 +140,16 @@ def test_exact_when_mkl_takes_its_avx2_path():
     # On AVX2-only Intel hosts MKL runs its AVX2 vsSqrt, which is correctly rounded (flavor 0);
     # MKL_ENABLE_INSTRUCTIONS=AVX2 reproduces that host on an AVX-512 Intel CPU. On other vendors MKL ignores the
     # variable and runs its generic SSE2 kernel (flavor 2). Either way exact mode must find the flavor and match.
-    import subprocess
-    import sys
-
     code = (
         "import torch; from ebbtide.optim import CPUAdam; from ebbtide.optim.cpu_adam import probe_torch_sqrt_flavor;"
-        "from ebbtide.optim._testing import bits_equal, grads_for\n"
+        "from ebbtide.optim._testing import grads_for; from ebbtide.testing.bits import bits_equal\n"
         "a = torch.randn(100003); b = a.clone()\n"
         "t = torch.optim.AdamW([a], weight_decay=0.1, foreach=False); o = CPUAdam([b], weight_decay=0.1, mode='exact')\n"
         "for g in grads_for(100003, 5, 7):\n"
         "    a.grad = g; t.step(); o.step(grads={b: g})\n"
         "print(probe_torch_sqrt_flavor(), bits_equal(a, b))\n")
     env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = spawn.python(code, env=env)
     from ebbtide.info import _cpuinfo_field
 
     expected = "0" if _cpuinfo_field("vendor_id") == "GenuineIntel" else "2"

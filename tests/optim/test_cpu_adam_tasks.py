@@ -1,8 +1,6 @@
 """The engine's task split: claimed ranges (tasks_per_thread > 1) give the same bits as the static split, for every
 thread count, both modes and both moment dtypes; the setting is strict."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,6 +8,7 @@ import torch
 import ebbtide
 from ebbtide import _native
 from ebbtide.optim.cpu_adam import make_hyper
+from ebbtide.testing import spawn
 
 BF16 = torch.bfloat16
 N = 3 * 2**20 + 37  # several grains per task at every split below, plus a ragged tail
@@ -60,8 +59,7 @@ def _engine_in_child(value):
     code = ("from ebbtide.optim.cpu_adam import shared_engine\n"
             "try:\n    print(shared_engine(2, None).tasks_per_thread)\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120).stdout.strip()
+    return spawn.python(code, env=env, timeout=120, check=False).stdout.strip()
 
 
 def test_the_setting_reaches_the_shared_engine():

@@ -9,7 +9,8 @@ torch = pytest.importorskip("torch")
 
 import ebbtide  # noqa: E402
 from ebbtide.optim import OffloadedAdam  # noqa: E402
-from ebbtide.optim._testing import bits_equal, round_moments_to_bf16  # noqa: E402
+from ebbtide.optim._testing import round_moments_to_bf16  # noqa: E402
+from ebbtide.testing.bits import bits_equal  # noqa: E402
 
 
 def make_model(seed=0, device="cpu"):

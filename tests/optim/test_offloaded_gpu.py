@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ebbtide.optim import OffloadedAdam  # noqa: E402
-from ebbtide.optim._testing import bits_equal, round_moments_to_bf16  # noqa: E402
+from ebbtide.optim._testing import round_moments_to_bf16  # noqa: E402
+from ebbtide.testing.bits import bits_equal  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

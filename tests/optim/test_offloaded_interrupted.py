@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import ebbtide  # noqa: E402
 from ebbtide.optim import OffloadedAdam  # noqa: E402
-from ebbtide.optim._testing import bits_equal  # noqa: E402
+from ebbtide.testing.bits import bits_equal  # noqa: E402
 from test_offloaded_cpu import batch, make_model  # noqa: E402
 
 

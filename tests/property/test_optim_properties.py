@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from ebbtide import InvalidArgumentError  # noqa: E402
 from ebbtide.optim import CPUAdam, OffloadedAdam  # noqa: E402
-from ebbtide.optim._testing import bits_equal, describe_mismatch  # noqa: E402
+from ebbtide.testing.bits import bits_equal, describe_mismatch  # noqa: E402
 
 # The fast-mode bound of tests/optim/test_cpu_adam_api.py (one step from a state shared with float64 AdamW):
 #   |p_fast - p64| <= FAST_ULPS * ulp32(p64) + FAST_LR_FRACTION * lr

@@ -11,7 +11,6 @@ import pytest
 from ebbtide import settings
 from ebbtide.errors import SettingError, UnsupportedError
 from ebbtide.quant import _dispatch as D
-from helpers import native_or_skip
 
 DEFAULT_ARCHS = ("80-real", "86-real", "89-real", "90-real", "90-virtual")
 OK = D.Image(0, "cudaSuccess", 90, 90)
@@ -179,8 +178,8 @@ def test_select_warns_once_when_an_sm89_gpu_falls_back(monkeypatch, env, caplog)
     assert len(warnings) == 1 and "NVIDIA L20" in warnings[0].getMessage()
 
 
-def test_codes_and_variants_match_the_native_module():
-    C = native_or_skip()
+def test_codes_and_variants_match_the_native_module(native):
+    C = native
     assert D.CODES == {"sm90": C.quant.VARIANT_SM90, "portable": C.quant.VARIANT_PORTABLE}
     assert set(C.quant.VARIANTS) <= set(D.VARIANTS)
     if not C.quant.WITH_CUDA:

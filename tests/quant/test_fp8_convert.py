@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ebbtide.quant import reference as R
-from helpers import native_or_skip
 from quant_oracle import e4m3_nearest
 
 E4M3_MAX_BITS = 0x43E00000  # 448.0f
@@ -18,8 +17,8 @@ CHUNK = 1 << 24
 
 
 @pytest.fixture(scope="module")
-def Q():
-    return native_or_skip().quant
+def Q(native):
+    return native.quant
 
 
 def encode(Q, u: np.ndarray) -> np.ndarray:

@@ -10,7 +10,6 @@ import torch
 import ebbtide.quant as Q
 from ebbtide.errors import InvalidArgumentError
 from ebbtide.quant import Fp8BucketLayout, Fp8BucketQuant, SegmentCopy
-from helpers import native_or_skip
 from quant_oracle import heavy_tailed
 
 
@@ -135,8 +134,8 @@ def test_segment_copy_bad_arguments(dsts, srcs, match):
         SegmentCopy(dsts, srcs)
 
 
-def test_native_copy_launcher_validates_before_launching():
-    C = native_or_skip()
+def test_native_copy_launcher_validates_before_launching(native):
+    C = native
     if not C.quant.WITH_CUDA:
         pytest.skip("built without CUDA: every quant launcher raises UnsupportedError")
     chunk = C.quant.COPY_SEGMENT_CHUNK

@@ -14,7 +14,6 @@ import torch
 import ebbtide
 import ebbtide.quant as Q
 from ebbtide.errors import InvalidArgumentError
-from helpers import native_or_skip
 from quant_oracle import heavy_tailed
 
 
@@ -200,9 +199,9 @@ def test_bad_input_changes_nothing():
     assert torch.equal(w.view(torch.int16), before.view(torch.int16))
 
 
-def test_cuda_sources_were_compiled_when_nvcc_is_present():
+def test_cuda_sources_were_compiled_when_nvcc_is_present(native):
     """CI has nvcc: the extension must then contain the kernels (the quant component and cuda=True)."""
-    C = native_or_skip()
+    C = native
     info = C.build_info()
     assert "quant" in info["components"].split(",")
     assert hasattr(C, "quant") and C.quant.WITH_CUDA == info["cuda"]
@@ -217,10 +216,10 @@ def test_cuda_sources_were_compiled_when_nvcc_is_present():
             assert C.quant.VARIANTS == ["sm90", "portable"]
 
 
-def test_native_launchers_validate_before_launching():
+def test_native_launchers_validate_before_launching(native):
     """Argument checks run natively, before any CUDA call — so they work (and raise typed errors) with no GPU — in
     every variant this build has; an unknown variant is refused by name."""
-    C = native_or_skip()
+    C = native
     if not C.quant.WITH_CUDA:
         with pytest.raises(ebbtide.UnsupportedError):
             C.quant.int4_unpack(0, 0, 0, 0, 32, 0, 0, 0)

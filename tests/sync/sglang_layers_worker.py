@@ -1,14 +1,11 @@
-"""SGLang's own layers behind ebbtide's loader (run as a script in its own process: ``python sglang_layers_worker.py
-TP_SIZE TP_RANK UPDATES FORM``, FORM one of bf16 / fp8 / fp8-ue8m0; prints one JSON line). The model is
-``ebbtide.bench.suites._sglang_served``: SGLang 0.5.23's ``QKVParallelLinear``, ``MergedColumnParallelLinear``,
+"""SGLang's own layers behind ebbtide's loader (``main(tp_size, tp_rank, updates, form)``, run in its own process by
+``ebbtide.testing.spawn.call``; form one of bf16 / fp8 / fp8-ue8m0; returns a dict). The model is
+``ebbtide.testing.scenarios.sglang_served``: SGLang 0.5.23's ``QKVParallelLinear``, ``MergedColumnParallelLinear``,
 ``RowParallelLinear``, ``ReplicatedLinear`` and ``FusedMoE`` (unquantized, or FP8 128x128 block with
 ``weight_scale_inv``) with their own ``weight_loader``s and SGLang's own ``Qwen3MoeForCausalLM.load_weights``,
 built on the CPU (TP simulated by the published rank: no process group). One dense and one MoE layer; every update
 goes through ebbtide's loader into one model and through SGLang's own path (the flattened-bucket request slime
 sends) into another, and the two must hold the same bits."""
-import json
-import sys
-
 import torch
 
 H, Q, KV, I, E = 256, 2048, 256, 2048, 4  # TP=2 shards keep whole FP8 blocks and rows of 8+ scales
@@ -41,10 +38,10 @@ def checkpoint(seed: int) -> dict:
 def main(tp_size: int, tp_rank: int, updates: int, form: str) -> dict:
     from multiprocessing.reduction import ForkingPickler
 
-    from ebbtide.bench.suites import _sglang_served as served
+    from ebbtide.testing.bits import same_bits
+    from ebbtide.testing.scenarios import sglang_served as served
 
     served.prepare(tp_size, tp_rank)
-    from ebbtide.bench.suites._sglang_loader_worker import _flattened
     from ebbtide.integrations import sglang as S
     from ebbtide.integrations.sglang import loader as L
     from ebbtide.sync import Plan, fill_bucket
@@ -61,9 +58,9 @@ def main(tp_size: int, tp_rank: int, updates: int, form: str) -> dict:
             req = S.tensor_request(b, buf, form="ebbtide", weight_version=v, signature=plan.signature,
                                    buckets=len(plan.buckets))
             L.load_weights(model, ForkingPickler.loads(req["serialized_named_tensors"][0]))  # SGLang's call
-            ref.load_weights(_flattened(b, buf))  # SGLang's own path for slime's flattened-bucket request
+            ref.load_weights(served.flattened_request(b, buf))  # SGLang's own path for slime's flattened-bucket request
         for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            if not torch.equal(p, q):
+            if not same_bits(p, q):
                 return {"ok": False, "why": f"update {v}: {n} differs from SGLang's own placement"}
     st = L.state(model)
     return {"ok": True, "recorded": st.recorded, "replayed": st.replayed, "buckets": len(plan.buckets),
@@ -72,7 +69,3 @@ def main(tp_size: int, tp_rank: int, updates: int, form: str) -> dict:
             "kinds": sorted({it.kind for it in plan.items}),
             "params": {n: [list(p.shape), str(p.dtype)] for n, p in model.named_parameters()}}
 
-
-if __name__ == "__main__":
-    tp_size, tp_rank, updates = (int(x) for x in sys.argv[1:4])
-    print(json.dumps(main(tp_size, tp_rank, updates, sys.argv[4])))

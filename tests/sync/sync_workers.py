@@ -1,15 +1,11 @@
 """Child processes of the GPU sync tests (spawned; importable by name)."""
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
 
-
-def digests(named: dict) -> dict:
-    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-            for n, t in named.items()}
+from ebbtide.testing.bits import digests
 
 
 class _DyingConn:

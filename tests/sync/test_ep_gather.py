@@ -3,12 +3,12 @@
 full model's plan expects."""
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
 
 import sync_workers
+from ebbtide.testing.ports import free_port
 
 
 def test_experts_are_gathered_per_bucket_and_every_rank_sends_the_whole_model(tmp_path):
@@ -23,9 +23,7 @@ def test_experts_are_gathered_per_bucket_and_every_rank_sends_the_whole_model(tm
         link = tmp_path / f"buf{k}"
         os.symlink(f"/proc/{os.getpid()}/fd/{b.fd}", link)
         links.append(link)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=sync_workers.ep_rank, args=(k, port, str(tmp_path / "buf%d"), bufs[0].nbytes, q))
@@ -67,9 +65,7 @@ def test_an_ep_rank_dying_fails_the_next_push_within_seconds_and_the_receiver_ke
     os.symlink(f"/proc/{os.getpid()}/fd/{buf.fd}", tmp_path / "buf0")
     other = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
     os.symlink(f"/proc/{os.getpid()}/fd/{other.fd}", tmp_path / "buf1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=sync_workers.ep_rank, args=(k, port, str(tmp_path / "buf%d"), buf.nbytes, q, True))

@@ -1,20 +1,14 @@
 """Sender -> host buffer -> Receiver on the CPU: bits over many updates, versions, refusals, rollback."""
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from ebbtide.errors import InvalidArgumentError, StateError
 from ebbtide.sync import (HostReceiver, HostSender, PartialUpdateError, Plan, PlanMismatchError, Receiver, Sender,
                           SharedHostBuffer, WeightVersionError, expected)
+from ebbtide.testing import spawn
+from ebbtide.testing.bits import same_bits
 
 from sync_models import RULES, checkpoint
-
-
-def _bits(t):
-    return t.contiguous().view(torch.uint8)
 
 
 def _pair(scale="fp32", bucket_bytes=150_000):
@@ -38,7 +32,7 @@ def test_receiver_holds_the_reference_bit_for_bit_over_many_updates(scale, updat
             assert rx.receive(receiver, v) == v
             receiver.require(v)
             want = expected(plan, src)
-            bad = [n for n in src if not torch.equal(_bits(want[n]), _bits(dst[n]))]
+            bad = [n for n in src if not same_bits(want[n], dst[n])]
             assert not bad, (v, bad)
     finally:
         buf.close()
@@ -162,8 +156,7 @@ def test_host_transport_between_two_processes():
             assert all(torch.equal(want[n].view(torch.uint8), dst[n].view(torch.uint8)) for n in src)
             print("ok")
             """
-        p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], pass_fds=(buf.fd,), capture_output=True,
-                           text=True, timeout=300)
+        p = spawn.python(code, pass_fds=(buf.fd,), timeout=300, check=False)
         assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
     finally:
         buf.close()
@@ -400,7 +393,7 @@ def test_open_begins_ahead_and_push_joins_it():
         assert fut.done() and rep["open_s"] >= 0.05 and end.calls == [("begin", 1)]  # begun once, by the open
         assert rx.receive(receiver, 1) == 1
         want = expected(plan, src)
-        assert all(torch.equal(_bits(want[n]), _bits(dst[n])) for n in src)
+        assert all(same_bits(want[n], dst[n]) for n in src)
         sender.open(2)  # wait=True: begun now
         assert end.calls[-1] == ("begin", 2) and "open_s" in sender.push(2) and rx.receive(receiver, 2) == 2
         assert "open_s" not in sender.push(3) and end.calls[-1] == ("begin", 3)  # no open: push begins itself

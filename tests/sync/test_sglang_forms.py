@@ -5,6 +5,7 @@ import torch
 
 from ebbtide.integrations.sglang import forms as S
 from ebbtide.sync import Plan, Sender, expected, fill_bucket
+from ebbtide.testing.bits import same_bits
 
 import sglang_code
 from sync_models import RULES, checkpoint
@@ -55,7 +56,7 @@ def _decode_served(plan, named: dict, scale: str) -> dict:
 
 def _assert_bits(plan, src, got):
     want = expected(plan, src)
-    bad = [n for n in want if not torch.equal(want[n].contiguous().view(torch.uint8), got[n].contiguous().view(torch.uint8))]
+    bad = [n for n in want if not same_bits(want[n], got[n])]
     assert not bad, bad
 
 

@@ -1,30 +1,28 @@
 """ebbtide's loader behind SGLang 0.5.23's own layers (QKVParallelLinear, MergedColumnParallelLinear,
 RowParallelLinear, ReplicatedLinear, FusedMoE and their weight_loaders, under SGLang's own Qwen3-MoE load_weights),
-each run in a fresh process (sglang_layers_worker.py): after every one of 20 updates the parameters equal, bit for
+each run in a fresh process (sglang_layers_worker.main): after every one of 20 updates the parameters equal, bit for
 bit, what SGLang's own path writes for slime's flattened-bucket request of the same buckets; bf16, FP8 with fp32
 scales and FP8 with UE8M0 scales (weight_scale_inv); TP=1 and the rank-1 shard of TP=2. Skipped with the reason
 where SGLang's layers do not import (.ci/run installs them)."""
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from ebbtide.testing import spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _run(tp_size, tp_rank, updates, form):
-    p = subprocess.run([sys.executable, os.path.join(HERE, "sglang_layers_worker.py"), str(tp_size), str(tp_rank),
-                        str(updates), form], capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stdout + p.stderr)[-3000:]
+    try:
+        return spawn.call("main", tp_size, tp_rank, updates, form, module="sglang_layers_worker", path=[HERE],
+                          timeout=600)
+    except spawn.WorkerFailed as e:
+        tail = str(e)[-3000:]
         if "ModuleNotFoundError" in tail or "ImportError" in tail:
-            pytest.skip(f"SGLang's layers do not import here (.ci/run installs their dependencies): {tail[-400:]}")
-        raise AssertionError(f"worker failed (exit {p.returncode}):\n{tail}")
-    return json.loads(lines[-1])
+            pytest.skip(f"SGLang's layers do not import here (.ci/run installs their dependencies): {e.brief}")
+        raise
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None,

@@ -8,12 +8,9 @@ from ebbtide.optim import OffloadedAdam
 from ebbtide.sync import (HostReceiver, HostSender, PartialUpdateError, Plan, Receiver, Sender, SharedHostBuffer,
                           expected)
 from ebbtide.sync.transport import HEADER_BYTES
+from ebbtide.testing.bits import same_bits
 
 from sync_models import RULES, checkpoint
-
-
-def _bits(t):
-    return t.contiguous().view(torch.uint8)
 
 
 class _Setup:
@@ -83,7 +80,7 @@ def test_streamed_update_equals_a_push_bit_for_bit_over_updates():
             streamed = s.wire()
             assert s.rx.receive(s.receiver, v) == v
             want = expected(s.plan, s.named())
-            assert not [n for n in want if not torch.equal(_bits(want[n]), _bits(s.dst[n]))], v
+            assert not [n for n in want if not same_bits(want[n], s.dst[n])], v
             s.sender.push(v + 100)  # the same weights by a plain push: the same bytes on the wire
             assert torch.equal(s.wire(), streamed), v
             s.receiver.version = v  # the receiver did not take the plain push (its version stays the stream's)
@@ -103,7 +100,7 @@ def test_sources_no_range_covers_are_filled_at_the_finish():
         assert 0 < rep["streamed"] <= len(s.plan.items) - 1  # the extra tensor: filled by the finish
         s.rx.receive(s.receiver, 1)
         want = expected(s.plan, s.named())
-        assert not [n for n in want if not torch.equal(_bits(want[n]), _bits(s.dst[n]))]
+        assert not [n for n in want if not same_bits(want[n], s.dst[n])]
     finally:
         s.close()
 

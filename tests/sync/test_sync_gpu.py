@@ -1,7 +1,6 @@
 """ebbtide.sync on the GPU: bits against the CPU reference quantizer over 20 updates, CUDA IPC between two
 processes on one GPU (bits, versions, a receiver dying mid-update), NCCL between two GPUs."""
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -9,6 +8,8 @@ import torch
 from ebbtide.errors import InvalidArgumentError, StateError
 from ebbtide.sync import (HostReceiver, HostSender, IpcSender, Plan, Receiver, Sender, SharedHostBuffer,
                           WeightVersionError, expected)
+from ebbtide.testing.bits import digests
+from ebbtide.testing.ports import free_port
 
 import sync_workers
 from sync_models import RULES, checkpoint
@@ -18,7 +19,7 @@ PLAN_KW = {"rules": RULES, "bucket_bytes": 150_000}
 
 
 def _cpu_digests(plan, src):
-    return sync_workers.digests(expected(plan, {n: t.cpu() for n, t in src.items()}))
+    return digests(expected(plan, {n: t.cpu() for n, t in src.items()}))
 
 
 def _step(src, v):
@@ -39,7 +40,7 @@ def test_host_path_on_gpu_equals_the_cpu_reference_over_20_updates(scale):
             _step(src, v)
             sender.push(v)
             HostReceiver(buf).receive(receiver, v)
-            assert sync_workers.digests(params) == _cpu_digests(plan, src), v
+            assert digests(params) == _cpu_digests(plan, src), v
         with pytest.raises(WeightVersionError):
             HostReceiver(buf).receive(receiver, 20)
     finally:
@@ -75,8 +76,8 @@ def test_receiver_runs_on_the_callers_stream_unless_given_one():
                 HostReceiver(buf).receive(given, v)
             torch.cuda.synchronize()
             want = _cpu_digests(plan, src)
-            assert sync_workers.digests(params) == want, v
-            assert sync_workers.digests(given.params) == want, v
+            assert digests(params) == want, v
+            assert digests(given.params) == want, v
         with pytest.raises(InvalidArgumentError, match="torch.cuda.Stream"):
             Receiver(params, plan, stream="side")
     finally:
@@ -192,7 +193,7 @@ def test_ipc_into_a_staging_in_ebbtide_region_memory(shareable):
                     sender.push(v)
                 got = res_r.recv()
                 assert got[:2] == ("error", "StateError") and "shareable=True" in got[2]
-                assert got[3] == sync_workers.digests({n: torch.zeros_like(t) for n, t in src.items()})
+                assert got[3] == digests({n: torch.zeros_like(t) for n, t in src.items()})
                 break
             sender.push(v)
             got = res_r.recv()
@@ -207,9 +208,7 @@ def test_ipc_into_a_staging_in_ebbtide_region_memory(shareable):
 
 @pytest.mark.multigpu
 def test_nccl_broadcast_between_two_gpus():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     r, w = ctx.Pipe(duplex=False)
     procs = [ctx.Process(target=sync_workers.nccl_rank, args=(k, port, PLAN_KW, 5, w)) for k in range(2)]
@@ -267,7 +266,7 @@ def test_sglang_sender_frees_buckets_only_after_the_engines_copies(release_first
                 buf = torch.empty(bk.nbytes, dtype=torch.uint8, device="cuda")
                 fill_bucket(plan, bk, src, buf)
                 want.update({o.name: buf[o.offset:o.offset + o.nbytes] for o in bk.outputs})
-            want = sync_workers.digests(want)
+            want = digests(want)
             del buf
             torch.cuda.synchronize()
             base[0] = torch.cuda.memory_allocated()

@@ -3,12 +3,12 @@ that dies fails the others' next push within a bound."""
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
 
 import sync_workers
+from ebbtide.testing.ports import free_port
 
 
 @contextlib.contextmanager
@@ -21,9 +21,7 @@ def _two_ranks(die: bool = False):
     full = checkpoint(0)
     plan = Plan.of(full, bucket_bytes=150_000)
     buf = SharedHostBuffer.create(SharedHostBuffer.size_for(plan), pin=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     path = f"/proc/{os.getpid()}/fd/{buf.fd}"  # a spawned child opens the memfd by its path

@@ -1,26 +1,7 @@
-"""Input generators and bitwise comparison shared by the optim tests and the optim bench suite."""
+"""Input generators shared by the optim tests (bitwise comparison: ebbtide.testing.bits)."""
 from __future__ import annotations
 
 import torch
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality of two float tensors, except that any NaN matches any NaN at the same position (torch's
-    own NaN payloads depend on which of its kernels ran)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    na, nb = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(na, nb):
-        return False
-    ia = a.view(torch.int32 if a.dtype == torch.float32 else torch.int16)
-    ib = b.view(torch.int32 if b.dtype == torch.float32 else torch.int16)
-    return torch.equal(ia[~na], ib[~nb])
-
-
-def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
-    diff = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
-    idx = diff.nonzero()[:3].flatten().tolist()
-    return f"{int(diff.sum())} of {a.numel()} differ; first at {idx}: {a.flatten()[idx].tolist()} vs {b.flatten()[idx].tolist()}"
 
 
 def offset_view(n: int, offset: int, dtype=torch.float32, fill=None, gen=None) -> torch.Tensor:

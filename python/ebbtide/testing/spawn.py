@@ -11,8 +11,9 @@ process-global, so every scenario that touches them runs in interpreters of its 
 Contract (fail fast, never hang silently, lose no evidence):
 - A worker (``ranks``, ``call``) is ``python -c`` running this module's child entry: it opens its log, imports
   ``module`` (``path`` first on its ``sys.path``, the parent's ``sys.path`` after its own, so the folders pytest put
-  there resolve), calls ``fn`` and writes a JSON report: the result, or the traceback, or a skip (``fn`` raised
-  :class:`Skip` or pytest's skip). Arguments and results are JSON values (tuples come back as lists).
+  there resolve; ``sys.argv`` reads ``[module, fn, *args]`` as text, as ``python -m module fn args...`` would),
+  calls ``fn`` and writes a JSON report: the result, or the traceback, or a skip (``fn`` raised :class:`Skip` or
+  pytest's skip). Arguments and results are JSON values (tuples come back as lists).
 - Every process is started in a session of its own; stopping one kills its whole process group, so nothing it
   started outlives it. After every run the groups are killed, whatever happened.
 - Per-process artifacts in one run folder: ``<name>.log`` (progress lines from :func:`progress`, the loggers named
@@ -190,6 +191,7 @@ def _child(request_path: str) -> None:
         lg.addHandler(handler)
         lg.setLevel(logging.DEBUG)
     module, fn, args, kwargs = req["module"], req["fn"], req["args"], req["kwargs"]
+    sys.argv = [module, fn, *(str(a) for a in args)]  # as ``python -m module fn args...`` would read
     progress(f"{_NAME}: {module}.{fn}{_call_text(args, kwargs)} starting")
     report, code = {"ok": False}, 1
     try:
@@ -323,10 +325,17 @@ def _stop(procs: list, started) -> None:
             pass
 
 
-def _child_env(env: dict | None, extra: dict) -> dict:
+def _env(env: dict | None, extra_env: dict | None) -> dict:
+    """``env`` (default: this process's environment) with ``extra_env`` set on top."""
     out = dict(os.environ if env is None else env)
+    out.update({k: str(v) for k, v in (extra_env or {}).items()})
+    return out
+
+
+def _child_env(env: dict, defaults: dict) -> dict:
+    out = dict(env)
     out.setdefault("PYTHONUNBUFFERED", "1")  # a killed worker's last prints reach its output file
-    for k, v in extra.items():
+    for k, v in defaults.items():
         out.setdefault(k, v)
     return out
 
@@ -433,11 +442,11 @@ def _name_of(log_path: str) -> str:
     return f"rank {name[4:]}" if name.startswith("rank") and name[4:].isdigit() else name
 
 
-def _failures(outcomes: list, tail: int, check_exit: bool) -> list:
+def _failures(outcomes: list, tail: int, out_lines: int, check_exit: bool) -> list:
     errors = []
     for o in outcomes:
         who = _name_of(o.log)
-        out_tail = f"  output tail ({o.out}):\n{_tail(o.out, max(tail // 4, 10))}"
+        out_tail = f"  output tail ({o.out}):\n{_tail(o.out, out_lines)}"
         if o.report is None:
             if o.stopped:
                 why = f"had not finished ({o.stopped}); killed. Last progress: {_last_progress(o.log)}"
@@ -467,8 +476,8 @@ def _brief(outcomes: list, check_exit: bool) -> str:
     return ""
 
 
-def _finish(outcomes, rundir, header, elapsed, startup, tail, check_exit):
-    errors = _failures(outcomes, tail, check_exit)
+def _finish(outcomes, rundir, header, elapsed, startup, tail, out_lines, check_exit):
+    errors = _failures(outcomes, tail, out_lines, check_exit)
     start = "never all started" if startup is None else f"start-up {startup:.1f} s"
     if errors:
         raise WorkerFailed(f"{header} failed after {elapsed:.1f} s ({start}; logs: {rundir}):\n" + "\n".join(errors),
@@ -489,8 +498,9 @@ def _skip(reason: str):
 
 
 def ranks(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: float = 20.0,
-          start_timeout: float = 120.0, env: dict | None = None, path: list | tuple = (), tail: int = 80,
-          store_bind: str = "127.0.0.1", log: tuple = ("ebbtide.comm",), **kwargs) -> list:
+          start_timeout: float = 120.0, env: dict | None = None, extra_env: dict | None = None,
+          path: list | tuple = (), tail: int = 80, store_bind: str = "127.0.0.1", log: tuple = ("ebbtide.comm",),
+          **kwargs) -> list:
     """Run ``module.fn(rank, world, init, **kwargs)`` on ``world`` fresh processes; return each rank's JSON
     result (rank order). ``init`` is the address of the store this launcher serves (:func:`join_store`; or
     ``init_process_group(init_method=init)``: ranks run with ``TORCHELASTIC_USE_AGENT_STORE=True``, torch's switch
@@ -504,7 +514,7 @@ def ranks(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: flo
     # TCPStore, as torchrun uses (a FileStore polls, which would add its latency to every barrier), served here.
     store = serve_store(bind=store_bind, timeout=datetime.timedelta(seconds=timeout + start_timeout))
     init = f"tcp://{store.host}:{store.port}" if ":" not in store.host else f"tcp://[{store.host}]:{store.port}"
-    child_env = _child_env(env, {"GLOO_SOCKET_IFNAME": "lo"})
+    child_env = _child_env(_env(env, extra_env), {"GLOO_SOCKET_IFNAME": "lo"})
     child_env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     specs = [(f"rank{r}", module, fn, [r, world, init], kwargs, path, log, True) for r in range(world)]
     progress(f"spawn {module}.{fn} on {world} ranks, deadline {timeout:.0f} s after start-up, logs {rundir}")
@@ -515,15 +525,16 @@ def ranks(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: flo
         del store  # the server stops with its last reference
     failed = sum(1 for o in outcomes if not o.ok and not o.skipped)
     progress(f"spawn {fn}: done in {elapsed:.1f} s, {failed} rank(s) failed")
-    _finish(outcomes, rundir, f"{fn} on {world} ranks", elapsed, startup, tail, check_exit=False)
+    _finish(outcomes, rundir, f"{fn} on {world} ranks", elapsed, startup, tail, max(tail // 4, 10), check_exit=False)
     return [o.result for o in outcomes]
 
 
 def call(fn: str, *args, module: str, timeout: float = 300.0, grace: float = 20.0, start_timeout: float = 120.0,
-         env: dict | None = None, path: list | tuple = (), tail: int = 80, what: str | None = None,
-         teardown: bool = True, check_exit: bool = True, log: tuple = (), **kwargs):
+         env: dict | None = None, extra_env: dict | None = None, path: list | tuple = (), tail: int = 80,
+         what: str | None = None, teardown: bool = True, check_exit: bool = True, log: tuple = (), **kwargs):
     """Run ``module.fn(*args, **kwargs)`` in one fresh process and return its JSON result. ``env``: the process's
-    whole environment (default: this one's). ``what``: how messages and the run folder name it. A worker that
+    whole environment (default: this one's); ``extra_env``: variables set on top of it. ``tail``: lines of its log
+    and of its output in a failure's message. ``what``: how messages and the run folder name it. A worker that
     raised :class:`Skip` (or pytest's skip) makes the caller skip with its reason. Raises :class:`WorkerFailed`
     per the module's contract."""
     args = _json_arg(list(args), f"{fn}'s arguments")
@@ -531,24 +542,25 @@ def call(fn: str, *args, module: str, timeout: float = 300.0, grace: float = 20.
     label = what or fn
     rundir = _new_rundir(artifacts_dir("workers"), label)
     spec = ("worker", module, fn, args, kwargs, path, log, teardown)
-    outcomes, startup, elapsed = _workers(label, [spec], rundir, env=_child_env(env, {}), timeout=timeout,
-                                          grace=grace, start_timeout=start_timeout)
-    _finish(outcomes, rundir, label if what else f"{module}.{fn}", elapsed, startup, tail, check_exit)
+    outcomes, startup, elapsed = _workers(label, [spec], rundir, env=_child_env(_env(env, extra_env), {}),
+                                          timeout=timeout, grace=grace, start_timeout=start_timeout)
+    _finish(outcomes, rundir, label if what else f"{module}.{fn}", elapsed, startup, tail, tail, check_exit)
     return outcomes[0].result
 
 
-def command(argv: list, *, env: dict | None = None, timeout: float = 300.0, check: bool = True,
-            what: str | None = None, pass_fds: tuple = (), cwd: str | None = None,
+def command(argv: list, *, env: dict | None = None, extra_env: dict | None = None, timeout: float = 300.0,
+            check: bool = True, what: str | None = None, pass_fds: tuple = (), cwd: str | None = None,
             tail: int = 8000) -> subprocess.CompletedProcess:
-    """Run the program ``argv`` in a session of its own and return its exit status and output (text). ``check``:
+    """Run the program ``argv`` in a session of its own and return its exit status and output (text). ``env``: its
+    whole environment (default: this process's); ``extra_env``: variables set on top of it. ``check``:
     a non-zero exit raises :class:`WorkerFailed` with the tails (``tail`` characters) of both streams. Past
     ``timeout`` seconds its process group is killed and WorkerFailed raised whatever ``check`` says."""
     label = what or os.path.basename(str(argv[0]))
     rundir = _new_rundir(artifacts_dir("commands"), label)
     paths = {k: os.path.join(rundir, k) for k in ("stdout", "stderr")}
     with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
-        p = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                             cwd=cwd, pass_fds=pass_fds, start_new_session=True)
+        p = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                             env=_env(env, extra_env), cwd=cwd, pass_fds=pass_fds, start_new_session=True)
     timed_out = False
     try:
         p.wait(timeout)
