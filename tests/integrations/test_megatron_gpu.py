@@ -1,5 +1,5 @@
 """The Megatron adapter on a real Megatron-core GPT (local, non-Transformer-Engine layer spec, bf16, DDP) on one
-GPU, each scenario in a fresh process (ebbtide.bench.suites._megatron_worker):
+GPU, each scenario in a fresh process (ebbtide.testing.scenarios.megatron_gpt):
 - exact mode: 20 steps of losses bit-identical to Megatron's CPU AdamW path (DistributedOptimizer +
   HybridDeviceOptimizer, offload fraction 1.0, D2H/H2D overlap) with its CPU AdamW in for-loop form; against the
   fused CPU AdamW Megatron configures by default, the gap is measured and bounded;
@@ -23,10 +23,10 @@ pytestmark = [
 ]
 
 
-def _run(cmd, **spec):
-    from ebbtide.bench.suites import _megatron_worker as w
+def _run(scenario, **kwargs):
+    from ebbtide.testing import spawn  # noqa: PLC0415
 
-    return w.run(cmd, spec, timeout=900)
+    return spawn.call(scenario, module="ebbtide.testing.scenarios.megatron_gpt", timeout=900, teardown=False, **kwargs)
 
 
 def test_exact_mode_losses_match_megatron_cpu_adamw_20_steps():
