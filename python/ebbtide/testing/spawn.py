@@ -9,7 +9,7 @@ process-global, so every scenario that touches them runs in interpreters of its 
   tests that read what a program prints or how it exits.
 
 Contract (fail fast, never hang silently, lose no evidence):
-- A worker (``ranks``, ``call``) is ``python -c`` running this module's child entry: it opens its log, imports
+- A worker (``ranks``, ``call``) is ``python -c`` running the child entry (``_worker.child``): it opens its log, imports
   ``module`` (``path`` first on its ``sys.path``, the parent's ``sys.path`` after its own, so the folders pytest put
   there resolve; ``sys.argv`` reads ``[module, fn, *args]`` as text, as ``python -m module fn args...`` would),
   calls ``fn`` and writes a JSON report: the result, or the traceback, or a skip (``fn`` raised :class:`Skip` or
@@ -50,6 +50,7 @@ import textwrap
 import time
 
 from .. import settings
+from ._worker import Skip, join_store, on_failure, progress
 
 __all__ = ["ranks", "call", "command", "python", "progress", "join_store", "on_failure", "log_dir", "artifacts_dir",
            "Skip", "WorkerFailed", "Outcome", "TEST_ARTIFACTS"]
@@ -60,18 +61,10 @@ TEST_ARTIFACTS = settings.declare("EBBTIDE_TEST_ARTIFACTS", settings.parse_path,
                                   "where tests and benchmarks that spawn processes keep per-process logs")
 
 _STOP_PAUSE_S = 1.0  # after SIGUSR1: faulthandler writes from the signal handler at once; this is for the disk
-_BOOT = "import sys; sys.path.append(sys.argv[1]); from ebbtide.testing.spawn import _child; _child(sys.argv[2])"
+_BOOT = "import sys; sys.path.append(sys.argv[1]); from ebbtide.testing._worker import child; child(sys.argv[2])"
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds the ebbtide package
 
 _private_dir: str | None = None  # this process's temporary folder when EBBTIDE_TEST_ARTIFACTS is unset
-_T0 = time.monotonic()
-_LOG = None  # inside a worker: its log file
-_NAME = ""  # inside a worker: "rank1", "worker"
-_ON_FAILURE: list = []
-
-
-class Skip(Exception):
-    """Raised inside a worker whose scenario does not apply here; the parent skips (pytest) with the reason."""
 
 
 class WorkerFailed(AssertionError):
@@ -88,7 +81,7 @@ class Outcome:
     """How one spawned process ended."""
 
     name: str
-    exitcode: int | None  # None: still running when the parent gave up on it (then killed)
+    exitcode: int | None  # negative: killed by that signal (-9: stopped here); None: would not even die
     report: dict | None  # the worker's JSON report; None if it wrote none (died, killed, or a command)
     log: str
     out: str
@@ -109,132 +102,6 @@ class Outcome:
     def output(self) -> str:
         """Everything the process wrote to its file descriptors 1 and 2."""
         return _read(self.out)
-
-
-# ---- inside a worker --------------------------------------------------------------------------------------------
-
-def progress(msg: str) -> None:
-    """One progress line to stderr and, inside a worker, to its log (flushed at once, so it survives a kill).
-    Cheap enough to call at every phase boundary."""
-    who = f"{_NAME} " if _NAME else ""
-    line = f"[ebt {who}pid {os.getpid()} +{time.monotonic() - _T0:7.2f}s] {msg}\n"
-    for f in (_LOG, sys.stderr):
-        if f is None:
-            continue
-        try:
-            f.write(line)
-            f.flush()
-        except (OSError, ValueError):
-            pass
-
-
-def on_failure(callback) -> None:
-    """Inside a worker: call ``callback()`` after the scenario raised, before the report is written (what it prints
-    lands in the output tail, e.g. an engine's stats). Failures of the callback are printed, not raised."""
-    _ON_FAILURE.append(callback)
-
-
-def join_store(init: str, timeout: float = 60.0):
-    """Inside a rank: a client of the launcher's store. ``init`` is the address :func:`ranks` passed to the rank
-    function (``tcp://host:port``). Pass it to ``init_process_group(store=..., rank=..., world_size=...)``."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    if not init.startswith("tcp://"):
-        raise ValueError(f"not a launcher store address: {init!r}")
-    host, _, port = init[len("tcp://"):].rpartition(":")
-    return dist.TCPStore(host.strip("[]"), int(port), None, False, timeout=datetime.timedelta(seconds=timeout))
-
-
-class _Tee:
-    """A text stream writing to the worker's log and its stderr (the logging handler's target)."""
-
-    def write(self, s):
-        for f in (_LOG, sys.__stderr__):
-            try:
-                f.write(s)
-                f.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-
-    def flush(self):
-        pass
-
-
-def _is_skip(e: BaseException) -> bool:
-    outcomes = sys.modules.get("_pytest.outcomes")  # pytest.skip() inside a worker: only if pytest is loaded
-    return isinstance(e, Skip) or (outcomes is not None and isinstance(e, outcomes.Skipped))
-
-
-def _child(request_path: str) -> None:
-    """The worker's entry: run the request's function and write its report (see the module's contract)."""
-    import faulthandler  # noqa: PLC0415
-    import importlib  # noqa: PLC0415
-    import logging  # noqa: PLC0415
-    import traceback  # noqa: PLC0415
-
-    global _LOG, _NAME, _T0
-    _T0 = time.monotonic()
-    with open(request_path) as f:
-        req = json.load(f)
-    sys.path[:0] = req["path"]
-    sys.path += [p for p in req["parent_path"] if p not in sys.path]
-    _NAME = req["name"]
-    _LOG = open(req["log"], "a", buffering=1)
-    faulthandler.enable(file=_LOG, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=_LOG, all_threads=True, chain=False)
-    if req["dump_after"] > 0:
-        faulthandler.dump_traceback_later(req["dump_after"], repeat=False, file=_LOG, exit=False)
-    handler = logging.StreamHandler(_Tee())
-    handler.setFormatter(logging.Formatter(f"[{_NAME} %(relativeCreated)9.0fms %(name)s] %(message)s"))
-    for name in req["log_names"]:
-        lg = logging.getLogger(name)
-        lg.addHandler(handler)
-        lg.setLevel(logging.DEBUG)
-    module, fn, args, kwargs = req["module"], req["fn"], req["args"], req["kwargs"]
-    sys.argv = [module, fn, *(str(a) for a in args)]  # as ``python -m module fn args...`` would read
-    progress(f"{_NAME}: {module}.{fn}{_call_text(args, kwargs)} starting")
-    report, code = {"ok": False}, 1
-    try:
-        result = getattr(importlib.import_module(module), fn)(*args, **kwargs)
-        try:
-            text = json.dumps({"ok": True, "result": result})
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{module}.{fn} returned a value that is not JSON ({e}): {result!r:.300}") from None
-        code = 0
-        progress(f"{_NAME}: finished")
-    except BaseException as e:  # report everything, SystemExit and KeyboardInterrupt included
-        if _is_skip(e):
-            report, code = {"ok": False, "skip": str(e) or type(e).__name__}, 0
-            progress(f"{_NAME}: skipped: {report['skip']}")
-        else:
-            tb = traceback.format_exc()
-            progress(f"{_NAME}: FAILED\n{tb}")
-            for cb in _ON_FAILURE:
-                try:
-                    cb()
-                except Exception as cb_error:  # noqa: BLE001 (diagnostics must not hide the failure)
-                    print(f"(on_failure callback {cb!r} failed: {cb_error})", flush=True)
-            report = {"ok": False, "error": tb, "type": type(e).__name__}
-        text = json.dumps(report)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    with open(req["report"] + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(req["report"] + ".tmp", req["report"])
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except (OSError, ValueError):
-            pass
-    if not req["teardown"]:
-        os._exit(code)
-    sys.exit(code)
-
-
-def _call_text(args, kwargs) -> str:
-    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
-    text = ", ".join(parts)
-    return f"({text if len(text) <= 200 else text[:200] + '...'})"
 
 
 # ---- the parent -------------------------------------------------------------------------------------------------
@@ -352,12 +219,14 @@ def _workers(label: str, specs: list, rundir: str, *, env: dict, timeout: float,
     """Start one worker per spec ((name, module, fn, args, kwargs, path, log_names, teardown)), wait under the
     contract's deadlines; (each one's Outcome, start-up seconds or None, elapsed seconds). Raises nothing about
     the workers: the callers judge."""
-    procs, names, logs, reports = [], [], [], []
+    names = [spec[0] for spec in specs]
+    bases = [os.path.join(rundir, name) for name in names]
+    logs, reports = [b + ".log" for b in bases], [b + ".json" for b in bases]
     dump_after = max(1.0, timeout - 5.0)
+    procs = []
     t0 = time.monotonic()
     try:
-        for name, module, fn, args, kwargs, path, log_names, teardown in specs:
-            base = os.path.join(rundir, name)
+        for base, (name, module, fn, args, kwargs, path, log_names, teardown) in zip(bases, specs):
             req = {"name": name, "module": module, "fn": fn, "args": args, "kwargs": kwargs, "path": list(path),
                    "parent_path": [p for p in sys.path if p], "log": base + ".log", "report": base + ".json",
                    "dump_after": dump_after, "log_names": list(log_names), "teardown": teardown}
@@ -367,16 +236,12 @@ def _workers(label: str, specs: list, rundir: str, *, env: dict, timeout: float,
                 procs.append(subprocess.Popen([sys.executable, "-c", _BOOT, _ROOT, base + ".request.json"],
                                               stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                               env=env, start_new_session=True))
-            names.append(name)
-            logs.append(base + ".log")
-            reports.append(base + ".json")
-        started_at = _wait(label, procs, logs, reports, t0, timeout=timeout, grace=grace,
-                           start_timeout=start_timeout)
+        startup, stopped = _wait(label, procs, logs, reports, t0, timeout=timeout, grace=grace,
+                                 start_timeout=start_timeout)
     finally:  # also on KeyboardInterrupt / a pytest-timeout exception: never leave a process behind
         _stop(procs, lambda p: os.path.exists(logs[procs.index(p)]))
         for p in procs:
             _killpg(p)  # what a worker started and left behind
-    stopped = started_at[1]
     outcomes = []
     for i, p in enumerate(procs):
         report = None
@@ -385,7 +250,7 @@ def _workers(label: str, specs: list, rundir: str, *, env: dict, timeout: float,
                 report = json.load(f)
         outcomes.append(Outcome(names[i], p.returncode, report, logs[i], logs[i][:-4] + ".out",
                                 stopped.get(i, "")))
-    return outcomes, started_at[0], time.monotonic() - t0
+    return outcomes, startup, time.monotonic() - t0
 
 
 def _wait(label, procs, logs, reports, t0, *, timeout, grace, start_timeout):

@@ -15,6 +15,7 @@ import torch
 from ...anchors.megatron import build_gpt, hdo, opt_config
 from ...testing.scenarios.megatron_gpt import SIZES, build, init, ours, sync_time, train
 
+
 def _phase_stats(xs):
     return {"median_s": statistics.median(xs), "min_s": min(xs), "n": len(xs)}
 

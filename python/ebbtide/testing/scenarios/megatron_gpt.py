@@ -86,6 +86,7 @@ def ours(model, mode: str = "fast", clip: float = 0.0):
 
 
 def sync_time(fn):
+    """(seconds, fn()) with the device synchronized before and after."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()
@@ -93,8 +94,7 @@ def sync_time(fn):
     return time.perf_counter() - t0, out
 
 
-
-# ---- scenarios -------------------------------------------------------------------------------------------------
+# ---- scenarios ------------------------------------------------------------------------------------------------
 def exact(size: str = "tiny", steps: int = 20) -> dict:
     """``steps`` steps with ebbtide's optimizer in exact mode, then the same model and data under Megatron's CPU
     AdamW path with ``fused=False`` and as Megatron configures it (``fused=True``); the losses of each."""
