@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from ebbtide.optim import CPUAdam, available_isas  # noqa: E402
 
 from ebbtide.optim._testing import grads_for, offset_view  # noqa: E402
+from ebbtide.testing import spawn  # noqa: E402
 from ebbtide.testing.bits import bits_equal, describe_mismatch  # noqa: E402
 
 SIZES = [1, 15, 16, 17, 127, 128, 129, 2**20 + 37]

@@ -38,7 +38,6 @@ against two buckets (a ceiling, not a floor).
 from __future__ import annotations
 
 import importlib.util
-import os
 import statistics
 import time
 
