@@ -93,3 +93,10 @@ def skips_teardown():
 
     atexit.register(lambda: os._exit(5))  # never runs: teardown=False leaves with os._exit right after the report
     return "fast exit"
+
+
+def reports_then_hangs_at_exit():
+    import threading
+
+    threading.Thread(target=_stuck_in_a_collective, daemon=False).start()  # joined at interpreter shutdown
+    return "reported"

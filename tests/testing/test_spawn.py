@@ -157,6 +157,13 @@ def test_call_a_crash_at_exit_fails_unless_told_otherwise():
     assert spawn.call("skips_teardown", module="spawn_workers", teardown=False) == "fast exit"
 
 
+def test_call_a_hang_at_exit_is_stopped_after_grace_and_fails():
+    t0 = time.monotonic()
+    with pytest.raises(spawn.WorkerFailed, match=r"reported success, then did not exit within 1 s of its report"):
+        spawn.call("reports_then_hangs_at_exit", module="spawn_workers", grace=1)
+    assert time.monotonic() - t0 < 20
+
+
 def test_call_kills_what_the_worker_left_behind(tmp_path):
     pid = spawn.call("leaves_a_child", str(tmp_path / "pid"), module="spawn_workers")
     assert _dead(pid)

@@ -394,12 +394,13 @@ def ranks(fn: str, world: int, *, module: str, timeout: float = 90.0, grace: flo
     return [o.result for o in outcomes]
 
 
-def call(fn: str, *args, module: str, timeout: float = 300.0, grace: float = 20.0, start_timeout: float = 120.0,
+def call(fn: str, *args, module: str, timeout: float = 300.0, grace: float = 60.0, start_timeout: float = 120.0,
          env: dict | None = None, extra_env: dict | None = None, path: list | tuple = (), tail: int = 80,
          what: str | None = None, teardown: bool = True, check_exit: bool = True, log: tuple = (), **kwargs):
     """Run ``module.fn(*args, **kwargs)`` in one fresh process and return its JSON result. ``env``: the process's
-    whole environment (default: this one's); ``extra_env``: variables set on top of it. ``tail``: lines of its log
-    and of its output in a failure's message. ``what``: how messages and the run folder name it. A worker that
+    whole environment (default: this one's); ``extra_env``: variables set on top of it. ``grace``: how long it may
+    take to exit after its report (interpreter teardown; then it is stopped). ``tail``: lines of its log and of its
+    output in a failure's message. ``what``: how messages and the run folder name it. A worker that
     raised :class:`Skip` (or pytest's skip) makes the caller skip with its reason. Raises :class:`WorkerFailed`
     per the module's contract."""
     args = _json_arg(list(args), f"{fn}'s arguments")
