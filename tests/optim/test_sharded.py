@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 import ebbtide  # noqa: E402
 from ebbtide.optim import Shard, ShardedAdam  # noqa: E402
-from ebbtide.optim._testing import bits_equal, describe_mismatch, round_moments_to_bf16  # noqa: E402
+from ebbtide.optim._testing import round_moments_to_bf16  # noqa: E402
+from ebbtide.testing.bits import bits_equal, describe_mismatch  # noqa: E402
 from test_offloaded_interrupted import Inject  # noqa: E402  (the pipeline's kernel failing at a chosen call)
 
 SIZES = [129, 1, 17, 0, 1000, 15, 127, 64, 300, 2]  # elements of each shard

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ebbtide  # noqa: E402
-from ebbtide.optim._testing import bits_equal  # noqa: E402
+from ebbtide.testing.bits import bits_equal  # noqa: E402
 from test_offloaded_interrupted import Inject  # noqa: E402
 from test_sharded import Model, Reference, assert_twins, build  # noqa: E402
 
