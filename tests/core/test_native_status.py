@@ -7,7 +7,7 @@ import pytest
 
 from ebbtide import _native
 from ebbtide.errors import InvalidArgumentError
-from helpers import run_python
+from ebbtide.testing import spawn
 
 C = _native.load()
 FAKE = _native.PACKAGE_DIR / "libebbtide_fake_cuda.so"
@@ -26,7 +26,7 @@ def test_the_logger_calls_record_their_own_message():
 @pytest.mark.skipif(not FAKE.exists(), reason=f"{FAKE.name} not built (EBBTIDE_TEST_FAKES=OFF)")
 def test_an_ignored_driver_failure_is_logged_with_its_reason(tmp_path):
     log = tmp_path / "native.log"
-    run_python("""
+    spawn.python("""
         import ctypes, os
         import ebbtide.memory as em
         from ebbtide import _native
@@ -50,8 +50,8 @@ def test_an_ignored_driver_failure_is_logged_with_its_reason(tmp_path):
         em.resume("t")
         assert C.memory.free(p)
         print("OK")
-    """, env={"EBBTIDE_LIBCUDA": str(FAKE), "EBT_FAKE_DEVICE_BYTES": str(64 << 20), "EBBTIDE_DEBUG": "INFO",
-              "EBBTIDE_DEBUG_FILE": str(log), "LD_PRELOAD": ""})
+    """, extra_env={"EBBTIDE_LIBCUDA": str(FAKE), "EBT_FAKE_DEVICE_BYTES": str(64 << 20), "EBBTIDE_DEBUG": "INFO",
+                    "EBBTIDE_DEBUG_FILE": str(log), "LD_PRELOAD": ""})
     lines = [x for x in log.read_text().splitlines() if "ignored:" in x]
     assert len(lines) == 1, lines
     assert "cuMemGetInfo" in lines[0] and "CUDA_ERROR_INVALID_VALUE" in lines[0], lines
