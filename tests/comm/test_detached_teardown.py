@@ -71,7 +71,7 @@ def test_nccl_one_gpu_reload_beside_teardown():
     of release on real communicators. reload() beside the detached teardowns gives exact collectives on every group,
     its memory figures are None while they run and measured when they were joined first, wait=True still works,
     and device memory does not drift over the cycles."""
-    (r,) = _spawn.run("nccl_reload_beside_teardown", 1, module="detached_workers", timeout=150, cycles=6)
+    (r,) = spawn.ranks("nccl_reload_beside_teardown", 1, module="detached_workers", timeout=150, cycles=6)
     rows = r["rows"]
     for row in rows:
         print(row)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ebbtide.testing import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,7 @@ def test_wheel_metadata_requires_torch_only_in_the_extra(tmp_path):
     out.mkdir()
     code = ("import sys; from setuptools import build_meta as b; "
             "print(b.prepare_metadata_for_build_wheel(sys.argv[1]))")
-    r = subprocess.run([sys.executable, "-c", code, str(out)], cwd=src, capture_output=True, text=True, timeout=300)
+    r = spawn.command([sys.executable, "-c", code, out], cwd=src, timeout=300, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     meta = (out / r.stdout.strip().splitlines()[-1] / "METADATA").read_text()
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]

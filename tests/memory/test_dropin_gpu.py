@@ -23,7 +23,7 @@ def run(scenario: str, mode: str, *args: str, extra_env: dict | None = None) -> 
         env = preload_env(env)
     env.update(extra_env or {})
     runner.run(HERE / "dropin_scenarios.py", scenario, mode, *args, env=env, timeout=300,
-               what=f"{scenario} [{mode}] {args}", out_tail=4000)
+               what=f"{scenario} [{mode}] {args}")
 
 
 def _real_disk_dir(tmp_path) -> str:

@@ -113,25 +113,25 @@ def test_good_values_in_every_accepted_spelling():
 def test_tms_settings_pick_its_semantics():
     # TMS_INIT_CPU_BACKUP_BACKEND=mmap makes the default region's copies pageable (1 | 0x200 | 0x400);
     # TMS_RETAIN_CPU_BACKUP=1 turns host retention on; TMS_INIT_ENABLE_DISK_BACKUP backs up to disk (2).
-    p = run_python("""
+    p = spawn.python("""
         from ebbtide import _native
         N = _native.load().memory
         print(N.current_region()[1], N.host_retention())
-    """, env=fake_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1", TMS_INIT_CPU_BACKUP_BACKEND="mmap",
+    """, extra_env=fake_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1", TMS_INIT_CPU_BACKUP_BACKEND="mmap",
                       TMS_RETAIN_CPU_BACKUP="yes"))
     assert p.stdout.split() == ["1537", "True"], p.stdout
-    p = run_python("from ebbtide import _native; N = _native.load().memory; print(N.current_region()[1])",
-                   env=fake_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_DISK_BACKUP="TRUE"))
+    p = spawn.python("from ebbtide import _native; N = _native.load().memory; print(N.current_region()[1])",
+                     extra_env=fake_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_DISK_BACKUP="TRUE"))
     assert p.stdout.split() == ["2"], p.stdout
     # both backups at once: refused by name (the original asserts on it at the first allocation)
-    p = run_python("""
+    p = spawn.python("""
         from ebbtide import _native
         from ebbtide.errors import SettingError
         try:
             _native.load().memory.stats()
         except SettingError as e:
             print(e)
-    """, env=fake_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1", TMS_INIT_ENABLE_DISK_BACKUP="1"))
+    """, extra_env=fake_env(TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1", TMS_INIT_ENABLE_DISK_BACKUP="1"))
     assert "TMS_INIT_ENABLE_CPU_BACKUP and TMS_INIT_ENABLE_DISK_BACKUP are both set" in p.stdout, p.stdout
 
 
@@ -145,7 +145,7 @@ def test_tms_settings_pick_its_semantics():
 def test_bad_disk_setting_fails_the_disk_tier_only(var, value, accepted):
     # Read at the disk tier's first use (as torch_memory_saver reads its own): that call raises SettingError
     # naming the variable; the rest of the engine works.
-    p = run_python("""
+    p = spawn.python("""
         import ebbtide.memory as em
         from ebbtide.errors import SettingError
         em.stats()
@@ -153,7 +153,7 @@ def test_bad_disk_setting_fails_the_disk_tier_only(var, value, accepted):
             em.disk_backup_dir()
         except SettingError as e:
             print(e.name, "|", e)
-    """, env=fake_env(**{var: value}))
+    """, extra_env=fake_env(**{var: value}))
     name, message = p.stdout.strip().split(" | ", 1)
     assert name == var and accepted in message, p.stdout
 

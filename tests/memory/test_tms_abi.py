@@ -7,15 +7,13 @@ import ctypes
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ebbtide import _native
+from ebbtide.testing import spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from helpers import run_python  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PKG = _native.PACKAGE_DIR
@@ -48,7 +46,7 @@ def test_suite_calling_convention_under_preload(tmp_path, backup):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "EBBTIDE_MEM_"))}
     env.update({"LD_PRELOAD": str(PKG / "libebbtide.so"), "EBBTIDE_LIBCUDA": str(FAKE_DRIVER), "TMS_INIT_ENABLE": "1",
                 "TMS_INIT_ENABLE_CPU_BACKUP": "1" if backup == "cpu" else "0"})
-    p = subprocess.run([str(prog), backup], capture_output=True, text=True, env=env, timeout=60)
+    p = spawn.command([prog, backup], env=env, timeout=60, check=False)
     assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
 
 
@@ -56,7 +54,7 @@ def test_suite_calling_convention_under_preload(tmp_path, backup):
 def test_configuration_view_and_setters():
     """The getters show this thread's routing: a region (nested, restored), the thread's own configuration set
     through the setters, the process default; a bad backend name changes nothing."""
-    run_python("""
+    spawn.python("""
         import ctypes
         import ebbtide.memory as em
         from ebbtide import _native
@@ -100,4 +98,4 @@ def test_configuration_view_and_setters():
         assert c.tms_get_retain_cpu_backup() is False
         t.retain_cpu_backup = True
         assert c.tms_get_retain_cpu_backup() is True and em.host_retention()
-    """, env={"EBBTIDE_LIBCUDA": str(FAKE_DRIVER)})
+    """, extra_env={"EBBTIDE_LIBCUDA": str(FAKE_DRIVER)})
