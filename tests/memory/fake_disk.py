@@ -264,7 +264,7 @@ def exit_while_paused():
     ps, _ = _setup([2 * MiB, 1 * MiB])
     em.pause("d")
     assert len(_files()) == 2
-    print(f"paused {len(ps)}")
+    return {"paused": len(ps)}
 
 
 if __name__ == "__main__":

@@ -76,6 +76,5 @@ def test_disk_default_chunk_and_tms_variables(disk_dir):
 
 
 def test_disk_files_removed_at_exit(disk_dir):
-    p = run("exit_while_paused", env={"EBT_TEST_DISK_DIR": disk_dir})
-    assert "paused 2" in p.stdout
+    assert run("exit_while_paused", env={"EBT_TEST_DISK_DIR": disk_dir}) == {"paused": 2}
     assert os.listdir(disk_dir) == [], os.listdir(disk_dir)
