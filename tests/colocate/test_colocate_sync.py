@@ -3,11 +3,11 @@ buffer layout): the rollout holds the trainer's weights dequantized bit for bit,
 import pytest
 import torch
 
-from ebbtide.bench.colocate.rank import weight_digests
 from ebbtide.bench.colocate.sync import RolloutSync, TrainerSync, sync_plan
-from ebbtide.testing.models import TinyLM
 from ebbtide.errors import InvalidArgumentError
 from ebbtide.sync import WeightVersionError
+from ebbtide.testing.bits import digests
+from ebbtide.testing.models import TinyLM
 
 from test_colocate_model import TINY
 
@@ -25,7 +25,7 @@ def test_rollout_holds_the_trainers_weights_dequantized_bit_for_bit(codec):
                     p.mul_(1.5)
             assert ts.pack(version) == ts.plan.nbytes
             assert rs.load(version) == ts.plan.nbytes
-            assert weight_digests(ts.reference()) == weight_digests(dict(rollout.named_parameters()))
+            assert digests(ts.reference()) == digests(dict(rollout.named_parameters()))
         with torch.no_grad():  # and the dequantized weights are close to the originals (FP8: 2^-4 relative)
             for n, p in trainer.named_parameters():
                 q = dict(rollout.named_parameters())[n]

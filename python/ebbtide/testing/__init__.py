@@ -8,6 +8,8 @@ benchmark share, so neither reaches into the other.
 - :mod:`ebbtide.testing.ports`: ``free_port()``, a TCP port on loopback.
 - :mod:`ebbtide.testing.bits`: bit-level tensor comparison (``same_bits``, ``bits_equal``, ``assert_same_bits``,
   ``digests``) with messages that say where two tensors differ.
+- :mod:`ebbtide.testing.models`: the models tests and the bench build (TinyLM and its decoder, the rollout's
+  Megatron-shaped GPT, the sync and loader test models).
 - :mod:`ebbtide.testing.scenarios`: the comm, DeepEP, Megatron and SGLang scenarios that tests assert on and the
   benchmark measures.
 

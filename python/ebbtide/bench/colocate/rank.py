@@ -22,9 +22,10 @@ from datetime import timedelta
 
 import torch
 
+from ...testing.bits import digests
 from ...testing.models import ModelConfig
 
-__all__ = ["train_tokens", "prompts", "weight_digests", "die_with_parent", "reference_entry", "verify_entry",
+__all__ = ["train_tokens", "prompts", "die_with_parent", "reference_entry", "verify_entry",
            "align_store", "align_ranks", "only", "rank_main", "exit_now"]
 
 
@@ -38,12 +39,6 @@ def train_tokens(cfg: ModelConfig, batch: int, seq: int, step: int, rank: int) -
 def prompts(cfg: ModelConfig, batch: int, length: int, seed: int, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(cfg.vocab, (batch, length), generator=g).to(device)
-
-
-def weight_digests(named: dict) -> dict:
-    """{name: sha256 of the tensor's bytes} (bitwise identity across processes)."""
-    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-            for n, t in named.items()}
 
 
 def die_with_parent(parent_pid) -> None:
@@ -78,7 +73,7 @@ def reference_entry(named: dict, ref: dict, forward, local=None) -> dict:
     finally:
         for n, p in named.items():
             p.copy_(saved[n])
-    return {"logits": logits, "digests": weight_digests(ref)}
+    return {"logits": logits, "digests": digests(ref)}
 
 
 def verify_entry(step: int, rank: int, ref: dict, got: dict, gen: dict, rtol: float) -> dict:

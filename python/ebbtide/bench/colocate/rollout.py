@@ -48,9 +48,10 @@ import torch
 
 from ...anchors import tms as anchor_tms
 from ...errors import InvalidArgumentError, StateError
+from ...testing.bits import digests
 from ...testing.models import GraphDecoder, KVCache, MegatronGPT, ModelConfig, MoEConfig, TinyLM, greedy_decode
 from .options import ARCHS, DECODE_MODES
-from .rank import die_with_parent, exit_now, prompts, weight_digests
+from .rank import die_with_parent, exit_now, prompts
 from .sync import IpcRolloutSync, RolloutSync
 
 __all__ = ["main", "RolloutClient", "rollout_env", "MODELS", "GRAPH_TAG", "SCRATCH_TAG"]
@@ -315,7 +316,7 @@ class _Rollout:
         """Untimed (the trainer calls it between phases): logits on the verification prompts and weight digests."""
         self._sync()
         return {"logits": self.model(self.verify_tokens.to(self.dev))[:, -1].float().cpu().tolist(),
-                "digests": weight_digests(dict(self.model.named_parameters()))}
+                "digests": digests(dict(self.model.named_parameters()))}
 
     def _decode(self, prompt, events=None):
         n = self.spec["new_tokens"]
