@@ -84,10 +84,14 @@ def test_the_scan_sees_imports_and_worker_modules(tmp_path):
     assert ("ebbtide.bench.registry" in {n for _, n in imported(PACKAGE / "bench" / "suites" / "comm.py")})
 
 
+# The bench's own tests: tests/bench (the suites) and tests/colocate (the colocation harness, ebbtide.bench.colocate).
+BENCH_TESTS = ("bench", "colocate")
+
+
 def test_no_test_imports_a_private_bench_module():
     tests = ROOT / "tests"
     bad = [f"{p.relative_to(ROOT)}:{line}: {name}" for p in _py_files(tests)
-           if p.relative_to(tests).parts[0] != "bench" for line, name in imported(p) if _private_bench(name)]
+           if p.relative_to(tests).parts[0] not in BENCH_TESTS for line, name in imported(p) if _private_bench(name)]
     assert not bad, "tests share with the bench through ebbtide.testing, not its private modules:\n" + "\n".join(bad)
 
 
