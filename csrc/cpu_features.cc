@@ -122,17 +122,13 @@ EBT_PARAM_CHOICE(isa_param, "EBBTIDE_CPU_ISA", kIsaChoices, -1, ebbtide::param::
 ebt_status_t g_isa_status = EBT_SUCCESS;
 char g_isa_error[512] = "";  // constant-initialized (init() may run from another file's load-time constructor)
 // Note [Widest is fastest]: the automatic level is the widest one supported, on every CPU measured (fast-mode
-// Adam, the one CPU kernel family; `ebbtide bench optim`, medians, 2-core EPYC VMs shared with other jobs):
-//   AMD Zen 4 (family 0x19 model 0x11), 2026-11-27, AVX-512-BF16 vs AVX2, 16M / 128M params: fp32 moments
-//   1 thread 41.5 / 50.7 vs 40.2 / 49.9 GB/s, 2 threads 55.5 / 58.7 vs 54.0 / 58.8 GB/s; bf16 moments with bf16
-//   grads and copy-out (compute-bound on one thread in AVX2's integer rounding) 1 thread 36.7 / 37.2 vs
-//   25.4 / 26.4 GB/s, 2 threads 51.0 / 51.9 vs 47.9 / 48.6 GB/s.
-//   AMD Zen 5 (family 0x1A model 0x02), 32M params, AVX-512 / AVX2 / torch fused: 2 threads 14.7 / 14.5 /
-//   14.7 ms, 1 thread 17.7 / 16.9 / 16.6 ms: memory-bound, within 5%.
-// Both AMD cores run 512-bit operations as two 256-bit halves; what made AVX-512 slower there was a kernel that
-// masked every load and store (a loop of masked 512-bit loads/stores runs at half speed on Zen 4/5), which the
-// AVX-512 kernel no longer does (only the tail vector is masked). A CPU found slower at its widest level is to be
-// capped here, in init(), with its measurement.
+// Adam, the one CPU kernel family; `ebbtide bench optim` with the level forced, AMD Zen 4 and Zen 5 included:
+// docs/results.md, "Measurements behind design choices in the sources"). With fp32 moments the step is
+// memory-bound and the levels tie; with bf16 moments AVX2's integer bf16 rounding makes one thread compute-bound,
+// where AVX-512-BF16 is faster. Both AMD cores run 512-bit operations as two 256-bit halves; what made AVX-512
+// slower there was a kernel that masked every load and store (a loop of masked 512-bit loads/stores runs at half
+// speed on Zen 4/5), which the AVX-512 kernel no longer does (only the tail vector is masked). A CPU found slower
+// at its widest level is to be capped here, in init(), with its measurement recorded in docs/results.md.
 
 void init() {
   g_features = detect();

@@ -71,11 +71,11 @@ class ThreadPool {
   }
 
  private:
-  // Note [Spin before sleeping]: a worker that finished its task, and the caller waiting for the others, poll
-  // for up to kSpinNs before blocking on the condition variable. Waking a blocked thread costs a futex wake and,
-  // on virtual machines, an inter-processor interrupt to an idle vCPU: ~100-150 us measured on a 2-vCPU AMD EPYC
-  // VM, which made a 256K-element Adam step slower on 2 threads than on 1 (324 vs 269 us; torch's OpenMP threads,
-  // which spin-wait, 164 us). Back-to-back calls (the offloaded optimizer's per-bucket steps, a benchmark loop)
+  // Note [Spin before sleeping]: a worker that finished its task, and the caller waiting for the others, poll for up to
+  // kSpinNs before blocking on the condition variable. Waking a blocked thread costs a futex wake and, on virtual
+  // machines, an inter-processor interrupt to an idle vCPU, of the order of kSpinNs on a 2-vCPU VM, which made a small
+  // Adam step slower on 2 threads than on 1 (torch's OpenMP threads, which spin-wait, were faster than both;
+  // docs/results.md has the figures). Back-to-back calls (the offloaded optimizer's per-bucket steps, a benchmark loop)
   // then find the workers awake; a pool idle for longer than the bound sleeps and costs no CPU.
   static constexpr int64_t kSpinNs = 100 * 1000;
 

@@ -1,10 +1,10 @@
 /*
  * engine_pinning.cc — background pinning of host backup blocks.
  *
- * Why: pinning is the one slow part of a first CPU-backed pause (~2 GB/s for fresh cuMemHostAlloc, ~17 GB/s per
- * thread for cuMemHostRegister of touched memory), while the copies run at PCIe speed. A colocated RL job makes
- * its weights long before the first switch, so the engine pins their blocks then, on one runtime thread, and the
- * first pause only copies.
+ * Why: pinning is the one slow part of a first CPU-backed pause (fresh cuMemHostAlloc, and cuMemHostRegister of touched
+ * memory on one thread, both run well below PCIe speed), while the copies run at PCIe speed. A colocated RL job makes
+ * its weights long before the first switch, so the engine pins their blocks then, on one runtime thread, and the first
+ * pause only copies.
  *
  * Policy: Engine::malloc queues (va, id) of every CPU-backed allocation (EBBTIDE_MEM_PREPIN=0 or
  * set_background_pinning(false) turns this off). The worker takes the whole queue as one batch (one arena growth),

@@ -4,7 +4,7 @@
  * Policies:
  *  - Pinned once, reused every cycle: segments are anonymous mmap()s, pre-touched and registered with
  *    cuMemHostRegister(PORTABLE) by several threads at once (one registration per kPieceBytes piece), because
- *    pinning fresh memory (cuMemHostAlloc) runs at ~2 GB/s while registering touched memory runs at ~17 GB/s
+ *    pinning fresh memory (cuMemHostAlloc) runs several times slower than registering touched memory
  *    per thread.
  *  - Exact sizes: backups are sub-allocated first-fit at 256-byte granularity from the segments' free lists;
  *    no power-of-two rounding. When the free lists cannot hold a batch, ONE new segment sized to the batch's

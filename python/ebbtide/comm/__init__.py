@@ -95,7 +95,7 @@ def release(include_world: bool = False, *, include_cpu: bool = False, timeout: 
 def reload(eager: bool = True, *, timeout: float | None = None, warm: bool = True) -> Report:
     """Bring released groups back. ``eager``: create every communicator that existed before release now (in
     journal order), so the first collective pays no init; otherwise they are created on first use. ``warm`` (with
-    ``eager``): also connect their transports now (one 1-element all_reduce per group, ~0.13 s each; from this
+    ``eager``): also connect their transports now (one 1-element all_reduce per group; from this
     thread in an order every rank agrees on, or from a thread per group with ``EBBTIDE_COMM_WARMUP=concurrent``,
     or not at all with ``off``), so the first collective pays no connect either (NCCL connects at first use).
     Collective; ends with a barrier. A call while nothing is released is a no-op."""

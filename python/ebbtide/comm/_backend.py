@@ -32,10 +32,10 @@ from ._registry import _global_ranks
 
 log = logging.getLogger("ebbtide.comm")
 
-# How a destroyed NCCL backend is torn down. "shutdown" (ncclCommFinalize, then destroy) is the default: a
-# concurrent release of WORLD's 7 subgroups on 2 H200 (NCCL 2.28.9) takes ~0.51 s with it against ~1.0 s with
-# "abort", whose cost is the proxy thread noticing the abort on its poll period, not work. "abort" stays available
-# (local, needs no peer progress).
+# How a destroyed NCCL backend is torn down. "shutdown" (ncclCommFinalize, then destroy) is the default: a concurrent
+# release is faster with it than with "abort", whose cost is the proxy thread noticing the abort on its poll period, not
+# work (Note [Concurrent teardown]; measured: docs/results.md, comm). "abort" stays available (local, needs no peer
+# progress).
 TEARDOWNS = ("shutdown", "abort")
 DEFAULT_TEARDOWN = "shutdown"
 
@@ -130,18 +130,17 @@ def timed_teardown(inner: ProcessGroup, how: str, device: int | None = None) -> 
 
 
 # Note [Concurrent teardown]
-#     One group's abort takes 0.05-0.9 s, mostly ~0.51 s, with the phase of a 0.5 s period (2 H200, NCCL 2.28.9):
-#     consistent with NCCL's proxy service thread noticing the abort flag only when its idle poll() times out
-#     (500 ms); finalize+destroy takes ~0.3 s. One after another that is ~0.5 s per group (4 s for WORLD + 7
-#     groups). Aborts of different communicators are independent, local operations (NCCL is thread-safe across
-#     communicators; torch's abort/shutdown bindings drop the GIL), so one release runs them concurrently, one
-#     thread per group, in waves by split level: every child is gone before the parent it was split from
-#     (split-share children may use their parent's resources), WORLD last. All ranks derive the same waves from the
-#     agreed journal. An abort is local; a shutdown's ncclCommFinalize waits for the communicator to be globally
-#     quiescent, i.e. for the same group's other members, who run the same wave (or, one at a time, the same
+#     One group's abort takes anything up to NCCL's 500 ms idle poll() timeout, with the phase of that period: NCCL's
+#     proxy service thread notices the abort flag only when its poll times out; finalize+destroy is the communicator's
+#     own work. One after another that adds up per group. Aborts of different communicators are independent, local
+#     operations (NCCL is thread-safe across communicators; torch's abort/shutdown bindings drop the GIL), so one
+#     release runs them concurrently, one thread per group, in waves by split level: every child is gone before the
+#     parent it was split from (split-share children may use their parent's resources), WORLD last. All ranks derive the
+#     same waves from the agreed journal. An abort is local; a shutdown's ncclCommFinalize waits for the communicator to
+#     be globally quiescent, i.e. for the same group's other members, who run the same wave (or, one at a time, the same
 #     reverse journal order restricted to their groups: Note [Ordering and deadlock freedom] in comm/NOTES.md), so
-#     neither can deadlock overlapping groups. Concurrent finalizes take ~0.51 s for WORLD's 7 subgroups against
-#     ~1 s of concurrent aborts (one poll period per wave), hence DEFAULT_TEARDOWN.
+#     neither can deadlock overlapping groups. Concurrent finalizes beat concurrent aborts (which pay one poll period
+#     per wave), hence DEFAULT_TEARDOWN (docs/results.md, comm).
 #     ``install(concurrent_teardown=False)`` restores one-at-a-time, reverse journal order.
 def teardown_concurrently(work: dict, how: str, tmo: datetime.timedelta, names: dict) -> dict:
     """Tear down ``work`` (key -> inner group) concurrently, one thread per group, on this thread's CUDA device (see
@@ -310,16 +309,14 @@ def connect(inner: ProcessGroup, g) -> bool:
 
 
 # Note [Concurrent warm-up]
-#     With NCCL's runtime connect (the default since 2.22) a rebuilt communicator is cheap to create (~30 ms per
-#     split on 2 H200, NCCL 2.28.9) and pays its transport connect at its first collective: ~0.13 s per group,
-#     one group after another as user code reaches them (0.90 s for WORLD + 7 groups after a 0.24 s reload).
-#     NCCL_RUNTIME_CONNECT=0 only moves that cost into the (sequential) splits (1.37 s reload), and non-blocking
-#     init (TORCH_NCCL_USE_COMM_NONBLOCKING=1) does not change it (measured). The connects are host-side
-#     handshakes inside the first collective's call, so warming the groups from a thread each overlaps them:
-#     0.43-0.48 s for reload + every group connected, against 1.06-1.19 s one group at a time (2 H200). But NCCL
-#     documents calls on independent communicators of one device from several threads at once as unsafe, and it
-#     crashed here: a segmentation fault inside the threads' all_reduce calls in one of two runs of an EP=2 MoE
-#     reload (2 H200, NCCL 2.28.9, 2026-11-28). So the warm-up is serial by default: one thread, the groups in
+#     With NCCL's runtime connect (the default since 2.22) a rebuilt communicator is cheap to create and pays its
+#     transport connect at its first collective, one group after another as user code reaches them.
+#     NCCL_RUNTIME_CONNECT=0 only moves that cost into the (sequential) splits, and non-blocking init
+#     (TORCH_NCCL_USE_COMM_NONBLOCKING=1) does not change it (measured: docs/results.md, comm). The connects are
+#     host-side handshakes inside the first collective's call, so warming the groups from a thread each overlaps
+#     them. But NCCL documents calls on independent communicators of one device from several threads at once as
+#     unsafe, and it crashed here: a segmentation fault inside the threads' all_reduce calls in one of two runs of
+#     an EP=2 MoE reload (NCCL 2.28.9). So the warm-up is serial by default: one thread, the groups in
 #     one order every rank agrees on (sorted names), each collective on its own stream and all streams
 #     synchronised at the end. A blocking connect may wait for a peer still finishing an earlier group of that
 #     order, but that peer never waits back on a later one: the lowest unfinished group always has all its members

@@ -9,7 +9,7 @@ are; the full argument checks run with every (re)build.
   tensor, the address, strides, element count, column count and dtype with the ones the table was built for (the
   strides and the column count fix the row pitch and K, the element count then fixes N) and the two buffers'
   addresses, sizes, dimensions and contiguity (five C-level reads per tensor instead of the checks and the table
-  row: ~0.3 µs instead of ~2-8 µs on a fast host); any difference rebuilds the table.
+  row, several times cheaper); any difference rebuilds the table.
 - ``SegmentCopy(dsts, srcs)``: byte copies ``dsts[i] <- srcs[i]`` (contiguous tensors of equal byte size, any
   dtypes, on one device) in one launch on CUDA (``portable_copy_segments``), a ``copy_`` each on the CPU or where
   the kernels were not built or cannot run on the GPU. Destinations must not overlap each other or any source
@@ -33,7 +33,7 @@ from .layout import Fp8BucketLayout
 __all__ = ["Fp8BucketQuant", "SegmentCopy"]
 
 _PTR, _STRIDE, _NUMEL, _SIZE = torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.size
-_DTYPE = torch.Tensor.dtype.__get__  # C-level getters mapped over the list: ~0.05 us per tensor each on a fast host
+_DTYPE = torch.Tensor.dtype.__get__  # C-level getters mapped over the list: the cheapest read of each per tensor
 
 
 class Fp8BucketQuant:

@@ -50,12 +50,12 @@ class PushReport(dict):
 
 
 # Note [Streamed parts]
-# The fills run on a Python thread beside the producer's (an optimizer stepping on the CPU between short GIL-free
-# kernel calls). Every fill holds the GIL for its launches, and a producer that returns from a kernel while the
-# fill holds it waits: filling each of the ~80 buckets of a 1.34 B model's step as it landed (0.2-0.6 ms of Python
-# each) made that step 30-40 ms longer on an H200 host. So completed sources wait until they make up 1/PARTS of
-# the update's source bytes and go in one fill per bucket, and the thread takes every range queued meanwhile at
-# once; finish() fills the last part after the producer is done (its GPU work then is one part's quantization).
+# The fills run on a Python thread beside the producer's (an optimizer stepping on the CPU between short GIL-free kernel
+# calls). Every fill holds the GIL for its launches, and a producer that returns from a kernel while the fill holds it
+# waits: filling each of the optimizer's buckets as it landed made the step longer by more than the fills saved
+# (docs/results.md, the Megatron loop's --sync-fill runs). So completed sources wait until they make up 1/PARTS of the
+# update's source bytes and go in one fill per bucket, and the thread takes every range queued meanwhile at once;
+# finish() fills the last part after the producer is done (its GPU work then is one part's quantization).
 PARTS = 8
 
 

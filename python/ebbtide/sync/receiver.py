@@ -44,12 +44,12 @@ __all__ = ["Receiver"]
 
 # Note [One compute stream in a rollout]
 # A process that has launched kernels on a second stream (200 small ones do, one does not; copies do not) decodes
-# slower afterwards, ~0.35 us more per kernel boundary, until the GPU switches to another context and back: a CUDA-
-# graph decode of 382 small kernels per step read 168 instead of 151 ms on an H100 (driver 580). A colocated
+# slower afterwards (a cost per kernel boundary, so a decode of many small kernels pays it most), until the GPU
+# switches to another context and back. A colocated
 # rollout's GPU is switched to the trainer's context before every update and the rollout generates right after
 # loading it, so a private stream here taxed every generation while the anchors' loads (plain copies on the
 # caller's stream) did not; apply() is synchronous and gains nothing from one. So the receiver runs on the caller's
-# stream; ``stream=`` pins one for a caller that overlaps a receive with its own work. Measurements: docs/sync.md.
+# stream; ``stream=`` pins one for a caller that overlaps a receive with its own work. Measurements: docs/results.md.
 
 _BIG_COPY = 32 << 20  # outputs this large get their own copy (a memcpy at full bandwidth); smaller ones are batched
 
@@ -196,9 +196,9 @@ class Receiver:
 
 class _DequantLaunches:
     """The dequant form's apply prepared once (CUDA): one native FP8 block dequant per FP8 weight straight into its
-    parameter, addresses kept (no views, no per-call checks: ~170 launches of a 1.34 B GPT took 6-14 ms of host time
-    through the checked API), and the raw tensors copied as the served form's outputs are (``_byte_copies``). The
-    same kernel and arguments as ``load_bucket``'s, so the same bits."""
+    parameter, addresses kept (no views, no per-call checks: through the checked API the host time of a GPT's hundreds
+    of launches exceeded their device time), and the raw tensors copied as the served form's outputs are
+    (``_byte_copies``). The same kernel and arguments as ``load_bucket``'s, so the same bits."""
 
     def __init__(self, fp8: list, raw):
         self.fp8, self.raw = fp8, raw

@@ -197,7 +197,7 @@ class Sender:
             if it.source in self.ep_sources:
                 out[it.source] = experts.pop(it.source)
                 continue
-            t = tensors[it.source]  # read by raw address under no_grad: no detach (1-3 us per tensor)
+            t = tensors[it.source]  # read by raw address under no_grad: no detach (a per-tensor cost)
             d = self.tp_dims.get(it.source)
             if d is None:
                 out[it.source] = t

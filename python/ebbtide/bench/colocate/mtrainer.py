@@ -50,8 +50,8 @@ Policies:
   connects and warms up only the groups that had a communicator at the release: ebbtide.comm's eager reload over
   lazy groups), and ``spec["nccl_cumem"]`` "off"
   (default: slime's actor environment too) or "on" (NCCL's own default, which native suspend will need). With
-  cuMem on, each communicator connecting at its first collective between two GPUs cost ~0.1 s more (2 H200,
-  NCCL 2.28.9: forward+backward 246 vs 128 ms, optimizer step 215 vs 89 ms at DP=2, quick size).
+  cuMem on, each communicator connecting at its first collective costs more (docs/results.md, the quick DP=2
+  runs).
 - Verification (untimed, the first and last steps): the trainer's Megatron forward on the weights the rollout must
   hold (the sync's dequant(quant(w))) against the rollout's logits, and every weight's digest.
 """
@@ -86,8 +86,8 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 # operation order (fused QKV split, softmax, LayerNorm) through every layer; a wrong name or layout differs by O(1).
 LOGITS_RTOL = 2.0 ** -4
 # MoE: the two forwards' hidden states differ by that rounding, so a token whose top-k experts are nearly tied can
-# be routed to another expert in one of them: one such flip moved the last-position logits by 6.8% of the largest
-# (0.305 of 4.47; 2 H200, 2.15 B MoE at EP=2, weights bitwise equal) where the same step of another run read 1.2%.
+# be routed to another expert in one of them: one such flip, with the weights bitwise equal, moved the last-position
+# logits past 2^-4 of the largest (docs/results.md, the EP=2 MoE runs).
 # The weights' bitwise check stays exact; the logits check keeps guarding names and layouts at O(1).
 MOE_LOGITS_RTOL = 2.0 ** -3
 

@@ -8,9 +8,9 @@ Policies:
   every allocation of every thread -- decode activations, cuBLAS workspaces -- is pausable; weights, KV cache and
   staging get their own tags (discarded on pause: weights are rewritten by every sync, the cache by every
   generation). The process refuses to start if the shim is not active. The untagged rest (the shim's default tag:
-  cuBLAS workspaces, live decode scratch; ~66 MiB on the 0.39 B model) follows ``--scratch-backup``: ``keep``
+  cuBLAS workspaces, live decode scratch) follows ``--scratch-backup``: ``keep``
   (default) leaves it resident and pauses the three named tags only, as the anchor leaves its untagged memory;
-  ``cpu`` pauses it too with a CPU backup (that much less held, a copy each way: ~1.4 ms of the H100 rollout's
+  ``cpu`` pauses it too with a CPU backup (that much less held, a copy each way in the rollout's pause and
   resume); ``none`` discards it.
 - Variant "anchor": torch_memory_saver in its torch hook mode with the same tags; what lies outside its regions is
   released with ``torch.cuda.empty_cache()`` at pause.

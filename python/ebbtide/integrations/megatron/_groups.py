@@ -16,8 +16,8 @@ Policies:
 - ``check_groups()`` walks ``parallel_state``'s module globals and lists every group Megatron holds, raising
   StateError naming the ones that are not reloadable.
 - ``gloo_twin(group)`` makes a Gloo group over the same ranks: the optimizer's scalar all-reduces (the grad norm,
-  found-inf) go there, so they never wait for a released NCCL communicator to be rebuilt and connected (~65-95 ms
-  a step at TP=2 on 2 H200 when the norm's group connected at first use).
+  found-inf) go there, so they never wait for a released NCCL communicator to be rebuilt and connected inside the
+  step (what that cost: docs/results.md, "Megatron-core adapter").
 """
 from __future__ import annotations
 

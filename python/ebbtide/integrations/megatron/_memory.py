@@ -53,13 +53,12 @@ __all__ = ["TrainingState", "OffloadReport"]
 
 
 # Note [cuBLAS workspaces]
-# torch keeps one cuBLAS workspace per (handle, stream) for the life of the process (32 MiB each on Hopper; every
-# thread that runs a matmul, autograd's backward thread included, has its own handle), allocated from the caching
-# allocator's default pool at the first matmul. One that is carved out of a large free block, such as the segment
-# the logits used, keeps that whole segment live through every empty_cache: after the offload of a 1.34 B GPT on
-# one H200, 612 MiB stayed reserved outside the tags (a 512 MiB segment held by a 32 MiB workspace, and two
-# workspaces of their own). The offload frees them (torch's own clear, which its CUDA-graph trees and leak checks
-# use); the first matmul after the restore allocates a new one.
+# torch keeps one cuBLAS workspace per (handle, stream) for the life of the process (32 MiB each on Hopper; every thread
+# that runs a matmul, autograd's backward thread included, has its own handle), allocated from the caching allocator's
+# default pool at the first matmul. One that is carved out of a large free block, such as the segment the logits used,
+# keeps that whole segment live through every empty_cache, reserved outside the tags after every offload
+# (docs/results.md, "Megatron-core adapter", has what it held). The offload frees them (torch's own clear, which its
+# CUDA-graph trees and leak checks use); the first matmul after the restore allocates a new one.
 def _clear_blas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:  # a private torch hook: where a build lacks it, the workspaces stay (memory, not bits)
