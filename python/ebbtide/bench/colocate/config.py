@@ -86,7 +86,7 @@ class RunConfig:
     # torch's pool: the offload phase's residual_blocks/residual_segments get frames; the steps run slower)
     memory_history: bool = False
     # megatron, ebbtide variant: the update filled while the CPU step uploads the weights ("streamed", one GPU,
-    # dense) or after the step ("after"; "auto" = after: docs/colocate.md has the measured reason)
+    # dense) or after the step ("after"; "auto" = after: docs/results.md has the measured reason)
     sync_fill: str = "auto"
     # megatron, slime anchors: --use-precision-aware-optimizer as slime's model scripts pass it ("on") or not ("off")
     anchor_precision_aware: str = "on"

@@ -99,7 +99,7 @@ class Ebbtide:
         if fill == "streamed" and not can_stream:
             raise RuntimeError("sync_fill 'streamed' needs one rank per model replica without the distributed "
                                "optimizer (TP = EP = DP = 1): the gathers pair up in plan order")
-        self.streamed_sync = fill == "streamed"  # "auto" = after: streamed measured slower (docs/colocate.md)
+        self.streamed_sync = fill == "streamed"  # "auto" = after: streamed measured slower (docs/results.md)
         inner = getattr(opt, "optimizer", None)
         tr.setup.update(cache_trim=trim, sync_fill="streamed" if self.streamed_sync else "after",
                         optimizer=f"{type(opt).__name__}({type(inner).__name__}, isa={getattr(inner, 'isa', '?')})",
