@@ -456,7 +456,7 @@ def test_payload_is_the_shared_update_after_the_header():
         for b, o in zip(plan.buckets, offsets):
             for it in b.items:
                 if it.kind == "raw":
-                    assert torch.equal(_bits(it.outputs[0].view(data[o:o + b.nbytes])), _bits(src[it.source]))
+                    assert same_bits(it.outputs[0].view(data[o:o + b.nbytes]), src[it.source])
         data[:8].fill_(7)  # a view of the shared mapping, not a copy
         assert torch.equal(buf.payload(8), torch.full((8,), 7, dtype=torch.uint8))
         for bad in (-1, plan.nbytes + 1, 1.5, True):
