@@ -362,6 +362,52 @@ def exact_sharded_adam(rank, world, addr, steps=20, offload=True, weights="copy"
     return {"losses": [x.item() for x in got]}
 
 
+def stale_shards(rank, world, addr):
+    """sharded_adam's step refuses, naming the parameter, every way FSDP can leave it holding a stale shard, and
+    changes nothing; a ``.to()`` that moves nothing (new local tensors over the same memory) trains on."""
+    import ebbtide.integrations.fsdp as ebt
+    from ebbtide.errors import StateError
+
+    init(rank, world, addr)
+    seen = []
+
+    def trained():
+        model = shard(bf16_params(qwen3()), world)
+        opt = ebt.sharded_adam(model, lr=1e-2)
+        train_step(model, opt, batch(0, rank))
+        return model, opt
+
+    def refused(model, opt, match):
+        out = model(input_ids=batch(1, rank), labels=batch(1, rank))
+        out.loss.backward()
+        before = [p._local_tensor.clone() for p in model.parameters()]
+        try:
+            opt.step()
+            raise AssertionError(f"a stale shard was stepped ({match})")
+        except StateError as e:
+            assert match in str(e) and "model.embed_tokens.weight" in str(e), str(e)
+            seen.append(match)
+        assert opt.step_count == 1, opt.step_count
+        assert all(torch.equal(a, p._local_tensor) for a, p in zip(before, model.parameters()))
+
+    model, opt = trained()
+    model.to(torch.bfloat16)  # nothing to convert: FSDP's new local tensors lie where the old ones did
+    train_step(model, opt, batch(1, rank))
+    assert opt.step_count == 2
+    model, opt = trained()
+    model.to(torch.float32).to(torch.bfloat16)  # the values moved: new local tensors in new memory
+    refused(model, opt, "was moved since sharded_adam()")
+    model, opt = trained()
+    model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()}, assign=True)
+    refused(model, opt, "new Parameter")
+    model, opt = trained()
+    local = next(iter(model.parameters()))._local_tensor
+    local.set_(local.clone())  # the local tensor itself re-pointed
+    refused(model, opt, "moved to another storage")
+    dist.destroy_process_group()
+    return {"seen": seen}
+
+
 def groups_cycle(rank, world, addr):
     """The mesh's groups through ebbtide.comm, install_groups() first: reloadable; a collective of the model on a
     released group raises StateError; after reload it trains on."""

@@ -92,3 +92,10 @@ def test_sharded_adam_is_bit_identical_to_torch_adamw(fake_driver, weights, step
 def test_the_mesh_groups_release_and_reload():
     res = spawn.ranks("groups_cycle", 2, module="fsdp_workers", timeout=300)
     assert all(len(r["losses"]) == 2 for r in res), res
+
+
+def test_sharded_adam_refuses_a_stale_shard_by_name():
+    """model.to() that moves the values, load_state_dict(assign=True) and a set_ onto the local tensor each leave
+    the optimizer holding memory the model no longer reads: its step raises StateError naming the parameter."""
+    res = megatron_spawn.run("stale_shards", 1, module="fsdp_workers", timeout=300)
+    assert res[0]["seen"] == ["was moved since sharded_adam()", "new Parameter", "moved to another storage"], res

@@ -6,6 +6,7 @@ hooks; bad input. The CUDA path (streams, pinned slots, the host mirror on the d
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -428,6 +429,46 @@ def test_bad_input_is_refused_and_changes_nothing():
     assert all(bits_equal(opt.local_shard(i, "master_param"), b) for i, b in enumerate(before))
     with pytest.raises(ebbtide.StateError):
         opt.add_param_group({"params": []})
+
+
+def test_a_shard_moved_to_another_storage_is_refused_by_name_before_anything_changes():
+    """The optimizer's views of a shard read the storage it had at construction: a param (or a gradient that stays
+    put) ``set_`` onto another storage is refused at ``step`` and at the mirror's and masters' uploads, naming the
+    shard; put back, the step runs. A storage resized in place (the views' own storage, as ebbtide.memory and
+    Megatron's offload re-back it) passes."""
+    model = Model(5)
+    shards = [dataclasses.replace(s, name=f"layer{i}.weight") for i, s in enumerate(model.shards())]
+    opt = ShardedAdam(shards, GROUPS, **{**HYPER, "mode": "exact", "bucket_numel": 64, "slots": 2, "threads": 2})
+    opt.enable_param_mirror()
+    model.set_grads(0)
+    opt.step()
+    grad, alias = model.fixed_grads[1], model.fixed_grads[1].view(-1)
+    grad.set_(grad.clone())
+    with pytest.raises(ebbtide.StateError, match=r"gradient of shard 1 \(layer1.weight\) was moved"):
+        opt.step()
+    grad.set_(alias.untyped_storage(), alias.storage_offset(), grad.shape, grad.stride())
+    moved = model.params[6]
+    kept = moved.detach().clone()
+    masters = [opt.local_shard(i, "master_param") for i in range(len(SIZES))]
+    moved.set_(moved.detach().clone())  # another storage, the same values: the views still read the old one
+    for call in (opt.step, opt.upload_params_from_mirror, opt.upload_params_from_master):
+        model.set_grads(1)
+        with pytest.raises(ebbtide.StateError, match=r"param of shard 6 \(layer6.weight\) was moved"):
+            call()
+    assert opt.step_count == 1 and bits_equal(moved, kept)
+    assert all(bits_equal(opt.local_shard(i, "master_param"), m) for i, m in enumerate(masters))
+    model = Model(6)
+    opt = build(model)
+    ref = Reference(model)
+    st = model.params[7].untyped_storage()
+    saved, n = model.params[7].detach().clone(), st.nbytes()
+    st.resize_(0)  # the storage itself re-allocated: every view of it follows
+    st.resize_(n)
+    model.params[7].copy_(saved)
+    model.set_grads(0)
+    opt.step()
+    ref.step()
+    ref.check(opt)
 
 
 def test_amsgrad_and_maximize_match_torch():

@@ -8,15 +8,22 @@ Megatron-core's distributed optimizer, ranges of the flat DDP param buffer (``pa
 steps such a set; an integration maps its framework's shards onto it and supplies the collectives around the step.
 
 Policies:
-- Shards. ``Shard(param, grad, group=0, counts_for_norm=True, grad_dtype=None)``: ``param`` a contiguous bf16 tensor
-  on the rank's device (any shape, all shards on one device, none overlapping another) that the step writes in
-  place and that keeps its storage (the storage may be re-backed in place, as ``ebbtide.memory`` regions do: no
-  device address is kept between calls); ``grad`` a tensor of as many elements (bf16 or fp32, contiguous, same
+- Shards. ``Shard(param, grad, group=0, counts_for_norm=True, grad_dtype=None, name="")``: ``param`` a contiguous
+  bf16 tensor on the rank's device (any shape, all shards on one device, none overlapping another) that the step
+  writes in place and that keeps its storage (the storage may be re-backed in place, as ``ebbtide.memory`` regions
+  do: no device address is kept between calls); ``grad`` a tensor of as many elements (bf16 or fp32, contiguous, same
   device) that stays where it is, or a function returning this step's gradient (or None: the shard is then stepped
   with a zero gradient, one step count for all, as in OffloadedAdam and Megatron's distributed optimizer), called
   at the start of each step (``grad_dtype``: what it returns, default the param's dtype); ``group`` the index of its
   param group; ``counts_for_norm`` whether its gradient counts in ``grad_norm`` (Megatron: not a tensor-parallel
-  duplicate, not shared). Shards of zero elements (FSDP2's ranks past an uneven split) are held and never stepped.
+  duplicate, not shared); ``name`` what errors call it (the model's parameter name). Shards of zero elements
+  (FSDP2's ranks past an uneven split) are held and never stepped.
+- Storage kept: the optimizer keeps views of every shard's param (and of a gradient given as a tensor) from its
+  construction, so a tensor whose storage is later swapped for another (``set_``, a framework moving it) would
+  be stepped in its old memory while the model reads the new one. ``step``, ``upload_params_from_mirror`` and
+  ``upload_params_from_master`` first compare each such tensor's address with its view's (an integer compare per
+  shard) and raise StateError naming the shard, before anything changes. A storage resized in place (what
+  ``ebbtide.memory`` and Megatron's offload do) is the views' storage too and passes.
 - Param groups. ``param_groups`` is a list of dicts of hyper-parameters, one per group index (no ``"params"``: the
   shards name their group); the optimizer's ``param_groups`` are torch's, each listing its shards' ``param``
   tensors, so lr schedulers and ``state_dict`` work as with any torch optimizer.
@@ -83,6 +90,7 @@ class Shard:
     group: int = 0
     counts_for_norm: bool = True
     grad_dtype: torch.dtype | None = None
+    name: str = ""
 
 
 @dataclass
@@ -151,6 +159,10 @@ class ShardedAdam(Pipelined, KernelViews, torch.optim.Optimizer):
         self._whole = Whole("ShardedAdam", "load a checkpoint (load_state_dict, or set_local_shard then "
                                            "upload_params_from_master) first")
         self._layout(bucket_numel)
+        # (what, shard index, the tensor, a view of it made now): the storage every cached view reads
+        self._kept = [(what, i, t, t.view(-1)) for i, s in enumerate(self._shards)
+                      for what, t in (("param", s.param), ("gradient", s.grad))
+                      if isinstance(t, torch.Tensor) and t.numel()]
         self._transport = _Transport(self._device)
         self.sync_master_from_params()
         self._host.publish(self.state, self._positions(), 0)
@@ -176,6 +188,8 @@ class ShardedAdam(Pipelined, KernelViews, torch.optim.Optimizer):
                                            f"track (got {p.dtype}, contiguous={p.is_contiguous()}, leaf={p.is_leaf})")
             if not isinstance(s.group, int) or isinstance(s.group, bool) or s.group < 0:
                 raise InvalidArgumentError(f"shard {i}: group must be an int >= 0 (got {shown(s.group)})")
+            if not isinstance(s.name, str):
+                raise InvalidArgumentError(f"shard {i}: name must be a str (got {shown(s.name)})")
             if s.grad_dtype is not None and s.grad_dtype not in _GRAD_DTYPES:
                 raise InvalidArgumentError(f"shard {i}: grad_dtype must be torch.bfloat16 or torch.float32 (got "
                                            f"{shown(s.grad_dtype)})")
@@ -263,6 +277,18 @@ class ShardedAdam(Pipelined, KernelViews, torch.optim.Optimizer):
     def _positions(self) -> list:
         return [(s.param, o) for s, o in zip(self._shards, self._offsets)]
 
+    def check_storage(self, what: str = "step()") -> None:
+        """StateError naming the first shard whose param (or gradient tensor) no longer lies in the storage the
+        optimizer's views read (see the module policies); nothing is changed."""
+        for kind, i, t, view in self._kept:
+            if t.data_ptr() != view.data_ptr():
+                name = self._shards[i].name
+                raise StateError(f"{what}: the {kind} of shard {i}{f' ({name})' if name else ''} was moved to another "
+                                 f"storage after the optimizer was built (set_, or a framework re-creating it: "
+                                 f"model.to(), load_state_dict(assign=True)); the optimizer would step its old "
+                                 f"memory. Nothing was changed: build the optimizer again over the tensors as they "
+                                 f"are now")
+
     # ---- views -------------------------------------------------------------------------------------------------
     @property
     def shards(self) -> list[Shard]:
@@ -341,6 +367,7 @@ class ShardedAdam(Pipelined, KernelViews, torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: float | None = None):
         """One pipelined step over every bucket; returns the closure's loss. ``grad_scale`` multiplies the
         gradients first (an unscale factor, a clip coefficient)."""
+        self.check_storage("step()")
         loss, _, hypers = self._begin_step(closure, grad_scale)
         plan = self._fixed if self._fixed is not None else self._download_plan(self._grads_now())
         error = self._run(hypers, plan, float(self._step_count + 1))
@@ -434,6 +461,7 @@ class ShardedAdam(Pipelined, KernelViews, torch.optim.Optimizer):
     def upload_params_from_master(self) -> None:
         """The shards' bf16 params (and the mirror) from the masters, after ``set_local_shard`` loaded a
         checkpoint: the state is whole again."""
+        self.check_storage("upload_params_from_master()")
         for sl, dst in self._segments():
             dst.copy_(self._host.master[sl])
             if self._mirror is not None:
@@ -450,6 +478,7 @@ class ShardedAdam(Pipelined, KernelViews, torch.optim.Optimizer):
         without a mirror."""
         if self._mirror is None:
             raise StateError("upload_params_from_mirror(): the host mirror is not enabled (enable_param_mirror())")
+        self.check_storage("upload_params_from_mirror()")
         t = self._transport
         t.begin()
         ups = []

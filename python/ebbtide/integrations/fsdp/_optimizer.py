@@ -13,6 +13,14 @@ What holds:
   (``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` works on the DTensor gradients).
 - ``zero_grad()`` clears the model's parameters' gradients (``FsdpShardedAdam``): ShardedAdam's own params are
   the local tensors, and FSDP adds the next backward's gradient to one left set.
+- Stale shards are refused: FSDP's ``reset_sharded_param`` (run by ``model.to()`` / ``.cpu()`` through
+  ``FSDPModule._apply`` and by ``load_state_dict``) gives a parameter a new local tensor, in other memory when the
+  values moved (a ``.to()`` that changes nothing makes a new tensor over the same memory, which is fine), and
+  ``load_state_dict(assign=True)`` gives the module a new Parameter, whose gradients the optimizer would never
+  read. ``step()`` and the mirror's upload first check, per shard, that the module's and FSDP's parameter are
+  still the Parameter the optimizer was built over and that its local tensor still starts at the shard's address,
+  then ShardedAdam's own storage check (``check_storage``: a ``set_`` onto another storage), and raise StateError
+  naming the parameter before anything changes (a few integer and identity compares per parameter).
 - ``param_groups``: torch's form, ``[{"params": [model parameters], "weight_decay": 0.0, ...}, ...]``; every
   trainable parameter in exactly one group (default: one group of all of them).
 - With ``TrainingState(model, weights="discard")`` the optimizer keeps a pinned bf16 host mirror of the shards
@@ -31,7 +39,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, StateError
 from ...optim import Shard, ShardedAdam
 from ._model import describe
 
@@ -44,9 +52,26 @@ class FsdpShardedAdam(ShardedAdam):
     """ShardedAdam over an FSDP2 model's shards. Its own params are the local tensors, which never hold a gradient:
     ``zero_grad`` clears the model's parameters' gradients instead (FSDP accumulates into a gradient left set)."""
 
-    def __init__(self, shards, param_groups, *, fsdp_params, **kw):
+    def __init__(self, shards, param_groups, *, records, **kw):
         super().__init__(shards, param_groups, **kw)
-        self._fsdp_params = list(fsdp_params)
+        self._records = list(records)  # the ParamRecord of each shard, in shard order
+        self._fsdp_params = [r.sharded_param for r in self._records]
+
+    def check_storage(self, what: str = "step()") -> None:
+        for r, s in zip(self._records, self.shards):
+            fp = r.fsdp_param
+            now = r.module._parameters.get(r.attr)  # the sharded parameter, or FSDP's unsharded one in between
+            if fp.sharded_param is not r.sharded_param or (
+                    now is not r.sharded_param and now is not getattr(fp, "_unsharded_param", None)):
+                raise StateError(f"{what}: parameter {r.fqn} was replaced by a new Parameter since sharded_adam() "
+                                 "(load_state_dict(assign=True) or a manual swap): its gradients would not reach the "
+                                 "optimizer. Nothing was changed: build the optimizer again (sharded_adam(model))")
+            if s.param.numel() and fp.sharded_param._local_tensor.data_ptr() != s.param.data_ptr():
+                raise StateError(f"{what}: the shard of {r.fqn} was moved since sharded_adam() (model.to()/.cpu() "
+                                 "or load_state_dict: FSDP re-created its local tensor in other memory); the "
+                                 "optimizer would step the old memory. Nothing was changed: build the optimizer "
+                                 "again (sharded_adam(model))")
+        super().check_storage(what)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._fsdp_params:
@@ -109,7 +134,7 @@ def sharded_adam(model, param_groups=None, **adam_kwargs):
             g = p.grad
             return None if g is None else g._local_tensor
 
-        shards.append(Shard(local, grad, group=gi, grad_dtype=local.dtype))
+        shards.append(Shard(local, grad, group=gi, grad_dtype=local.dtype, name=r.fqn))
     extra = set(where) - {id(r.sharded_param) for r in trainable}
     if extra:
         raise InvalidArgumentError(f"param_groups name {len(extra)} tensor(s) that are not trainable FSDP2 "
@@ -121,8 +146,7 @@ def sharded_adam(model, param_groups=None, **adam_kwargs):
             dist.all_reduce(t, op=op, group=_group)
         return t
 
-    opt = FsdpShardedAdam(shards, hypers, fsdp_params=[r.sharded_param for r in trainable], all_reduce=all_reduce,
-                          **adam_kwargs)
+    opt = FsdpShardedAdam(shards, hypers, records=trainable, all_reduce=all_reduce, **adam_kwargs)
     state = getattr(model, "_ebbtide_training_state", None)
     state = state() if state is not None else None
     if state is not None and state.weights == "discard":
