@@ -13,14 +13,19 @@ def test_options_import_no_torch():
 
 
 def test_the_loop_takes_its_words_from_the_options():
-    from ebbtide.bench.colocate import config, launcher, options, rollout, trainer
-    from ebbtide.bench.colocate.sync import megatron_plan  # noqa: F401 (the sync module imports)
+    from ebbtide.bench.colocate import config, fvariants, launcher, options, rollout, trainer
+    from ebbtide.bench.colocate.sync import PLANS
 
     assert tuple(trainer.VARIANTS) == options.TOY_VARIANTS
-    assert tuple(rollout.MODELS) == options.ARCHS
+    assert tuple(fvariants.VARIANTS) == options.FSDP_VARIANTS
+    assert tuple(rollout.MODELS) == options.ARCHS == tuple(PLANS)
     assert {t: v for t, (_m, v) in options.TRAINERS.items()} == {"toy": options.TOY_VARIANTS,
-                                                                 "megatron": options.MEGATRON_VARIANTS}
-    assert set(options.NEEDS_TMS) <= set(options.TOY_VARIANTS + options.MEGATRON_VARIANTS)
+                                                                 "megatron": options.MEGATRON_VARIANTS,
+                                                                 "fsdp": options.FSDP_VARIANTS}
+    every = options.TOY_VARIANTS + options.MEGATRON_VARIANTS + options.FSDP_VARIANTS
+    assert set(options.NEEDS_TMS) <= set(every)
+    assert all(t in options.TRAINERS and v in options.TRAINERS[t][1] for t, v in options.PRELOADED_TRAINERS)
+    assert all(t in options.TRAINERS for _flag, ts, _why in config.TRAINER_OPTIONS.values() for t in ts)
     assert set(options.STEP_BYTES) == set(options.MOMENTS)
     # each choice the command line offers is the options' tuple
     actions = {a.dest: a for a in launcher._parser()._actions}

@@ -11,7 +11,10 @@ from __future__ import annotations
 import gc
 import os
 
-__all__ = ["tms_env", "saver", "offload", "onload"]
+__all__ = ["tms_env", "saver", "offload", "onload", "TMS_INIT_VARS"]
+
+# what tms_env sets beside LD_PRELOAD (a process started from the trainer, as AReaL's rollout is not, drops them)
+TMS_INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP")
 
 
 def tms_env(env: dict | None = None) -> dict:
@@ -24,7 +27,7 @@ def tms_env(env: dict | None = None) -> dict:
     if not os.path.exists(lib):
         raise RuntimeError(f"torch_memory_saver's preload library {lib} does not exist")
     out = dict(os.environ if env is None else env)
-    out.update(LD_PRELOAD=lib, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    out.update(LD_PRELOAD=lib, **dict.fromkeys(TMS_INIT_VARS, "1"))
     return out
 
 

@@ -11,7 +11,8 @@ from .measure import STEADY_TOLERANCE
 from .options import (CACHE_TRIMS, CUMEM_MODES, DECODE_MODES, GROUP_MODES, MOMENTS, ON_OFF, SCRATCH_BACKUPS,
                       STEADY_GUARDS, SYNC_FILLS, TEARDOWNS, TRAINERS)
 
-__all__ = ["RunConfig", "QUICK_MODEL", "MEGATRON_MODEL", "MEGATRON_QUICK", "quick_overrides", "model_for", "CHOICES"]
+__all__ = ["RunConfig", "QUICK_MODEL", "MEGATRON_MODEL", "MEGATRON_QUICK", "FSDP_MODEL", "FSDP_QUICK", "quick_overrides",
+           "trainer_defaults", "model_for", "CHOICES", "TRAINER_OPTIONS"]
 
 GiB = 1 << 30
 QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=4096, max_seq=512)  # ~0.12 B params
@@ -19,20 +20,28 @@ QUICK_MODEL = ModelConfig(vocab=8192, d_model=1024, n_layers=8, n_heads=8, d_ff=
 # default shape); --quick ~0.12 B.
 MEGATRON_MODEL = ModelConfig(vocab=32768, d_model=2048, n_layers=24, n_heads=16, d_ff=8192, max_seq=2048)
 MEGATRON_QUICK = ModelConfig(vocab=32768, d_model=1024, n_layers=4, n_heads=16, d_ff=4096, max_seq=512)
+# transformers' Qwen3 (ebbtide.testing.qwen3: head_dim d_model / n_heads, n_heads / 2 KV heads, tied embeddings):
+# Qwen3-1.7B's shape, 1.72 B params; --quick 0.13 B
+FSDP_MODEL = ModelConfig(vocab=151936, d_model=2048, n_layers=28, n_heads=16, d_ff=6144, max_seq=4096)
+FSDP_QUICK = ModelConfig(vocab=32000, d_model=1024, n_layers=8, n_heads=8, d_ff=3072, max_seq=512)
 
 # option -> the words it accepts (checked in this order)
 CHOICES = {"scratch_backup": SCRATCH_BACKUPS, "decode": DECODE_MODES, "steady_guard": STEADY_GUARDS,
             "groups": GROUP_MODES, "nccl_cumem": CUMEM_MODES, "moments": MOMENTS, "comm_teardown": TEARDOWNS,
             "cache_trim": CACHE_TRIMS, "sync_fill": SYNC_FILLS, "anchor_precision_aware": ON_OFF}
-# options of the Megatron trainer alone: the toy trainer refuses any value but the default (and why)
-_MEGATRON_ONLY = {
-    "cache_trim": ("--cache-trim", " (the toy one trims offloading)"),
-    "comm_teardown": ("--comm-teardown", " (the toy trainer releases its groups with the teardown joined)"),
-    "sync_fill": ("--sync-fill", ""),
-    "memory_history": ("--memory-history", ""),
-    "anchor_precision_aware": ("--anchor-precision-aware", ""),
-    "moments": ("--moments bf16", " (the toy trainer's optimizer keeps fp32 moments)"),
+# options only some trainers take: option -> (its flag, the trainers that take it, why the others do not); the
+# others refuse any value but the default
+TRAINER_OPTIONS = {
+    "cache_trim": ("--cache-trim", ("megatron",), " (the toy one trims offloading, the FSDP one in its offload)"),
+    "comm_teardown": ("--comm-teardown", ("megatron", "fsdp"),
+                      " (the toy trainer releases its groups with the teardown joined)"),
+    "sync_fill": ("--sync-fill", ("megatron",), ""),
+    "memory_history": ("--memory-history", ("megatron",), ""),
+    "anchor_precision_aware": ("--anchor-precision-aware", ("megatron",), ""),
+    "moments": ("--moments bf16", ("megatron", "fsdp"), " (the toy trainer's optimizer keeps fp32 moments)"),
 }
+# what a trainer changes in the defaults (an option left at RunConfig's default takes this value)
+_TRAINER_DEFAULTS = {"fsdp": {"decode": "eager"}}  # the rollout's HF model decodes with eager forwards
 
 
 @dataclasses.dataclass
@@ -124,11 +133,12 @@ class RunConfig:
         for name, words in CHOICES.items():
             if getattr(self, name) not in words:
                 raise InvalidArgumentError(f"{name} must be one of {words}, got {getattr(self, name)!r}")
-        if self.trainer != "megatron":
-            default = RunConfig()
-            for name, (flag, why) in _MEGATRON_ONLY.items():
-                if getattr(self, name) != getattr(default, name):
-                    raise InvalidArgumentError(f"{flag} is an option of --trainer megatron{why}")
+        default = RunConfig()
+        for name, (flag, trainers, why) in TRAINER_OPTIONS.items():
+            if self.trainer not in trainers and getattr(self, name) != getattr(default, name):
+                raise InvalidArgumentError(f"{flag} is an option of --trainer {' or '.join(trainers)}{why}")
+        if self.trainer == "fsdp":
+            self._validate_fsdp()
         if self.sync_fill == "streamed" and (self.gpus > 1 or self.moe_experts):
             raise InvalidArgumentError("--sync-fill streamed needs one GPU and a dense model (the distributed "
                                        "optimizer and the TP/EP gathers fill after the step)")
@@ -188,6 +198,19 @@ class RunConfig:
                                        "with biases fail their backward at expert parallel 1 (an in-place bias add "
                                        "on a view)")
 
+    def _validate_fsdp(self) -> None:
+        if self.decode != "eager":
+            raise InvalidArgumentError(f"--trainer fsdp's rollout (transformers' Qwen3) decodes with eager forwards: "
+                                       f"--decode {self.decode} is not available (pass --decode eager)")
+        m = self.model
+        if m.n_heads % 2 or m.head_dim % 2:
+            raise InvalidArgumentError(f"--trainer fsdp builds a Qwen3 with n_heads / 2 KV heads of head_dim "
+                                       f"d_model / n_heads, both even (rotary halves): got n_heads {m.n_heads}, "
+                                       f"head_dim {m.head_dim}")
+        if self.device == "cuda" and self.gpus > 1:
+            raise InvalidArgumentError(f"--trainer fsdp runs on one GPU (--gpus {self.gpus} given); FSDP2 over "
+                                       "several ranks, each with its rollout, runs on the CPU: --device cpu --gpus N")
+
     def worker_spec(self, variant: str) -> dict:
         """What one trainer rank of ``variant`` is told (JSON: the launcher passes it on the command line)."""
         return {"model": dataclasses.asdict(self.model), "trainer": self.trainer, "variant": variant, "tp": self.tp,
@@ -207,7 +230,14 @@ def model_for(trainer: str, quick: bool) -> ModelConfig:
     """The default model shape of ``trainer`` (``quick``: the small one)."""
     if trainer == "megatron":
         return MEGATRON_QUICK if quick else MEGATRON_MODEL
+    if trainer == "fsdp":
+        return FSDP_QUICK if quick else FSDP_MODEL
     return QUICK_MODEL if quick else ModelConfig()
+
+
+def trainer_defaults(trainer: str) -> dict:
+    """The options ``trainer`` runs at other values than RunConfig's defaults, where none is given."""
+    return dict(_TRAINER_DEFAULTS.get(trainer, {}))
 
 
 def quick_overrides() -> dict:

@@ -4,10 +4,13 @@ with its rollout process on the same GPU; collect their results, print the table
     ebbtide colocate --gpus 1 --steps 10 --out colocate-out          # = python -m ebbtide.bench.colocate
     ebbtide colocate --gpus 2 --steps 10 --out colocate-out
     ebbtide colocate --trainer megatron --quick --out colocate-out    # Megatron-core GPT, one GPU
+    ebbtide colocate --trainer fsdp --quick --out colocate-out        # transformers Qwen3 under FSDP2, one GPU
 
 Policies:
 - Every variant runs in fresh processes (neither inherits the other's pools, pinned memory or hooks); the trainer
-  ranks never carry LD_PRELOAD; each variant gets its own rendezvous store, served by the launcher and listening on
+  ranks never carry LD_PRELOAD, except those of ``options.PRELOADED_TRAINERS`` (AReaL's: torch_memory_saver's
+  preload hook with CPU backup, ``ebbtide.anchors.areal.tms_env``); each variant gets its own rendezvous store, served
+  by the launcher and listening on
   loopback only (``--store-bind`` names another address, e.g. for ranks on several hosts).
 - ``run_loop`` is the entry point for other code (the bench suites): the loop at its default or ``quick`` size.
 - Argument errors raise ``ebbtide.InvalidArgumentError`` before anything starts (``config.RunConfig``). A failing
@@ -16,7 +19,9 @@ Policies:
   "megatron" (a Megatron-core GPT, ``mtrainer``; CUDA only, megatron-core needed; ``--tp``/``--ep``/``--moe-experts``
   for tensor and expert parallelism and a MoE model, the rest of ``--gpus`` data parallel; variants "ebbtide",
   "slime", "slime-ebbtide" and "gpu-tms"). Its default size is ``MEGATRON_MODEL`` (~1.3 B params), ``--quick``
-  ``MEGATRON_QUICK``.
+  ``MEGATRON_QUICK``. Or "fsdp" (a transformers Qwen3 under ``fully_shard``, ``ftrainer``; one GPU, or ranks on the
+  CPU over Gloo; variants "ebbtide", "verl", "tms" and "cpu-offload"; ``FSDP_MODEL``, Qwen3-1.7B's shape, ``--quick``
+  ``FSDP_QUICK``; the rollout decodes eagerly).
 - The variants on the torch_memory_saver package (``options.NEEDS_TMS``) run where it is installed; otherwise they
   are reported as "not installed".
 - The steady phases (``measure.STEADY_PHASES``: the trainer's forward + backward and the rollout's generate) run the
@@ -41,10 +46,11 @@ from datetime import timedelta
 from ...errors import InvalidArgumentError, UnsupportedError
 from ...testing.models import ModelConfig
 from ._procs import _kill_group, _reap_group, _tail, _wait_all
-from .config import CHOICES, MEGATRON_MODEL, MEGATRON_QUICK, QUICK_MODEL, RunConfig, model_for, quick_overrides
+from .config import (CHOICES, FSDP_MODEL, FSDP_QUICK, MEGATRON_MODEL, MEGATRON_QUICK, QUICK_MODEL, RunConfig,
+                     model_for, quick_overrides, trainer_defaults)
 from .measure import (STEADY_TOLERANCE, format_report, growth_check, nvml_all_pids, plot_timeline, steady_check,
                       summarize)
-from .options import NEEDS_TMS, TRAINERS
+from .options import NEEDS_TMS, PRELOADED_TRAINERS, TRAINERS
 
 __all__ = ["parse_args", "run", "run_loop", "main", "run_variant", "PROG"]
 
@@ -58,7 +64,8 @@ _CHOICE_HELP = {
                        "cpu (paused with a CPU backup: less held, a copy each way), none (discarded)"),
     "decode": ("rollout decode: the per-token step captured once in a CUDA graph and replayed (default), or eager "
                "forwards (same code in both variants; the anchor rollout keeps the graph's memory while paused, "
-               "ebbtide's pauses it). On --device cpu the static step runs eagerly"),
+               "ebbtide's pauses it). On --device cpu the static step runs eagerly; --trainer fsdp decodes eagerly "
+               "(its default and only mode)"),
     "groups": ("megatron, ebbtide variant: communicators made at each group's first collective (lazy, default; "
                "release frees those that exist), at creation and reload (eager: WORLD bound to the device), or lazily "
                "and again at reload for the groups the last step used (used: reload_groups(eager=True) over lazy "
@@ -86,6 +93,9 @@ _CHOICE_HELP = {
 }
 
 
+_TRAINER_DEFAULTED = ("decode",)  # options some trainer defaults otherwise (config.trainer_defaults)
+
+
 def _parser() -> argparse.ArgumentParser:
     d, m = RunConfig(), ModelConfig()
     p = argparse.ArgumentParser(prog=PROG,
@@ -95,7 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer", default=d.trainer, choices=tuple(TRAINERS),
                    help="toy: the loop's own small model (default, no dependencies); megatron: a Megatron-core "
                         "GPT (local layer spec, bf16, DDP; dense or MoE) on ebbtide's adapter, beside the slime "
-                        "configuration and the GPU optimizer under torch_memory_saver")
+                        "configuration and the GPU optimizer under torch_memory_saver; fsdp: a transformers Qwen3 "
+                        "under FSDP2's fully_shard on ebbtide's adapter, beside verl's paths, AReaL's "
+                        "torch_memory_saver preload and CPUOffloadPolicy")
     p.add_argument("--gpus", type=int, default=d.gpus, help="trainer ranks, one per GPU, each with its rollout")
     p.add_argument("--tp", type=int, default=d.tp,
                    help="megatron: tensor-parallel size (divides --gpus; the rest is data parallel, where the ebbtide "
@@ -112,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(ModelConfig):
         p.add_argument(f"--{f.name.replace('_', '-')}", dest=f"model_{f.name}", type=int, default=None,
                        help=f"model {f.name} (default {getattr(m, f.name)}; --quick: {getattr(QUICK_MODEL, f.name)}; "
-                            f"megatron {getattr(MEGATRON_MODEL, f.name)}, quick {getattr(MEGATRON_QUICK, f.name)})")
+                            f"megatron {getattr(MEGATRON_MODEL, f.name)}, quick {getattr(MEGATRON_QUICK, f.name)}; "
+                            f"fsdp {getattr(FSDP_MODEL, f.name)}, quick {getattr(FSDP_QUICK, f.name)})")
     p.add_argument("--batch", type=int, default=d.batch, help="training sequences per rank per step")
     p.add_argument("--seq", type=int, default=d.seq, help="training sequence length")
     p.add_argument("--gen-batch", type=int, default=d.gen_batch)
@@ -127,8 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=None,
                    help="comma list of: " + "; ".join(f"{', '.join(v)} ({t})" for t, (_m, v) in TRAINERS.items())
                         + "; default all")
-    for dest, text in _CHOICE_HELP.items():
-        p.add_argument("--" + dest.replace("_", "-"), default=getattr(d, dest), choices=CHOICES[dest], help=text)
+    for dest, text in _CHOICE_HELP.items():  # a trainer's own default (trainer_defaults) where the flag is absent
+        default = None if dest in _TRAINER_DEFAULTED else getattr(d, dest)
+        p.add_argument("--" + dest.replace("_", "-"), default=default, choices=CHOICES[dest], help=text)
     p.add_argument("--memory-history", action="store_true",
                    help="megatron, a diagnostic: each trainer records its allocations' frames, so the offload "
                         "phase's residual_blocks name what keeps torch's pool reserved (the steps run slower)")
@@ -162,6 +176,9 @@ def parse_args(argv=None) -> RunConfig:
         for k, v in q.items():
             if getattr(a, k) == getattr(RunConfig(), k):
                 kw[k] = v
+    for k in _TRAINER_DEFAULTED:
+        if kw[k] is None:
+            kw[k] = trainer_defaults(a.trainer).get(k, getattr(RunConfig(), k))
     variants = None if a.variants is None else tuple(v.strip() for v in a.variants.split(",") if v.strip())
     return RunConfig(model=model, trainer=a.trainer, variants=variants, **kw).validate()
 
@@ -174,12 +191,19 @@ def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
     spec["baseline_pids"].append(os.getpid())  # the launcher itself (the bench runner holds a context)
     spec["launcher_pid"] = os.getpid()  # ranks (and their rollouts) die with the launcher (PR_SET_PDEATHSIG)
     spec = json.dumps(spec)
+    base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if (cfg.trainer, variant) in PRELOADED_TRAINERS:  # as AReaL starts its trainer (its rollout starts without)
+        from ...anchors.areal import tms_env  # noqa: PLC0415
+
+        try:
+            base_env = tms_env(base_env)
+        except RuntimeError as e:  # the package without its preload library: this variant cannot start
+            return {"ranks": [], "failed": [{"rank": 0, "rc": None, "why": str(e), "log": ""}]}
     from ebbtide.comm import serve_store  # noqa: PLC0415
 
     # Served here for the variant's lifetime (ranks only connect): one listener, on store_bind only.
     store = serve_store(bind=cfg.store_bind, timeout=timedelta(seconds=cfg.timeout_s + 60))
     procs = []
-    base_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     base_env.setdefault("PYTHONUNBUFFERED", "1")
     base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host: Gloo groups listen on loopback
     for r in range(cfg.gpus):
@@ -291,6 +315,8 @@ def run(cfg: RunConfig, log=print) -> dict:
     cfg.validate()
     if cfg.trainer == "megatron" and importlib.util.find_spec("megatron") is None:
         raise UnsupportedError("--trainer megatron needs megatron-core (pip install megatron-core==0.16.1)")
+    if cfg.trainer == "fsdp" and importlib.util.find_spec("transformers") is None:
+        raise UnsupportedError("--trainer fsdp needs transformers (its Qwen3 model: pip install transformers)")
     import torch  # noqa: PLC0415
 
     have = torch.cuda.device_count()
@@ -299,7 +325,9 @@ def run(cfg: RunConfig, log=print) -> dict:
     results = {"config": dataclasses.asdict(cfg), "variants": {}}
     for variant in cfg.variants:
         if variant in NEEDS_TMS and importlib.util.find_spec("torch_memory_saver") is None:
-            results["variants"][variant] = {"why": "not installed (torch_memory_saver)"}
+            results["variants"][variant] = {"why": "not installed (torch_memory_saver: this variant's rollout, or "
+                                                   "its trainer, runs on it; pip install torch-memory-saver)"}
+            log(f"colocate: {variant} not run: torch_memory_saver is not installed")
             continue
         vr = run_variant(cfg, variant, log)
         if not vr["failed"]:
@@ -325,7 +353,8 @@ def run_loop(*, gpus: int = 1, out: str, quick: bool = False, log=print, **overr
     GPUs, every variant, results and logs in ``out``; ``overrides``: other RunConfig fields (``trainer="megatron"``
     picks the Megatron loop and its sizes). Returns the results (``results["config"]`` is the configuration that
     ran). Bad values raise InvalidArgumentError before anything starts."""
-    base = {"model": model_for(overrides.get("trainer", "toy"), quick), **(quick_overrides() if quick else {})}
+    trainer = overrides.get("trainer", "toy")
+    base = {"model": model_for(trainer, quick), **trainer_defaults(trainer), **(quick_overrides() if quick else {})}
     cfg = RunConfig(**{**base, "gpus": gpus, "out": out, **overrides})
     return run(cfg, log=log)
 

@@ -309,7 +309,7 @@ def steady_lines(checks: list[dict], tolerance: float) -> list[str]:
 
 # ---- report --------------------------------------------------------------------------------------------------
 def _ms(x):
-    return "-" if x is None else f"{1e3 * x:9.1f}"
+    return f"{'-':>9}" if x is None else f"{1e3 * x:9.1f}"
 
 
 def _gb(x):
@@ -384,14 +384,14 @@ def path_lines(v: dict, names: list) -> list:
             continue
         up, rs, floor = paths.get("update"), paths.get("restart"), setup.get("optimizer_floor_s")
         ratio = f"{up / opt:.2f}x the optimizer step" if up and opt else "-"
-        rows.append(f"{n:<14}{_ms(up)}{_ms(rs)}{_ms(opt)}{_ms(floor)}   update = {ratio}; moments "
+        rows.append(f"{n:<14}{_ms(up)}{_ms(rs)} {_ms(opt)}{_ms(floor)}   update = {ratio}; moments "
                     f"{setup.get('moments', '?')}, host triad {setup.get('host_triad_gbps', '?')} GB/s")
     if not rows:
         return []
     return ["", "== critical paths (ms, median over measured steps): update = optimizer + rollout resume + sync "
                 "(backward done -> the rollout holds the new weights); restart = onload + group reload (rollout "
                 "paused -> the first forward)",
-            f"{'variant':<14}{'update':>9}{'restart':>9}{'optimizer':>9}{'floor':>9}"] + rows
+            f"{'variant':<14}{'update':>9}{'restart':>9}{'optimizer':>10}{'floor':>9}"] + rows
 
 
 def _decode_lines(v: dict) -> list:

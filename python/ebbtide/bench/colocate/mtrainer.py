@@ -2,7 +2,8 @@
 ebbtide.bench.colocate.mtrainer SPEC_JSON OUT_JSON``, started by the launcher, one per GPU). Ranks: tensor parallel
 ``spec["tp"]`` (default 1) times data parallel (the rest of the world); every rank's rollout process runs on the
 rank's GPU (``rollout`` with ``arch="megatron"``, the whole model, TP=1), as slime's colocated engines do. What
-differs between the variants is one object each (``mvariants``); the step below is the same code for all.
+differs between the variants is one object each (``mvariants``); the step is the same code for all, and for the
+FSDP trainer's (``loop.LoopRank``).
 
 Policies:
 - The model: Megatron-core's ``GPTModel`` from ``get_gpt_layer_local_spec()`` (rotary positions, no dropout) under
@@ -58,23 +59,17 @@ Policies:
 from __future__ import annotations
 
 import os
-import time
 import warnings
-from concurrent import futures
 from datetime import timedelta
 
 import torch
 
 from ...integrations.names import served_names
 from ...testing.models import ModelConfig
-from ..limits import host_triad
-from ._records import note_release, note_residual
-from .measure import NvmlProbe, Recorder
+from .loop import LoopRank
+from .measure import Recorder
 from .mvariants import variant
-from .options import STEP_BYTES
-from .rank import (align_ranks, align_store, exit_now, only, prompts, rank_main, reference_entry, train_tokens,
-                   verify_entry)
-from .rollout import RolloutClient, rollout_env
+from .rank import align_store, exit_now, prompts, rank_main, reference_entry, train_tokens
 from .sync import IpcTrainerSync
 
 __all__ = ["main", "LOGITS_RTOL", "MOE_LOGITS_RTOL"]
@@ -92,7 +87,7 @@ LOGITS_RTOL = 2.0 ** -4
 MOE_LOGITS_RTOL = 2.0 ** -3
 
 
-class _MegatronTrainer:
+class _MegatronTrainer(LoopRank):
     def __init__(self, spec: dict, rank: int, world: int):
         self.tp = int(spec.get("tp", 1))
         if self.tp < 1 or world % self.tp:
@@ -107,7 +102,7 @@ class _MegatronTrainer:
         torch.cuda.set_device(self.dev)
         self.cfg = ModelConfig(**spec["model"])
         self.rec, self.checks = Recorder(), {"verify": []}
-        self.releasing = None
+        self.logits_rtol = MOE_LOGITS_RTOL if self.moe else LOGITS_RTOL
         self.v = variant(self.variant)  # its memory library imported (torch_memory_saver after Megatron's GPT)
         self.setup: dict = {"variant": self.variant, "trainer": "megatron", "rank": rank, "world": world,
                             "tp": self.tp, "dp": self.dp, "ep": self.ep, "moe": self.moe,
@@ -116,19 +111,11 @@ class _MegatronTrainer:
         torch.zeros(1, device=self.dev)  # the CUDA context
         if spec.get("memory_history"):  # a diagnostic: the offload's residual blocks get their frames (slower steps)
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        props = torch.cuda.get_device_properties(self.dev)
-        self.nvml = NvmlProbe(uuid=str(getattr(props, "uuid", "") or ""), index=self.dev.index)
-        self.setup["nvml"] = self.nvml.why or "ok"
-        self.nvml.assign(spec.get("baseline_pids", []), "other")
-        self.nvml.claim("trainer", pid=os.getpid())
-        self.setup["context_bytes"] = self._sample(-1, "context")["nvml"].get("trainer")
+        self._open_probe()
         self._init_groups()
         self._build()
         self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, self.dev)
         self._start_rollout()
-        self.nvml.claim("rollout", pid=self.rollout.info.get("pid"))
-        self.setup["nvml_roles"] = {str(k): v for k, v in self.nvml.roles.items()}
-        self.setup["rollout"] = {k: v for k, v in self.rollout.info.items() if k not in ("ok", "mem")}
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def _init_groups(self):
@@ -183,21 +170,10 @@ class _MegatronTrainer:
         self.setup["params_stepped"] = dense // self.dp + local_experts // (self.world // self.ep)
         self._host_floor()
 
-    def _host_floor(self):
-        """The CPU optimizer step's host-memory floor on this machine, measured before the rollout starts: the
-        step's bytes per parameter over the in-place triad bandwidth of every thread."""
-        gbps = host_triad(512 << 20, passes=8)
-        self.setup["host_triad_gbps"] = round(gbps, 2)
-        # every rank of the host steps its share at the same time, over the same memory bandwidth
-        local = self.setup["local_world"]
-        self.setup["optimizer_floor_s"] = (STEP_BYTES[self.setup["moments"]] * self.setup["params_stepped"] * local
-                                           / (gbps * 1e9))
-
     def _start_rollout(self):
         import socket  # noqa: PLC0415
         from multiprocessing.connection import Connection  # noqa: PLC0415
 
-        s = self.spec
         mine, theirs = socket.socketpair()
         experts = {}
         if self.expert_names:
@@ -209,31 +185,13 @@ class _MegatronTrainer:
                                    tp_group=self.tp_group, tp_dims=self.tp_dims, **experts)
         self.setup.update(sync=self.sync.mode, sync_bytes=self.sync.plan.nbytes,
                           sync_bf16_bytes=self.sync.plan.source_bytes)
-        spec = {k: s[k] for k in ("model", "variant", "seed", "gen_batch", "prompt_len", "new_tokens",
-                                  "kv_reserve_bytes", "verify_batch", "verify_len", "timeout_s", "scratch_backup")}
-        spec.update(decode=s.get("decode", "eager"), device=self.dev.index, trainer_pid=os.getpid(), arch="megatron",
-                    sync=self.sync.mode)
+        extra = {}
         if self.moe:  # the whole MoE model, its router in fp32 as the trainer's (anchors.megatron.moe_fields)
-            spec["moe"] = {"experts": self.moe["experts"], "topk": self.moe["topk"], "router_fp32": True}
-        env = rollout_env(self.v.em, s["scratch_backup"])
+            extra["moe"] = {"experts": self.moe["experts"], "topk": self.moe["topk"], "router_fp32": True}
         try:
-            self.rollout = RolloutClient(spec, env, {"sync_fd": theirs.fileno()})
+            self._launch_rollout({"sync_fd": theirs.fileno()}, arch="megatron", sync=self.sync.mode, **extra)
         finally:
             theirs.close()
-
-    # ---- measurement -----------------------------------------------------------------------------------------
-    def _sample(self, step: int, phase: str, rollout_mem: dict | None = None) -> dict:
-        m = self.nvml.sample()
-        if m.get("device_used") is None:
-            free, total = torch.cuda.mem_get_info(self.dev)
-            m["device_used"] = total - free
-        selfm = dict(rollout_mem or {})
-        mine = self.v.self_bytes(self.dev)
-        if mine is not None:
-            selfm["trainer"] = mine
-        m["self"] = selfm
-        self.rec.sample(step, phase, m)
-        return m
 
     # ---- the step --------------------------------------------------------------------------------------------
     def _batch(self, step: int):
@@ -286,135 +244,6 @@ class _MegatronTrainer:
             return t
         r = torch.distributed.get_rank(self.tp_group)
         return t.chunk(self.tp, d)[r]
-
-    def step(self, step: int, verify: bool):
-        R, rec, tmo, version = self.rollout, self.rec, self.spec["timeout_s"], step + 1
-        with rec.phase(step, "train") as info:
-            info["loss"] = self._train(step)
-        self._sample(step, "train")
-        early = self.v.early_sync
-        hook = None
-        if early:  # the rollout resumes and the update opens beside the CPU step (the GPU is idle meanwhile)
-            R.send("resume")
-            R.send("load", version=version)
-            opened = self.sync.open(version, streamed=self.v.streamed_sync)  # joined (its failure raised) by the push
-            if self.v.streamed_sync:  # each tensor filled into the rollout's staging as the CPU step uploads it
-                hook = self.opt.add_bucket_hook(opened)
-        try:
-            with rec.phase(step, "optimizer") as info:
-                try:
-                    info.update(self._step_optimizer())
-                finally:
-                    if hook is not None:
-                        hook.remove()
-            self._sample(step, "optimizer")
-            ref = self._reference() if verify else None  # untimed
-            if verify:  # the ranks' untimed work differs: the next timed phases start together
-                align_ranks(self.align, self.world, f"{self.variant}/{step}/reference")
-        except BaseException:
-            if early:  # the push will not come: the rollout's load ends now, its weights as they were
-                self.sync.abort()
-            raise
-        with rec.phase(step, "rollout_resume") as info:
-            info.update(only(R.reply(timeout=tmo) if early else R.call("resume", timeout=tmo), "inside_s",
-                              "bytes_mapped"))
-        self._sample(step, "rollout_resume")
-        with rec.phase(step, "sync") as info:
-            if not early:
-                R.send("load", version=version)
-            info["bytes"] = self.sync.push(version)
-            info.update(self.sync.last_push)
-            load = R.reply(timeout=tmo)
-            info.update(only(load, "apply_s"))  # the rollout's apply of the committed version
-            if not early:  # after an early open the rollout's load began beside the optimizer step
-                info.update(only(load, "inside_s"))
-        self._sample(step, "sync")
-        loaded = R.call("verify_load", timeout=tmo) if verify else None
-        if verify:
-            align_ranks(self.align, self.world, f"{self.variant}/{step}/load")
-        with rec.phase(step, "comm_release") as info:
-            if self.background_teardown:  # agreed, detached; teardown beside offload, generate
-                previous = self.releasing
-                # release() joins the previous teardown itself: a failure there raises on every rank (its agreement)
-                self.releasing = self.ebt.release_groups(include_world=True, wait=False)
-                note_release(info, previous)
-                info["report"] = "teardown in the background (its report: comm_reload's release_report)"
-            else:
-                info["report"] = self.ebt.release_groups(include_world=True).summary()
-        self._sample(step, "comm_release")
-        with rec.phase(step, "offload") as info:
-            info.update(self.v.offload())
-        if self.v.state is not None:
-            note_residual(self.rec.phases[-1], self.v.state)
-        self._sample(step, "offload")
-        clock = self.nvml.sm_clock_mhz()  # the clock the prefill starts at (read outside the timed phase)
-        with rec.phase(step, "generate") as info:
-            if clock is not None:
-                info["sm_clock_mhz"] = clock
-            gen = R.call("generate", timeout=tmo)
-            info.update(only(gen, "tokens", "inside_s", "prefill_gpu_s", "decode_gpu_s",
-                              "host_enqueue_s", "prefill_host_s", "device_mallocs"))
-        self._sample(step, "generate", gen.get("mem"))
-        self._note_decode(gen)
-        if verify:
-            gen.update(only(R.call("verify_generate", timeout=tmo), "decode_vs_full_max_abs", "decode_vs_full_rel",
-                             "decode_vs_full_argmax_equal"))
-            if gen.get("decode") != "eager":
-                gen.update(R.call("check_decode", timeout=tmo))
-            rtol = MOE_LOGITS_RTOL if self.moe else LOGITS_RTOL
-            self.checks["verify"].append(verify_entry(step, self.rank, ref, loaded, gen, rtol))
-            align_ranks(self.align, self.world, f"{self.variant}/{step}/generate")
-        with rec.phase(step, "rollout_pause") as info:
-            info.update(only(R.call("pause", timeout=tmo), "inside_s", "bytes_released"))
-        self._sample(step, "rollout_pause")
-        with rec.phase(step, "onload") as info:
-            info.update(self.v.onload())
-        self._sample(step, "onload")
-        with rec.phase(step, "comm_reload") as info:
-            # a teardown still running (a short generate) goes on beside the reload: not waited for here
-            info["release_teardown_running"] = self.releasing is not None and not self.releasing.done()
-            info["report"] = self.ebt.reload_groups(eager=self.reload_eager).summary()
-            if self.releasing is not None and self.releasing.done():
-                note_release(info, self.releasing)
-                self.releasing = None
-        if self.releasing is not None:
-            # (a generate shorter than the teardown) the step's memory must not count the old communicators beside
-            # the new ones: wait outside the timed phases, say how long, note the release's report here.
-            t0 = time.perf_counter()
-            done, _ = futures.wait([self.releasing], timeout=tmo)
-            ph = self.rec.phases[-1]
-            ph.update(teardown_wait_s=time.perf_counter() - t0, teardown_wait_timed_out=not done)
-            if done:
-                note_release(ph, self.releasing)
-                self.releasing = None
-        self._sample(step, "comm_reload")
-
-    def _note_decode(self, gen: dict):
-        ro = self.setup.setdefault("rollout", {})
-        ro.setdefault("decode_used", gen.get("decode"))
-        if "graph_bytes" in gen and "graph_bytes" not in ro:
-            ro.update(graph_bytes=gen["graph_bytes"], graph_pausable=self.v.name == "ebbtide")
-
-    def run(self) -> None:
-        steps = self.spec["steps"]
-        for s in range(steps):
-            self.step(s, s in (0, steps - 1))
-            last = [p for p in self.rec.phases if p["step"] == s]
-            print(f"[megatron {self.variant}] step {s}: {sum(p['s'] for p in last) * 1e3:.1f} ms, "
-                  f"loss {last[0].get('loss', float('nan')):.4f}", flush=True)
-        if self.releasing is not None:  # the last step's teardown: joined before the process ends, its report kept
-            self.releasing.exception()
-            last_release: dict = {}
-            note_release(last_release, self.releasing)
-            self.setup["last_release"], self.releasing = last_release, None
-
-    def close(self):
-        try:
-            sync = getattr(self, "sync", None)
-            if sync is not None and sync.mode == "ebbtide":
-                sync.sender.close()  # its open thread; the IPC end was closed after the last push
-        finally:
-            self.rollout.close()
 
 
 def main(argv=None) -> int:

@@ -28,17 +28,11 @@ import os
 import torch
 
 from ...anchors import tms as anchor_tms
-from .options import (CACHE_TRIMS, CUMEM_MODES, GROUP_MODES, MEGATRON_VARIANTS, MOMENTS, STEP_BYTES, SYNC_FILLS,
-                      TEARDOWNS)
+from .options import CACHE_TRIMS, MEGATRON_VARIANTS, MOMENTS, SYNC_FILLS
+from .rank import choice as _choice
+from .rank import group_settings, pipeline_times
 
 __all__ = ["Ebbtide", "Slime", "variant"]
-
-
-def _choice(spec: dict, key: str, default: str, words: tuple) -> str:
-    v = spec.get(key, default)
-    if v not in words:
-        raise RuntimeError(f"{key} must be one of {words}, not {v!r}")
-    return v
 
 
 def _dims(tr) -> tuple:
@@ -49,6 +43,7 @@ def _dims(tr) -> tuple:
 class Ebbtide:
     name = sync_mode = "ebbtide"
     early_sync = True  # the rollout resumes and the update opens beside the CPU step (the GPU is idle meanwhile)
+    releases_groups = True
     install = {}  # ebbtide.integrations.megatron.install_groups arguments: its default strategy
 
     def __init__(self, name: str):
@@ -60,8 +55,7 @@ class Ebbtide:
 
     def group_settings(self, spec: dict) -> tuple:
         """(communicator mode, NCCL_CUMEM_ENABLE, teardown) as ``spec`` asks."""
-        return (_choice(spec, "groups", "lazy", GROUP_MODES), _choice(spec, "nccl_cumem", "off", CUMEM_MODES),
-                _choice(spec, "comm_teardown", "background", TEARDOWNS))
+        return group_settings(spec)
 
     def host_threads(self, local: int, setup: dict) -> None:
         pass  # ebbtide's pool takes this rank's share of the host's cores by its own default (LOCAL_WORLD_SIZE)
@@ -111,12 +105,7 @@ class Ebbtide:
 
     def step_info(self, opt, moments: str) -> dict:
         """Where the optimizer phase went (Megatron's ChainedOptimizer asserts on .optimizer)."""
-        out = dict(opt.last_step_times)
-        times = opt.optimizer.last_step_times
-        if times and times["kernel_s"] > 0:
-            out.update(pipeline_s=times["seconds"], kernel_s=times["kernel_s"], copy_wait_s=times["wait_s"],
-                       kernel_gbps=STEP_BYTES[moments] * times["elements"] / times["kernel_s"] / 1e9)
-        return out
+        return {**opt.last_step_times, **pipeline_times(opt.optimizer.last_step_times, moments)}
 
     def offload(self) -> dict:
         rep = self.state.offload()
@@ -135,6 +124,7 @@ class Ebbtide:
 class Slime:
     sync_mode = "slime"
     early_sync = False
+    releases_groups = True  # slime's sleep() destroys them (ebbtide.comm's destroy strategy, as slime does)
     install = {"strategy": "destroy"}  # what slime's ReloadableProcessGroup does: destroy, replay the creations
     em = state = None
     streamed_sync = False

@@ -24,9 +24,10 @@ import torch
 
 from ...testing.bits import digests
 from ...testing.models import ModelConfig
+from .options import CUMEM_MODES, GROUP_MODES, STEP_BYTES, TEARDOWNS
 
 __all__ = ["train_tokens", "prompts", "die_with_parent", "reference_entry", "verify_entry",
-           "align_store", "align_ranks", "only", "rank_main", "exit_now"]
+           "align_store", "align_ranks", "only", "rank_main", "exit_now", "choice", "group_settings", "pipeline_times"]
 
 
 def train_tokens(cfg: ModelConfig, batch: int, seq: int, step: int, rank: int) -> torch.Tensor:
@@ -116,6 +117,29 @@ def align_ranks(store, world: int, key: str) -> None:
     if store.add(f"align/{key}", 1) == world:
         store.set(f"align/{key}/go", b"1")
     store.wait([f"align/{key}/go"])
+
+
+def choice(spec: dict, key: str, default: str, words: tuple) -> str:
+    """``spec[key]`` (``default`` when absent), one of ``words`` (RuntimeError otherwise: the launcher validated)."""
+    v = spec.get(key, default)
+    if v not in words:
+        raise RuntimeError(f"{key} must be one of {words}, not {v!r}")
+    return v
+
+
+def group_settings(spec: dict) -> tuple:
+    """An ebbtide variant's (communicator mode, NCCL_CUMEM_ENABLE, teardown) as ``spec`` asks."""
+    return (choice(spec, "groups", "lazy", GROUP_MODES), choice(spec, "nccl_cumem", "off", CUMEM_MODES),
+            choice(spec, "comm_teardown", "background", TEARDOWNS))
+
+
+def pipeline_times(times: dict, moments: str) -> dict:
+    """Where an ebbtide CPU optimizer step went (its ``last_step_times``): the pipeline, the kernel, the copies'
+    waits, the kernel's bytes per second ({} before a step that ran the kernel)."""
+    if not times or times["kernel_s"] <= 0:
+        return {}
+    return dict(pipeline_s=times["seconds"], kernel_s=times["kernel_s"], copy_wait_s=times["wait_s"],
+                kernel_gbps=STEP_BYTES[moments] * times["elements"] / times["kernel_s"] / 1e9)
 
 
 def only(d: dict, *keys: str) -> dict:

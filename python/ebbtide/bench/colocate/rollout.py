@@ -26,11 +26,13 @@ Policies:
 - One command at a time; each reply carries ``ok``, the time spent inside (device work complete) and, on failure,
   the traceback. The process never exits on a command error: the trainer decides.
 - ``spec["arch"]``: "tiny" (``TinyLM``, the toy trainer's model; weights through the shared host buffer
-  ``buf_fd``) or "megatron" (``MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
-  the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``); ``spec["moe"]`` (megatron
-  only): ``MoEConfig`` fields of a MoE model, served whole (every expert) whatever the trainer's expert
-  parallelism. Every variant other than "ebbtide" runs the rollout on torch_memory_saver ("slime-ebbtide": on
-  ebbtide.compat.torch_memory_saver; ``ebbtide.anchors.tms``).
+  ``buf_fd``), "megatron" (``MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
+  the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``) or "qwen3" (transformers'
+  Qwen3 as the FSDP trainer trains it, ``ebbtide.testing.qwen3.Qwen3LM``; by CUDA IPC in mode "ebbtide" or "verl",
+  or on the CPU through the shared host buffer; eager decode only, its cache transformers' own, dropped after each
+  generate); ``spec["moe"]`` (megatron only): ``MoEConfig`` fields of a MoE model, served whole (every expert)
+  whatever the trainer's expert parallelism. Every variant other than "ebbtide" runs the rollout on
+  torch_memory_saver ("slime-ebbtide": on ebbtide.compat.torch_memory_saver; ``ebbtide.anchors.tms``).
 """
 from __future__ import annotations
 
@@ -47,17 +49,21 @@ from multiprocessing.connection import Connection
 import torch
 
 from ...anchors import tms as anchor_tms
+from ...anchors.areal import TMS_INIT_VARS
 from ...errors import InvalidArgumentError, StateError
 from ...testing.bits import digests
 from ...testing.models import GraphDecoder, KVCache, MegatronGPT, ModelConfig, MoEConfig, TinyLM, greedy_decode
+from ...testing.qwen3 import Qwen3Cache, Qwen3LM
 from .options import ARCHS, DECODE_MODES
 from .rank import die_with_parent, exit_now, prompts
-from .sync import IpcRolloutSync, RolloutSync
+from .sync import PLANS, IpcRolloutSync, RolloutSync
 
 __all__ = ["main", "RolloutClient", "rollout_env", "MODELS", "GRAPH_TAG", "SCRATCH_TAG"]
 
-MODELS = {"tiny": TinyLM, "megatron": MegatronGPT}  # spec["arch"] -> the rollout's model
-assert tuple(MODELS) == ARCHS
+MODELS = {"tiny": TinyLM, "megatron": MegatronGPT, "qwen3": Qwen3LM}  # spec["arch"] -> the rollout's model
+CACHES = {"tiny": KVCache, "megatron": KVCache, "qwen3": Qwen3Cache}  # ... and what its decode continues from
+EAGER_ONLY = ("qwen3",)  # transformers' model: its cache grows every token (no static step to capture)
+assert tuple(MODELS) == ARCHS == tuple(CACHES)
 GRAPH_TAG = "kv_cache"  # the ebbtide rollout's decode graph lives with the cache: discarded on pause, replay refills
 SCRATCH_TAG = "rollout_scratch"  # the ebbtide rollout's untagged allocations (the shim's default tag)
 PAUSED_TAGS = ("weights", "kv_cache", "sync_staging")  # what a pause releases when the scratch is kept
@@ -70,7 +76,9 @@ def rollout_env(em, scratch_backup: str) -> dict:
     never paused, so no backup), and without ``expandable_segments:True`` in PyTorch's allocator settings (its
     memory bypasses cudaMalloc, so the shim could pause none of the rollout's allocations; the rollout uses the plain
     caching allocator instead)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # a trainer under AReaL's preload hook (areal.tms_env): its rollout starts without it, as AReaL's does
+    dropped = ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK", *TMS_INIT_VARS)
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     if em is None:
         return env
     backup = "none" if scratch_backup == "keep" else scratch_backup
@@ -261,28 +269,32 @@ class _Rollout:
         moe = spec.get("moe")
         if moe and arch != "megatron":
             raise InvalidArgumentError(f"a MoE rollout needs arch 'megatron', got {arch!r}")
+        if arch in EAGER_ONLY and self.decode != "eager":
+            raise InvalidArgumentError(f"arch {arch!r} decodes with eager forwards (decode 'eager'), got "
+                                       f"{self.decode!r}")
         moe_kw = {"moe": MoEConfig(**moe)} if moe else {}
         with region("weights"):
             # a different seed from the trainer's: only a correct sync makes the logits match
             self.model = MODELS[arch].random(self.cfg, seed=spec["seed"] + 1, device=self.dev, **moe_kw)
         self.model.requires_grad_(False)
         with region("kv_cache"):
-            self.cache = KVCache(self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)
+            self.cache = CACHES[arch](self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)
             extra = int(spec.get("kv_reserve_bytes", 0))
             self.reserve = torch.empty(extra, dtype=torch.uint8, device=self.dev) if extra else None
         ipc_mode = spec.get("sync") if "sync_fd" in spec else None
         self.staging = None
-        if ipc_mode != "slime":  # the slime-style load copies each bucket straight into the parameters
+        plan_of = PLANS[arch]
+        if ipc_mode not in ("slime", "verl"):  # their loads copy each bucket straight into the parameters
             sync_cls = IpcRolloutSync if ipc_mode else RolloutSync
             with region("sync_staging", shareable=bool(ipc_mode)):
-                n = sync_cls.staging_bytes(self.model)
+                n = sync_cls.staging_bytes(self.model, plan_of)
                 self.staging = torch.empty(n, dtype=torch.uint8, device=self.dev)
         if ipc_mode:
             conn = Connection(socket.socket(fileno=spec["sync_fd"]).detach())
-            self.sync = IpcRolloutSync(self.model, conn, ipc_mode, staging=self.staging)
+            self.sync = IpcRolloutSync(self.model, conn, ipc_mode, staging=self.staging, plan_of=plan_of)
         else:
             self.sync = RolloutSync(self.model, self.codec, spec["buf_fd"], spec["buf_bytes"], pin=self.cuda,
-                                    staging=self.staging)
+                                    staging=self.staging, plan_of=plan_of)
         # kept on the CPU and moved per call: device scratch is discarded on pause with --scratch-backup none
         self.prompts = prompts(self.cfg, B, P, spec["seed"] + 7, "cpu")
         self.verify_tokens = prompts(self.cfg, spec["verify_batch"], spec["verify_len"], spec["seed"] + 11, "cpu")
@@ -338,6 +350,8 @@ class _Rollout:
         events = {} if self.cuda else None
         mallocs = self._device_mallocs()
         seq, last = self._decode(self.prompts.to(self.dev), events)
+        if isinstance(self.cache, Qwen3Cache):
+            self.cache.drop()  # transformers' cache: its memory back to torch's pool, which the pause empties
         out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item()),
                "decode": self.decoder.mode if self.decoder else "eager"}
         if events and "end" in events:  # GPU time of the prefill and of the decode steps (the rest is host time)

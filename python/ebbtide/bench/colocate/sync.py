@@ -23,6 +23,13 @@ Policies:
   bucket, ``ipc_collect`` + ``empty_cache`` per bucket; split tensors gathered one at a time, ``GatheredEach``);
   the rollout rebuilds the views, dequantizes each weight with one launch and copies it into its parameter, as a
   serving engine's ``load_weights`` does, and answers once those copies completed (``slime_load``).
+- The FSDP loop (``FsdpTrainerSync``; the rollout's ``IpcRolloutSync`` / ``RolloutSync`` with ``hf_plan``) sends
+  every parameter raw in bf16 under its HF name (``hf_plan``: the model's order, 512 MiB buckets), as verl's and
+  AReaL's rollouts serve the trainer's dtype. Mode "ebbtide": ``Sender`` with ``ebbtide.integrations.fsdp``'s
+  ``ShardGather`` (one all-gather per bucket, bf16) over ``IpcSender`` on the GPU or the shared host buffer on the
+  CPU (the orchestration check; the rollout reads the buffer after the push). Mode "verl": verl's update
+  (``ebbtide.anchors.verl``: ``full_tensor()`` per tensor, cast, copied into one 2 GiB CUDA IPC buffer, a round trip
+  per bucket; the rollout clones each bucket out and copies every tensor into its parameter by name).
 """
 from __future__ import annotations
 
@@ -30,15 +37,18 @@ import time
 
 import torch
 
+from ...anchors import verl
 from ...anchors.sync import GatheredEach, slime_load, slime_update, torch_load, torch_pack, torch_reference
 from ...errors import InvalidArgumentError, StateError
 from ...sync import (HostReceiver, HostSender, IpcReceiver, IpcSender, Plan, Receiver, Sender, SharedHostBuffer,
                      expected)
 from .options import CODECS, IPC_MODES
 
-__all__ = ["sync_plan", "TrainerSync", "RolloutSync", "megatron_plan", "IpcTrainerSync", "IpcRolloutSync"]
+__all__ = ["sync_plan", "TrainerSync", "RolloutSync", "megatron_plan", "IpcTrainerSync", "IpcRolloutSync",
+           "hf_plan", "FsdpTrainerSync", "PLANS"]
 
 MEGATRON_RULES = ((r"^output_layer\.", "raw"),)  # the LM head stays bf16, as slime serves it (HF "lm_head")
+HF_BUCKET_BYTES = 512 << 20
 
 
 def sync_plan(model) -> Plan:
@@ -88,19 +98,21 @@ class TrainerSync:
 # ---- rollout side --------------------------------------------------------------------------------------------
 class RolloutSync:
     """The rollout's end over the buffer the trainer created (``fd``, ``nbytes`` inherited). ``staging`` is the
-    device buffer the update is copied into before it is applied (``plan.nbytes``; allocated here if None)."""
+    device buffer the update is copied into before it is applied (``plan.nbytes``; allocated here if None);
+    ``plan_of``: how both ends build the plan from a model (default the toy loop's)."""
 
-    def __init__(self, model, codec: str, fd: int, nbytes: int, *, pin: bool, staging: torch.Tensor | None = None):
+    def __init__(self, model, codec: str, fd: int, nbytes: int, *, pin: bool, staging: torch.Tensor | None = None,
+                 plan_of=sync_plan):
         _check_codec(codec)
         self.model, self.codec = model, codec
-        self.plan = sync_plan(model)
+        self.plan = plan_of(model)
         self.buffer = SharedHostBuffer(fd, nbytes, pin=pin)
         self.receiver = Receiver(model, self.plan, staging=staging)
         self.host = HostReceiver(self.buffer)
 
     @staticmethod
-    def staging_bytes(model) -> int:
-        return sync_plan(model).nbytes
+    def staging_bytes(model, plan_of=sync_plan) -> int:
+        return plan_of(model).nbytes
 
     @torch.no_grad()
     def load(self, version: int) -> int:
@@ -124,6 +136,19 @@ def megatron_plan(named) -> Plan:
     return Plan.of(dict(sorted(dict(named).items())), rules=MEGATRON_RULES)
 
 
+def hf_plan(named) -> Plan:
+    """The FSDP loop's plan (see the module policies), from ``{name: tensor}`` or ``model.named_parameters()`` in
+    the model's order: the trainer's full shapes under served names, the rollout's own parameters."""
+    if isinstance(named, torch.nn.Module):
+        named = named.named_parameters()
+    return Plan.build([(n, tuple(t.shape), torch.bfloat16) for n, t in dict(named).items()], default="raw",
+                      bucket_bytes=HF_BUCKET_BYTES)
+
+
+# the rollout's arch -> how its end builds the plan (the trainer's end builds the same from its names and shapes)
+PLANS = {"tiny": sync_plan, "megatron": lambda m: megatron_plan(m.named_parameters()), "qwen3": hf_plan}
+
+
 def _check_mode(mode: str) -> None:
     if mode not in IPC_MODES:
         raise InvalidArgumentError(f"IPC sync mode must be one of {IPC_MODES}, got {mode!r}")
@@ -139,6 +164,7 @@ class IpcTrainerSync:
     whole model, experts gathered eagerly): ``weights`` gives this rank's local experts, the plan has every expert
     under its global name; ebbtide's sender gathers them per bucket, the slime-style update and the reference
     read ``full()``."""
+    receiver_first = True  # the rollout's load runs while the push does (it maps each bucket as it comes)
 
     def __init__(self, weights, conn, mode: str, *, tp_group=None, tp_dims=None, ep_group=None, ep_sources=None,
                  full=None):
@@ -235,23 +261,28 @@ class IpcTrainerSync:
         return {it.source: fp8_block_dequant(*fp8_block_quant(named[it.source])) if it.kind == "fp8"
                 else named[it.source].clone() for it in self.plan.items}
 
+    def close(self) -> None:
+        if self.mode == "ebbtide":
+            self.sender.close()  # its open thread; the IPC end was closed after the last push
+
 
 class IpcRolloutSync:
     """The rollout's end over ``conn``; ``staging`` (mode "ebbtide": ``plan.nbytes`` on the device) is where the
-    update is staged before it is applied."""
+    update is staged before it is applied; ``plan_of``: how both ends build the plan from a model (default the
+    Megatron loop's)."""
 
-    def __init__(self, model, conn, mode: str, *, staging: torch.Tensor | None = None):
+    def __init__(self, model, conn, mode: str, *, staging: torch.Tensor | None = None, plan_of=PLANS["megatron"]):
         _check_mode(mode)
         self.model, self.conn, self.mode = model, conn, mode
         self.params = dict(model.named_parameters())
-        self.plan = megatron_plan(self.params)
+        self.plan = plan_of(model)
         if mode == "ebbtide":
             self.receiver = Receiver(self.params, self.plan, staging=staging)
             self.ipc = IpcReceiver(conn)
 
     @staticmethod
-    def staging_bytes(model) -> int:
-        return megatron_plan(model.named_parameters()).nbytes
+    def staging_bytes(model, plan_of=PLANS["megatron"]) -> int:
+        return plan_of(model).nbytes
 
     @torch.no_grad()
     def load(self, version: int) -> int:
@@ -266,4 +297,94 @@ class IpcRolloutSync:
             if got != version:
                 raise StateError(f"the rollout applied version {got}, expected {version}")
             return self.plan.nbytes
+        if self.mode == "verl":
+            verl.receive_weights(self.conn, self._load_by_name)
+            return self.plan.nbytes
         return slime_load(self.plan, self.params, self.conn)
+
+    @torch.no_grad()
+    def _load_by_name(self, weights) -> None:
+        """verl's update's load: each ``(name, tensor)`` copied into the parameter of that name (a tied
+        ``lm_head.weight`` a trainer's state_dict lists is the embedding: not a parameter of its own here)."""
+        for name, t in weights:
+            p = self.params.get(name)
+            if p is not None:
+                p.copy_(t)
+
+
+# ---- the FSDP loop --------------------------------------------------------------------------------------------
+class FsdpTrainerSync:
+    """The FSDP loop's trainer end (see the module policies): ``model`` an FSDP2 model of transformers' names,
+    ``mode`` "ebbtide" or "verl", ``conn`` the socket's connection to the rollout's ``IpcRolloutSync`` (on the GPU);
+    on the CPU (mode "ebbtide" only) the end owns a shared host buffer (``fd``, ``nbytes`` go to the rollout).
+    ``receiver_first``: whether the rollout's load must run while the push does (IPC) or after it (host buffer)."""
+
+    def __init__(self, model, mode: str, *, device, conn=None):
+        import ebbtide.integrations.fsdp as ebt  # noqa: PLC0415
+
+        _check_mode(mode)
+        if mode == "slime":
+            raise InvalidArgumentError("the FSDP loop's sync modes are 'ebbtide' and 'verl'")
+        self.model, self.mode, self.conn, self.device = model, mode, conn, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if mode == "verl" and not self.cuda:
+            raise InvalidArgumentError("verl's update moves the weights by CUDA IPC: it needs a GPU")
+        self.receiver_first = self.cuda
+        self.last_push: dict = {}
+        # full shapes under served names, in the model's order (a DTensor's shape is the full one)
+        self.plan = hf_plan({ebt.served_name(n): torch.empty(p.shape, device="meta")
+                             for n, p in model.named_parameters()})
+        self.fd = self.nbytes = self.buffer = None
+        if mode == "ebbtide":
+            if self.cuda:
+                self.transport = IpcSender(conn)
+            else:
+                self.buffer = SharedHostBuffer.create(SharedHostBuffer.size_for(self.plan), pin=False)
+                self.fd, self.nbytes = self.buffer.fd, self.buffer.nbytes
+                self.transport = HostSender(self.buffer, keep_slots=False)
+            gather = ebt.ShardGather(model, dtype=torch.bfloat16)
+            self.sender = Sender(ebt.local_weights(model), self.transport, plan=self.plan, gather=gather)
+
+    def open(self, version: int, *, streamed: bool = False):
+        """Mode "ebbtide" on the GPU: begin update ``version`` on the sender's thread (``Sender.open(wait=False)``;
+        the rollout must be in its load). None otherwise."""
+        if streamed:
+            raise InvalidArgumentError("the FSDP loop's update is gathered per bucket: it cannot be streamed")
+        if self.mode != "ebbtide" or not self.cuda:
+            return None
+        return self.sender.open(version, wait=False)
+
+    def abort(self) -> None:
+        if self.mode == "ebbtide":
+            self.sender.abort()
+
+    @torch.no_grad()
+    def push(self, version: int) -> int:
+        """Send the current weights as ``version``; returns the plan's wire bytes. IPC: returns when the rollout
+        holds them; the host buffer: when they are in it (the rollout's load comes next)."""
+        if self.mode == "ebbtide":
+            rep = self.sender.push(version)
+            t0 = time.perf_counter()
+            if self.cuda:
+                self.transport.close()  # the imported staging is unmapped (re-shared at the next push)
+            self.last_push = {k: rep[k] for k in ("begin_s", "open_s", "fill_s", "commit_s") if k in rep}
+            self.last_push["close_s"] = time.perf_counter() - t0
+        else:
+            verl.send_weights(verl.per_tensor_weights(self.model, self.device), self.conn, torch.bfloat16,
+                              self.device)
+        if self.cuda:
+            torch.cuda.ipc_collect()
+        return self.plan.nbytes
+
+    @torch.no_grad()
+    def reference(self) -> dict:
+        """{name: the bf16 full tensor the rollout must hold after a push}, gathered tensor by tensor (collective
+        over the model's group), whatever the variant's shards and dtypes."""
+        names = {it.source for it in self.plan.items}
+        return {n: t.to(torch.bfloat16) for n, t in verl.per_tensor_weights(self.model, self.device) if n in names}
+
+    def close(self) -> None:
+        if self.mode == "ebbtide":
+            self.sender.close()
+        if self.buffer is not None:
+            self.buffer.close()
