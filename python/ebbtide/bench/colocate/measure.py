@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["PHASES", "MEGATRON_PHASES", "STEADY_PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize",
+__all__ = ["PHASES", "MEGATRON_PHASES", "held_above_context", "STEADY_PHASES", "Recorder", "NvmlProbe", "nvml_all_pids", "summarize",
            "growth_check", "steady_check", "format_report", "plot_timeline", "GROWTH_TOLERANCE", "STEADY_TOLERANCE",
            "PATHS", "path_lines"]
 
@@ -230,6 +230,14 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         "losses": [p["loss"] for p in ranks[0]["phases"] if p["phase"] == "train" and "loss" in p],
         "paths_s": _paths(ranks, measured),
     }
+
+
+def held_above_context(vr: dict):
+    """A variant's result (``run_variant`` + its summary): its rank 0 trainer's NVML bytes while the rollout
+    generates (median) above the trainer's CUDA context; None where either was not read."""
+    m = (vr.get("summary") or {}).get("memory", {}).get("generate", {}).get("trainer_nvml")
+    c = ((vr.get("ranks") or [{}])[0].get("setup") or {}).get("context_bytes")
+    return None if m is None or c is None else m - c
 
 
 def _mem_median(rows: list[dict]) -> dict:

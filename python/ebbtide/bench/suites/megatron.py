@@ -137,9 +137,10 @@ def _colocated(ctx):
 
 
 def _held_above_context(vr: dict):
-    m = (vr.get("summary") or {}).get("memory", {}).get("generate", {}).get("trainer_nvml")
-    c = ((vr.get("ranks") or [{}])[0].get("setup") or {}).get("context_bytes")
-    return None if m is None or c is None else (m - c) / GB
+    from ..colocate.measure import held_above_context  # noqa: PLC0415
+
+    held = held_above_context(vr)
+    return None if held is None else held / GB
 
 
 def colocated_rows(res: dict, out: str = ""):
