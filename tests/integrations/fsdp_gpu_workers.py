@@ -4,7 +4,12 @@ receiving process for the CUDA IPC weight sync."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -101,6 +106,33 @@ def offload_cycles(rank, world, addr, steps=10):
     return {"losses": [x.item() for x in got], "reports": reports}
 
 
+_ROLLOUT_MAIN = ("import json, sys; a = json.loads(sys.argv[1]); sys.path[:0] = a['path']; "
+                 "import fsdp_gpu_workers; fsdp_gpu_workers.rollout_main(a)")
+
+
+def start_rollout(args: dict):
+    """The rollout in a program of its own (a subprocess, not a multiprocessing child: a rank process may be
+    daemonic, and a daemonic process may not have children), in the rank's process group (stopping the rank stops
+    it), its two connections inherited as sockets: (process, the sync's connection, the results' connection). ``args``: ``rollout``'s keyword
+    arguments (JSON)."""
+    sync, sync_child = socket.socketpair()
+    res, res_child = socket.socketpair()
+    fds = [sync_child.fileno(), res_child.fileno()]
+    arg = json.dumps({**args, "fds": fds, "path": [os.path.dirname(os.path.abspath(__file__)), *sys.path]})
+    try:
+        p = subprocess.Popen([sys.executable, "-c", _ROLLOUT_MAIN, arg], pass_fds=fds)
+    finally:
+        sync_child.close()
+        res_child.close()
+    return p, Connection(sync.detach()), Connection(res.detach())
+
+
+def rollout_main(a: dict) -> None:
+    conn, results = (Connection(socket.socket(fileno=fd).detach()) for fd in a.pop("fds"))
+    a.pop("path")
+    rollout(conn, results, **a)
+
+
 def rollout(conn, results, specs, plan_kw, versions):
     """The rollout process on the same GPU: an HF Qwen3 (bf16, not sharded) receiving ``versions`` updates over
     CUDA IPC, the digests of its weights sent after each."""
@@ -130,8 +162,6 @@ def ipc_sync(rank, world, addr, versions=5, fp8=False):
     """Trainer side: after every step push the model through Sender(gather=ShardGather) over CUDA IPC to the
     rollout process; its weights must equal ``ebbtide.sync.expected`` of the trainer's gathered weights bit for
     bit (bf16 raw, or FP8 block-quantized and dequantized)."""
-    import multiprocessing as mp
-
     import ebbtide.integrations.fsdp as ebt
     from ebbtide.sync import IpcSender, Sender, expected
 
@@ -142,12 +172,7 @@ def ipc_sync(rank, world, addr, versions=5, fp8=False):
     plan_kw = {"default": "fp8" if fp8 else "raw", "bucket_bytes": 4 << 20}
     plan = gather.plan(**plan_kw)
     specs = [(n, list(shape), str(dt).replace("torch.", "")) for n, shape, dt in gather.specs()]
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    res_r, res_w = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=rollout, args=(b, res_w, specs, plan_kw, versions))
-    p.start()
-    b.close()
+    p, a, res_r = start_rollout({"specs": specs, "plan_kw": plan_kw, "versions": versions})
     sender = Sender(ebt.local_weights(model), IpcSender(a, timeout=120), plan=plan, gather=gather)
     seconds = []
     try:
@@ -164,11 +189,13 @@ def ipc_sync(rank, world, addr, versions=5, fp8=False):
             assert got[2] == digests({n: want[n] for n in got[2]}), f"version {v}: the rollout's weights differ"
         sender.close()
     finally:
-        p.join(120)
-        if p.is_alive():
+        try:
+            p.wait(120)
+        except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()
     dist.destroy_process_group()
-    return {"push_s": seconds, "buckets": len(plan.buckets), "exit": p.exitcode}
+    return {"push_s": seconds, "buckets": len(plan.buckets), "exit": p.returncode}
 
 
 def exact_sharded_adam(rank, world, addr, steps=20):
