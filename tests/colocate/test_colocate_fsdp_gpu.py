@@ -7,12 +7,7 @@ Each checks: the rollout holds the trainer's gathered bf16 weights bit for bit a
 the trainer's forward, no memory growth, the memory handed over both ways, the Megatron loop's phases, finite
 losses. The same loop on CPU ranks: test_colocate_fsdp_cpu.py."""
 import importlib.util
-import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -22,6 +17,8 @@ pytest.importorskip("transformers")
 from ebbtide.bench.colocate.measure import MEGATRON_PHASES, held_above_context  # noqa: E402
 from ebbtide.bench.colocate.options import NEEDS_TMS  # noqa: E402
 
+from colocate_cli import run_colocate  # noqa: E402  (this folder's)
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="the FSDP2 loop on a GPU needs CUDA (NCCL, CUDA IPC); no CUDA GPU visible "
@@ -29,17 +26,10 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _run(tmp_path, variant: str, *extra: str):
-    art = os.environ.get("EBBTIDE_TEST_ARTIFACTS")
-    if art:
-        tmp_path = pathlib.Path(art) / f"colocate-fsdp-{variant}"
-        tmp_path.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "ebbtide", "colocate", "--trainer", "fsdp", "--quick", "--steps", "3", "--warmup",
-           "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200", "--steady-guard", "warn", *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    logs = "".join(f"\n--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(tmp_path.glob("*.log")))
-    print(p.stdout)  # the table, shown with -s or on failure
-    res = json.loads((tmp_path / "results.json").read_text())
-    return p, res["variants"][variant], f"{p.stdout}\n{p.stderr}{logs}"
+    p, res, diag = run_colocate(tmp_path, f"colocate-fsdp-{variant}",
+                                ["--trainer", "fsdp", "--quick", "--steps", "3", "--warmup", "1", "--variants", variant,
+                                 "--timeout", "200", "--steady-guard", "warn", *extra])
+    return p, res["variants"][variant], diag
 
 
 def _memory(summary: dict, phase: str, role: str):

@@ -6,12 +6,7 @@ Each checks: the rollout holds the trainer's weights bit for bit after the sync 
 forward on them, no memory growth, memory handed over both ways, every phase timed, finite losses.
 Megatron's DDP buffers and rotary embeddings allocate on the GPU, so these skip without CUDA."""
 import importlib.util
-import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -19,6 +14,8 @@ torch = pytest.importorskip("torch")
 
 from ebbtide.bench.colocate.config import MEGATRON_QUICK  # noqa: E402
 from ebbtide.bench.colocate.measure import MEGATRON_PHASES  # noqa: E402
+
+from colocate_cli import run_colocate  # noqa: E402  (this folder's)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,17 +27,9 @@ pytestmark = [
 
 
 def _run(tmp_path, variant: str, *extra: str):
-    art = os.environ.get("EBBTIDE_TEST_ARTIFACTS")
-    if art:
-        tmp_path = pathlib.Path(art) / ("colocate-megatron-" + "-".join([variant, *(x.strip("-") for x in extra)]))
-        tmp_path.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "ebbtide", "colocate", "--trainer", "megatron", "--quick", "--steps", "3", "--warmup",
-           "1", "--variants", variant, "--out", str(tmp_path), "--timeout", "200", "--steady-guard", "warn", *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    logs = "".join(f"\n--- {f.name}\n{f.read_text()[-6000:]}" for f in sorted(tmp_path.glob("*.log")))
-    print(p.stdout)  # the table, shown with -s or on failure
-    res = json.loads((tmp_path / "results.json").read_text())
-    return p, res, f"{p.stdout}\n{p.stderr}{logs}"
+    name = "colocate-megatron-" + "-".join([variant, *(x.strip("-") for x in extra)])
+    return run_colocate(tmp_path, name, ["--trainer", "megatron", "--quick", "--steps", "3", "--warmup", "1",
+                                         "--variants", variant, "--timeout", "200", "--steady-guard", "warn", *extra])
 
 
 def _used(summary: dict, phase: str, role: str):

@@ -97,5 +97,5 @@ def test_the_mesh_groups_release_and_reload():
 def test_sharded_adam_refuses_a_stale_shard_by_name():
     """model.to() that moves the values, load_state_dict(assign=True) and a set_ onto the local tensor each leave
     the optimizer holding memory the model no longer reads: its step raises StateError naming the parameter."""
-    res = megatron_spawn.run("stale_shards", 1, module="fsdp_workers", timeout=300)
+    res = spawn.ranks("stale_shards", 1, module="fsdp_workers", timeout=300)
     assert res[0]["seen"] == ["was moved since sharded_adam()", "new Parameter", "moved to another storage"], res

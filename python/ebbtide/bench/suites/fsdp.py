@@ -17,10 +17,7 @@ against every anchor.
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
 
-from ... import settings
 from ..registry import Row, Skip, suite
 
 SUITE = "fsdp"
@@ -38,16 +35,10 @@ def run(ctx):
     ctx.require_gpu()
     if importlib.util.find_spec("transformers") is None:
         raise Skip("transformers is not installed")
-    from ..colocate.launcher import run_loop  # noqa: PLC0415
-    from ...testing.spawn import TEST_ARTIFACTS  # noqa: PLC0415
+    from ._loop import run_colocated  # noqa: PLC0415
 
-    art = settings.get(TEST_ARTIFACTS)  # scripts/gpu-check packs this folder into logs.tgz
-    out = os.path.join(art, "fsdp-colocate") if art else tempfile.mkdtemp(prefix="ebbtide-fsdp-colocate-")
-    os.makedirs(out, exist_ok=True)
     over = {} if ctx.quick else {"steps": 4, "warmup": 1}
-    ctx.progress(f"fsdp: colocated loop, {'quick' if ctx.quick else 'default'} size (out: {out})")
-    res = run_loop(trainer="fsdp", out=out, quick=ctx.quick, timeout_s=600 if ctx.quick else 1200,
-                   log=ctx.progress, **over)
+    res, out = run_colocated(ctx, "fsdp", timeout_s=600 if ctx.quick else 1200, **over)
     for v, info in res["variants"].items():
         if not info.get("summary"):
             ctx.note_skip(f"fsdp variant {v}", str(info.get("why", "no result"))[-400:])

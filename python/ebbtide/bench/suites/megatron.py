@@ -24,10 +24,7 @@ while the rollout generates (NVML, above its CUDA context) against both.
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
 
-from ... import settings
 from ..registry import Row, Skip, suite
 
 SUITE = "megatron"
@@ -119,16 +116,10 @@ LOOP_PHASES = (("optimizer", "optimizer step"), ("sync", "weight sync (trainer -
 
 
 def _colocated(ctx):
-    from ...testing.spawn import TEST_ARTIFACTS  # noqa: PLC0415
-    from ..colocate.launcher import run_loop  # noqa: PLC0415
+    from ._loop import run_colocated  # noqa: PLC0415
 
-    art = settings.get(TEST_ARTIFACTS)  # scripts/gpu-check packs this folder into logs.tgz
-    out = os.path.join(art, "megatron-colocate") if art else tempfile.mkdtemp(prefix="ebbtide-megatron-colocate-")
-    os.makedirs(out, exist_ok=True)
     over = {} if ctx.quick else {"steps": 6, "warmup": 2}
-    ctx.progress(f"megatron: colocated loop, {'quick' if ctx.quick else 'default'} size (out: {out})")
-    res = run_loop(trainer="megatron", out=out, quick=ctx.quick, timeout_s=400 if ctx.quick else 900,
-                   log=ctx.progress, **over)
+    res, out = run_colocated(ctx, "megatron", timeout_s=400 if ctx.quick else 900, **over)
     if not res["variants"].get("ebbtide", {}).get("summary"):
         ctx.note_skip("megatron colocated loop", f"the ebbtide loop failed: "
                       f"{res['variants'].get('ebbtide', {}).get('why', 'no result')} (logs in {out})")
