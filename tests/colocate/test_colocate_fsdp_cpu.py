@@ -114,3 +114,19 @@ def test_variants_refuse_what_they_cannot_run():
         FsdpTrainerSync(torch.nn.Linear(2, 2), "slime", device="cpu")
     with pytest.raises(InvalidArgumentError, match="needs a GPU"):
         FsdpTrainerSync(torch.nn.Linear(2, 2), "verl", device="cpu")
+
+
+def test_the_rollout_keeps_the_buffers_no_sync_refills_out_of_the_weights_region():
+    # transformers' rotary inv_freq is a buffer, not a parameter: the weights' region is paused with no copy, so
+    # the rollout moves it out; it refuses a scratch setting that would discard it
+    from ebbtide.bench.colocate.rollout import keep_buffers
+
+    model = qwen3.Qwen3LM.random(TINY, seed=1)
+    before = {n: (b.data_ptr(), b.clone()) for n, b in model.named_buffers()}
+    assert any("inv_freq" in n for n in before), list(before)
+    with pytest.raises(InvalidArgumentError, match="scratch-backup none"):
+        keep_buffers(model, "none")
+    assert {n: b.data_ptr() for n, b in model.named_buffers()} == {n: p for n, (p, _) in before.items()}
+    keep_buffers(model, "keep")
+    for n, b in model.named_buffers():
+        assert b.data_ptr() != before[n][0] and torch.equal(b, before[n][1]), n

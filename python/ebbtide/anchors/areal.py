@@ -1,10 +1,14 @@
 """AReaL's FSDP2 offload, reproduced from its source (inclusionAI/AReaL at 4aef98d8): the trainer process runs under
 torch_memory_saver's preload hook with every allocation captured and backed up to the CPU
-(``areal/utils/offload.py`` ``get_tms_env_vars``: ``LD_PRELOAD`` of the package's
-``torch_memory_saver_hook_mode_preload.abi3.so``, ``TMS_INIT_ENABLE=1``, ``TMS_INIT_ENABLE_CPU_BACKUP=1``; the engine
+(``areal/utils/offload.py`` ``get_tms_env_vars``: ``LD_PRELOAD`` of the package's preload library,
+``TMS_INIT_ENABLE=1``, ``TMS_INIT_ENABLE_CPU_BACKUP=1``; the engine
 sets ``torch_memory_saver.hook_mode = "preload"``), and ``areal/engine/fsdp_engine.py`` ``offload`` / ``onload``
 are ``clear_memory()`` (gc + ``empty_cache``) then ``torch_memory_saver.pause()``, a device synchronize and a
 barrier, and ``resume()``, a synchronize and a barrier.
+
+AReaL names the unsuffixed ``torch_memory_saver_hook_mode_preload.abi3.so``; torch_memory_saver 0.0.10 builds that
+one against CUDA 12 and ships ``..._cu12`` / ``..._cu13`` beside it, so the library here is the one the package itself
+picks for torch's CUDA major (``anchors.tms.preload_library``): AReaL's setting on a CUDA 13 machine.
 """
 from __future__ import annotations
 
@@ -20,12 +24,11 @@ TMS_INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP")
 def tms_env(env: dict | None = None) -> dict:
     """A copy of ``env`` (default os.environ) that starts a process as AReaL starts its trainer under
     torch_memory_saver. RuntimeError where the package or its preload library is missing."""
-    import torch_memory_saver as tms_pkg  # noqa: PLC0415
+    from .tms import preload_library  # noqa: PLC0415
 
-    lib = os.path.join(os.path.dirname(os.path.dirname(tms_pkg.__file__)),
-                       "torch_memory_saver_hook_mode_preload.abi3.so")
-    if not os.path.exists(lib):
-        raise RuntimeError(f"torch_memory_saver's preload library {lib} does not exist")
+    lib = preload_library()
+    if lib is None:
+        raise RuntimeError("torch_memory_saver is not installed (pip install torch_memory_saver)")
     out = dict(os.environ if env is None else env)
     out.update(LD_PRELOAD=lib, **dict.fromkeys(TMS_INIT_VARS, "1"))
     return out

@@ -4,7 +4,9 @@ outside its regions back too. ``dropin``: ``ebbtide.compat.torch_memory_saver`` 
 drop-in: the one import swapped, nothing else changes)."""
 from __future__ import annotations
 
-__all__ = ["torch_memory_saver", "pause"]
+import importlib.util
+
+__all__ = ["torch_memory_saver", "pause", "preload_library"]
 
 
 def torch_memory_saver(*, dropin: bool = False, retain_cpu_backup: bool = False):
@@ -31,3 +33,14 @@ def pause(tms, *, empty_cache_first: bool = True) -> None:
         torch.cuda.empty_cache()
     tms.pause()
     torch.cuda.empty_cache()
+
+
+def preload_library() -> str | None:
+    """Path of torch_memory_saver's LD_PRELOAD library as the package picks it for a subprocess (its
+    ``configure_subprocess``: the build for torch's CUDA major, ``..._cu12`` or ``..._cu13``), or None where the
+    package is not installed. RuntimeError (the package's) where no build matches the CUDA runtime."""
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        return None
+    from torch_memory_saver.utils import get_binary_path_from_package  # noqa: PLC0415
+
+    return str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))

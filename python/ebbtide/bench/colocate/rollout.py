@@ -85,6 +85,19 @@ def rollout_env(em, scratch_backup: str) -> dict:
     return em.preload_env(em.without_expandable_segments(env), default_tag=SCRATCH_TAG, default_backup=backup)
 
 
+def keep_buffers(model: torch.nn.Module, scratch_backup: str) -> None:
+    """Move ``model``'s buffers (transformers' rotary ``inv_freq``: values no weight sync carries) out of the
+    weights' region, whose pause keeps no copy since every sync refills the parameters: each is cloned outside any
+    region, into the untagged memory that ``--scratch-backup keep`` or ``cpu`` carries across the pause (``none``,
+    which discards it, is refused for a model with buffers)."""
+    held = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    if held and scratch_backup == "none":
+        raise InvalidArgumentError(f"--scratch-backup none would discard the rollout model's buffers "
+                                   f"({held[0][1]}, ...), which no weight sync refills: use keep or cpu")
+    for module, name, buf in held:
+        module._buffers[name] = buf.clone()
+
+
 class RolloutClient:
     """The rollout process and its socket; ``call`` raises with the rollout's traceback on failure. ``fds``: file
     descriptors the rollout inherits, named in its spec (``buf_fd``: the shared host buffer; ``sync_fd``: the
@@ -276,6 +289,7 @@ class _Rollout:
         with region("weights"):
             # a different seed from the trainer's: only a correct sync makes the logits match
             self.model = MODELS[arch].random(self.cfg, seed=spec["seed"] + 1, device=self.dev, **moe_kw)
+        keep_buffers(self.model, spec.get("scratch_backup", "keep"))
         self.model.requires_grad_(False)
         with region("kv_cache"):
             self.cache = CACHES[arch](self.cfg, B, P + N, device=self.dev, dtype=torch.bfloat16)

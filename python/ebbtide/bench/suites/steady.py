@@ -57,21 +57,6 @@ def sizes(quick: bool) -> dict:
                 train_seq=512, train_reps=5, rounds=3)
 
 
-def tms_preload_library() -> str | None:
-    """Path of torch_memory_saver's LD_PRELOAD library, or None (not installed / not found)."""
-    spec = importlib.util.find_spec("torch_memory_saver")
-    if spec is None or not spec.origin:
-        return None
-    root = os.path.dirname(os.path.dirname(spec.origin))
-    libs = sorted(f for f in os.listdir(root) if f.startswith("torch_memory_saver_hook_mode_preload"))
-    # the package ships one per CUDA major (..._cu12, ..._cu13) and an unsuffixed one; prefer torch's
-    import torch  # noqa: PLC0415
-
-    major = (torch.version.cuda or "").split(".")[0]
-    pick = [f for f in libs if f"_cu{major}." in f] or [f for f in libs if "_cu" not in f]
-    return os.path.join(root, pick[0]) if pick else None
-
-
 def worker_env(mode: str) -> dict:
     """The worker's environment: this one without LD_PRELOAD, plus the setup's shim."""
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -80,7 +65,9 @@ def worker_env(mode: str) -> dict:
 
         return em.preload_env(em.without_expandable_segments(env), default_tag=DEFAULT_TAG)
     if mode == "tms-preload":
-        lib = tms_preload_library()
+        from ...anchors.tms import preload_library  # noqa: PLC0415
+
+        lib = preload_library()
         if lib is None:
             raise Skip("torch_memory_saver's preload library not found")
         env["LD_PRELOAD"] = lib
