@@ -15,10 +15,10 @@ from __future__ import annotations
 import gc
 import os
 
-__all__ = ["tms_env", "saver", "offload", "onload", "TMS_INIT_VARS"]
+__all__ = ["tms_env", "saver", "offload", "onload", "PRELOAD_INIT_VARS"]
 
 # what tms_env sets beside LD_PRELOAD (a process started from the trainer, as AReaL's rollout is not, drops them)
-TMS_INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP")
+PRELOAD_INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP")
 
 
 def tms_env(env: dict | None = None) -> dict:
@@ -30,7 +30,7 @@ def tms_env(env: dict | None = None) -> dict:
     if lib is None:
         raise RuntimeError("torch_memory_saver is not installed (pip install torch_memory_saver)")
     out = dict(os.environ if env is None else env)
-    out.update(LD_PRELOAD=lib, **dict.fromkeys(TMS_INIT_VARS, "1"))
+    out.update(LD_PRELOAD=lib, **dict.fromkeys(PRELOAD_INIT_VARS, "1"))
     return out
 
 

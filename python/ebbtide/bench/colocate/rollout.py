@@ -49,7 +49,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from ...anchors import tms as anchor_tms
-from ...anchors.areal import TMS_INIT_VARS
+from ...anchors.areal import PRELOAD_INIT_VARS
 from ...errors import InvalidArgumentError, StateError
 from ...testing.bits import digests
 from ...testing.models import GraphDecoder, KVCache, MegatronGPT, ModelConfig, MoEConfig, TinyLM, greedy_decode
@@ -77,7 +77,7 @@ def rollout_env(em, scratch_backup: str) -> dict:
     memory bypasses cudaMalloc, so the shim could pause none of the rollout's allocations; the rollout uses the plain
     caching allocator instead)."""
     # a trainer under AReaL's preload hook (areal.tms_env): its rollout starts without it, as AReaL's does
-    dropped = ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK", *TMS_INIT_VARS)
+    dropped = ("LD_PRELOAD", "RANK", "WORLD_SIZE", "LOCAL_RANK", *PRELOAD_INIT_VARS)
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     if em is None:
         return env
