@@ -40,9 +40,12 @@ bool raw(const char* name, unsigned flags, std::string* text) {
   return !text->empty();
 }
 
-ebt_status_t bad_value(const char* name, const std::string& value, const std::string& accepted) {
-  return ebt_set_error_quiet(EBT_ERROR_SETTING, "%s='%s' is not a valid setting: expected %s", name, value.c_str(),
-                             accepted.c_str());
+ebt_status_t bad_value(const char* name, const std::string& value, const std::string& accepted,
+                       const std::string& dflt) {
+  return ebt_set_error_quiet(EBT_ERROR_SETTING,
+                             "%s='%s' is not a valid setting: expected %s; fix it, or unset %s for the default%s%s%s",
+                             name, value.c_str(), accepted.c_str(), name, dflt.empty() ? "" : " (",
+                             dflt.c_str(), dflt.empty() ? "" : ")");
 }
 
 bool parse_size(const std::string& text, uint64_t lo, uint64_t hi, uint64_t* out) {
@@ -81,7 +84,7 @@ ebt_status_t read_size(const char* name, uint64_t dflt, uint64_t lo, uint64_t hi
     return EBT_SUCCESS;
   }
   if (!parse_size(text, lo, hi, out))
-    return bad_value(name, text, range_text("a decimal integer", lo, hi) + " (digits only)");
+    return bad_value(name, text, range_text("a decimal integer", lo, hi) + " (digits only)", std::to_string(dflt));
   log_value(name, std::to_string(*out), false, flags);
   return EBT_SUCCESS;
 }
@@ -93,7 +96,8 @@ ebt_status_t read_bool(const char* name, bool dflt, unsigned flags, bool* out) {
     log_value(name, dflt ? "1" : "0", true, flags);
     return EBT_SUCCESS;
   }
-  if (!parse_bool(text, out)) return bad_value(name, text, "1/true/yes/on or 0/false/no/off (any case)");
+  if (!parse_bool(text, out))
+    return bad_value(name, text, "1/true/yes/on or 0/false/no/off (any case)", dflt ? "1" : "0");
   log_value(name, *out ? "1" : "0", false, flags);
   return EBT_SUCCESS;
 }
@@ -110,7 +114,7 @@ ebt_status_t read_choice(const char* name, const char* const* choices, int n, in
     std::string accepted = "one of ";
     for (int k = 0; k < n; ++k) accepted += (k ? ", " : "") + std::string(choices[k]);
     if (flags & kNoCase) accepted += " (any case)";
-    return bad_value(name, text, accepted);
+    return bad_value(name, text, accepted, dflt >= 0 ? choices[dflt] : "");
   }
   *out = i;
   log_value(name, choices[i], false, flags);
@@ -127,7 +131,7 @@ ebt_status_t read_string(const char* name, const char* dflt, std::string (*valid
   }
   if (validate) {
     const std::string accepted = validate(text);
-    if (!accepted.empty()) return bad_value(name, text, accepted);
+    if (!accepted.empty()) return bad_value(name, text, accepted, *dflt ? "'" + std::string(dflt) + "'" : "");
   }
   *out = text;
   log_value(name, "'" + text + "'", false, flags);

@@ -11,7 +11,7 @@
  *    error included, so every caller sees the same value or the same error.
  *  - Unset, or set to the empty string (or only blanks): the default. Leading and trailing blanks are ignored.
  *  - A value that does not parse fails with EBT_ERROR_SETTING and the message
- *      NAME='value' is not a valid setting: expected <what is accepted>
+ *      NAME='value' is not a valid setting: expected <what is accepted>; fix it, or unset NAME for the default (D)
  *    never a silent default (Python maps the status to ebbtide.errors.SettingError).
  *  - The value in force is logged once at INFO on the INIT subsystem (not the logger's own settings: kQuiet).
  *  - kSecure reads the variable with secure_getenv: in a set-user-ID or set-group-ID process (or one with file
@@ -41,8 +41,10 @@ enum Flags : unsigned {
 
 // The variable's text with surrounding blanks removed; false when unset or blank (the default applies).
 bool raw(const char* name, unsigned flags, std::string* text);
-// Record "NAME='value' is not a valid setting: expected <accepted>" and return EBT_ERROR_SETTING.
-ebt_status_t bad_value(const char* name, const std::string& value, const std::string& accepted);
+// Record "NAME='value' is not a valid setting: expected <accepted>; fix it, or unset NAME for the default (<dflt>)"
+// and return EBT_ERROR_SETTING (`dflt` empty: the default is not named).
+ebt_status_t bad_value(const char* name, const std::string& value, const std::string& accepted,
+                       const std::string& dflt = "");
 
 // Parsers (text already trimmed, never empty). False: not accepted.
 bool parse_size(const std::string& text, uint64_t lo, uint64_t hi, uint64_t* out);

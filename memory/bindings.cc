@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "csrc/log.h"
 #include "csrc/py_status.h"
 #include "memory/ebbtide_memory.h"
 
@@ -57,11 +58,13 @@ py::dict report_dict(const ebt_mem_report_t& r) {
   return d;
 }
 
-// Raise for a failing op with the report attached (Python turns oom_* into OutOfMemoryError fields).
+// Raise for a failing op with the report attached (Python turns oom_* into OutOfMemoryError fields). The message
+// is the engine's own (it names the operation); `what` goes to the debug log with the call site.
 void check_op(ebt_status_t st, const char* what, const ebt_mem_report_t& r) {
   if (st == EBT_SUCCESS) return;
-  std::string msg = std::string(what) + ": " + ebt_last_error();
-  py::object exc = py::module_::import("ebbtide.errors").attr("error_for")(static_cast<int>(st), msg);
+  EBT_INFO(EBT_SUBSYS_MEM, "%s failed: %s (%s)", what, ebt_status_string(st), ebbtide::user_message(st).c_str());
+  py::object exc =
+      py::module_::import("ebbtide.errors").attr("error_for")(static_cast<int>(st), ebbtide::user_message(st));
   exc.attr("report") = report_dict(r);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   throw py::error_already_set();

@@ -8,6 +8,9 @@
 #include <chrono>
 #include <cstddef>
 #include <functional>
+#include <map>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -26,6 +29,8 @@ size_t create_ahead_min();      // resumes of at least this many units create ah
 bool poison_enabled();          // fill discard-mode memory with 0xA5 on resume
 
 bool tag_ok(const char* tag);
+// EBT_ERROR_NOT_FOUND for `verb` on a tag no region ever named, with the tags that exist (caller holds mu_).
+ebt_status_t unknown_tag(const char* verb, const char* tag, const std::map<std::string, std::unique_ptr<Tag>>& tags);
 
 // The host side of one op's transient copies (engine_transient.cc): one step per piece, in copy order.
 struct Engine::ShadowSteps {

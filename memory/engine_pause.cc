@@ -25,7 +25,7 @@ ebt_status_t Engine::prepare(OpKind kind, const char* tag, Plan* plan, ebt_mem_r
   if (tag) {
     auto it = tags_.find(tag);
     if (it == tags_.end())
-      return ebt_set_error(EBT_ERROR_NOT_FOUND, "%s: unknown tag '%s' (no region ever used it)", verb, tag);
+      return unknown_tag(verb, tag, tags_);
     candidates.push_back(it->second.get());
   } else {
     for (auto& kv : tags_) candidates.push_back(kv.second.get());

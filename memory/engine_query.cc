@@ -10,11 +10,19 @@ extern "C" ebt_status_t ebt_shim_forwarded(unsigned long long* allocs, unsigned 
 
 namespace ebbtide::memory {
 
+ebt_status_t unknown_tag(const char* verb, const char* tag, const std::map<std::string, std::unique_ptr<Tag>>& tags) {
+  std::string known;
+  for (const auto& kv : tags) known += (known.empty() ? "" : ", ") + kv.first;
+  if (known.size() > 400) known = known.substr(0, 400) + ", ...";
+  return ebt_set_error(EBT_ERROR_NOT_FOUND, "%s: no region has used tag '%s' (%s%s): name a tag that a region "
+                       "allocated in", verb, tag, known.empty() ? "no tag exists yet" : "tags: ", known.c_str());
+}
+
 ebt_status_t Engine::mark_clean(const char* tag) {
   EBT_REQUIRE_ARG(tag && *tag && strlen(tag) <= EBT_MEM_TAG_MAX, "tag must be 1..%d bytes", EBT_MEM_TAG_MAX);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = tags_.find(tag);
-  if (it == tags_.end()) return ebt_set_error(EBT_ERROR_NOT_FOUND, "mark_clean: unknown tag '%s'", tag);
+  if (it == tags_.end()) return unknown_tag("mark_clean", tag, tags_);
   if (it->second->busy)
     return ebt_set_error(EBT_ERROR_INVALID_STATE, "mark_clean: tag '%s' has a pause/resume in flight", tag);
   for (Allocation* a : it->second->allocations)
@@ -27,7 +35,7 @@ ebt_status_t Engine::tag_state(const char* tag, int* state, unsigned long long* 
   EBT_REQUIRE_ARG(state && pauses, "out-pointers must not be NULL");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = tags_.find(tag);
-  if (it == tags_.end()) return ebt_set_error(EBT_ERROR_NOT_FOUND, "unknown tag '%s' (no region ever used it)", tag);
+  if (it == tags_.end()) return unknown_tag("tag state", tag, tags_);
   *state = it->second->busy ? EBT_MEM_TAG_BUSY : it->second->state;
   *pauses = it->second->pauses;
   return EBT_SUCCESS;

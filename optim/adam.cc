@@ -235,10 +235,14 @@ ebt_status_t AdamEngine::create(int threads, const std::string& isa, int tasks_p
     for (const IsaEntry& e : kIsas)
       if (isa == e.name) chosen = &e;
     if (!chosen)
-      return ebt_set_error(EBT_ERROR_INVALID_ARGUMENT, "unknown isa '%s' (avx512_bf16, avx512, avx2, scalar)",
+      return ebt_set_error(EBT_ERROR_INVALID_ARGUMENT,
+                           "isa='%s' is not a CPU Adam kernel: expected one of avx512_bf16, avx512, avx2, scalar; "
+                           "pass one of those or None (the best this CPU runs; available_isas() lists them)",
                            isa.c_str());
     if ((cpu_features() & chosen->needs) != chosen->needs)
-      return ebt_set_error(EBT_ERROR_UNSUPPORTED, "isa '%s' is not supported by this CPU", isa.c_str());
+      return ebt_set_error(EBT_ERROR_UNSUPPORTED,
+                           "isa='%s' needs CPU features this CPU lacks: pass an isa that "
+                           "ebbtide.optim.available_isas() lists, or None for the best this CPU runs", isa.c_str());
   }
   out->reset(new AdamEngine(threads, tasks_per_thread, &chosen->table()));
   EBT_INFO(EBT_SUBSYS_OPTIM, "adam engine: %d threads, isa %s, %d tasks per thread", threads, chosen->name,

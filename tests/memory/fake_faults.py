@@ -163,11 +163,15 @@ def memory_margin_and_tag_epochs():
     em.set_memory_margin(0)
     em.pause("w")
     assert NATIVE.tag_state("w") == ("paused", 3) and pool_epoch("w") == ("paused", 3)
-    try:
-        NATIVE.tag_state("never-named")
-        raise AssertionError("tag_state of an unknown tag succeeded")
-    except NotFoundError:
-        pass
+    for what, call in (("tag state", lambda: NATIVE.tag_state("never-named")),
+                       ("pause", lambda: em.pause("never-named")), ("resume", lambda: em.resume("never-named"))):
+        try:
+            call()
+            raise AssertionError(f"{what} of an unknown tag succeeded")
+        except NotFoundError as e:  # the user's words: the tag, the tags there are, no native call in the message
+            msg = str(e)
+            assert msg.startswith(f"{what}: no region has used tag 'never-named' (tags: ") and "w" in msg, msg
+            assert f"{what}: {what}" not in msg and "ebt_" not in msg and "(&" not in msg, msg
     for bad in (-1, 1.5, True):
         try:
             em.set_memory_margin(bad)
