@@ -133,10 +133,20 @@ EBT_API ebt_status_t ebt_driver_path(const char** path);
 /* Device count, 0 when there is no driver (not an error). */
 EBT_API ebt_status_t ebt_device_count(int* count);
 
-/* ---- host memory bandwidth probe (the limit for CPU-side kernels) -----------------------------------------
- * In-place triad a[i] = a[i] + s * b[i] over two float32 arrays of `bytes_per_array` bytes each, `threads`
- * threads (0 = affinity count), best of `repeats` passes. Reports bytes moved (read a, read b, write a) per
- * second. Blocking; allocates and frees its own arrays. */
+/* ---- host memory bandwidth probes (the limits for CPU-side kernels) ---------------------------------------
+ * Streams a mix of `elements`-long arrays walked together element by element: `f32_read` fp32 arrays read,
+ * `f32_update` fp32 arrays read and written back in place, `bf16_read` / `bf16_update` the same in bf16, and
+ * `bf16_write` bf16 arrays written only (non-temporal stores: no write-allocate read). Each count in [0, 4]; the
+ * mix must write something. `threads` threads (0 = affinity count), best of `repeats` passes. Reports the bytes
+ * the mix moves through DRAM per second (4 / 8 / 2 / 4 / 2 per element per stream of each kind). The mixes with
+ * a probe: (1, 1, 0, 0, 0) the in-place triad, (1, 3, 0, 0, 0) an Adam step with fp32 grads, (0, 3, 1, 0, 1) with
+ * bf16 grads and a bf16 copy-out, (0, 1, 1, 2, 1) the same with bf16 moments; another is EBT_ERROR_UNSUPPORTED.
+ * Blocking; allocates (and first-touches per thread) and frees its own arrays. */
+EBT_API ebt_status_t ebt_host_stream_bandwidth(int f32_read, int f32_update, int bf16_read, int bf16_update,
+                                               int bf16_write, size_t elements, int threads, int repeats,
+                                               double* bytes_per_second);
+/* In-place triad a[i] = a[i] + s * b[i] over two float32 arrays of `bytes_per_array` bytes each: the mix
+ * {1 fp32 read, 1 fp32 update} of ebt_host_stream_bandwidth (bytes moved: read a, read b, write a). */
 EBT_API ebt_status_t ebt_host_triad_bandwidth(size_t bytes_per_array, int threads, int repeats,
                                               double* bytes_per_second);
 

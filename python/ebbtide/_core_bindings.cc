@@ -129,10 +129,25 @@ void register_core_bindings(py::module_& m) {
       py::gil_scoped_release nogil;
       st = ebt_host_triad_bandwidth(bytes_per_array, threads, repeats, &bw);
     }
-    EBT_PY_CHECK(st);
+    ::ebbtide::py_check(st, "ebt_host_triad_bandwidth");
     return bw;
   }, py::arg("bytes_per_array"), py::arg("threads") = 0, py::arg("repeats") = 5,
         "In-place triad a += s*b over two float32 arrays; best bytes/s (read a, read b, write a).");
+  m.def("host_stream_bandwidth", [](int f32_read, int f32_update, int bf16_read, int bf16_update, int bf16_write,
+                                    size_t elements, int threads, int repeats) {
+    double bw = 0;
+    ebt_status_t st;
+    {
+      py::gil_scoped_release nogil;
+      st = ebt_host_stream_bandwidth(f32_read, f32_update, bf16_read, bf16_update, bf16_write, elements, threads,
+                                     repeats, &bw);
+    }
+    ::ebbtide::py_check(st, "ebt_host_stream_bandwidth");
+    return bw;
+  }, py::arg("f32_read"), py::arg("f32_update"), py::arg("bf16_read"), py::arg("bf16_update"),
+        py::arg("bf16_write"), py::arg("elements"), py::arg("threads") = 0, py::arg("repeats") = 5,
+        "Best bytes/s of a mix of streams walked together (ebt_host_stream_bandwidth: fp32 read / updated in place, "
+        "bf16 read / updated / written with non-temporal stores).");
   m.def("log_configure", [](int level, unsigned mask) { EBT_PY_CHECK(ebt_log_configure(level, mask)); },
         py::arg("level"), py::arg("subsys_mask"), "Set the native log level (0-3) and subsystem mask.");
   m.def("log_get", [] {
