@@ -19,6 +19,13 @@ def _info(args) -> int:
 
     data = info.collect()
     print(json.dumps(data, indent=2) if args.json else info.render(data))
+    # Everything is printed first; then a bad setting makes the status 2 (the user's input, as everywhere in this
+    # command), so a script that runs `ebbtide info` before a job stops where the job's first call would refuse.
+    if data["settings_problems"]:
+        names = ", ".join(p["name"] or "?" for p in data["settings_problems"])
+        print(f"ebbtide info: {len(data['settings_problems'])} setting(s) do not parse ({names}): ebbtide refuses "
+              "to run with them; fix or unset them (above: what each accepts)", file=sys.stderr)
+        return 2
     return 0
 
 

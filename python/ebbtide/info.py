@@ -1,11 +1,25 @@
 """`python -m ebbtide info`: what was built and what this machine offers, truthfully (no GPU is a fact, not an
-error)."""
+error). A setting that does not parse is reported, with what it accepts, beside everything else that could be
+found out (``settings_problems``); it does not stop the report."""
 from __future__ import annotations
 
+import os
 import platform
+import re
 import sys
 
 from . import __version__
+from .errors import SettingError
+
+_SET_HERE = re.compile(r"^(?:EBBTIDE|TMS)_[A-Z0-9_]+$")
+
+
+def _or_setting_error(fn, fallback):
+    """fn(), or (fallback, the SettingError's message) when a setting it reads does not parse."""
+    try:
+        return fn(), ""
+    except SettingError as e:
+        return fallback, str(e)
 
 
 def collect() -> dict:
@@ -19,9 +33,11 @@ def collect() -> dict:
     except FileNotFoundError as e:
         info["runtime_library"] = f"missing ({e})"
     feats = C.cpu_features()
+    isa, isa_error = _or_setting_error(C.cpu_isa, "unknown")
+    reason, _ = _or_setting_error(C.cpu_isa_reason, "not chosen: EBBTIDE_CPU_ISA does not parse (BAD SETTING below)")
     info["cpu"] = {
-        "isa": C.cpu_isa(),
-        "isa_reason": C.cpu_isa_reason(),
+        "isa": isa,
+        "isa_reason": reason,
         "features": [k for k, v in feats.items() if v],
         "affinity_threads": C.cpu_affinity_count(),
         "model": _cpu_model(),
@@ -43,6 +59,10 @@ def collect() -> dict:
                          "cuda_available": bool(torch.cuda.is_available())}
     except ImportError:
         info["torch"] = None
+    from . import settings  # noqa: PLC0415
+
+    info["settings_set"] = {k: v for k, v in sorted(os.environ.items()) if _SET_HERE.match(k)}
+    info["settings_problems"] = [{"name": e.name, "value": e.value, "message": str(e)} for e in settings.problems()]
     return info
 
 
@@ -97,4 +117,8 @@ def render(info: dict) -> str:
         lines.append("  torch            : not installed")
     else:
         lines.append(f"  torch            : {t['version']} (CUDA {t['cuda']}, available: {t['cuda_available']})")
+    set_here = info.get("settings_set") or {}
+    lines.append(f"  settings set     : {', '.join(f'{k}={v!r}' for k, v in set_here.items()) or 'none (defaults)'}")
+    for p in info.get("settings_problems") or []:
+        lines.append(f"  BAD SETTING      : {p['message']}")
     return "\n".join(lines)

@@ -40,7 +40,7 @@ def test_value_parsed_once_and_cached(fresh):
     (S.parse_int(0), "lots", "an integer >= 0"),
     (S.parse_float(0.0, lo_open=True), "0", "a number > 0.0"),
     (S.parse_float(0.0, lo_open=True), "nan", "a number > 0.0"),
-    (S.parse_bool, "maybe", "one of 1/true"),
+    (S.parse_bool, "maybe", "1/true/yes/on or 0/false/no/off (any case)"),
     (S.parse_choice("cpu", "none"), "CPU", "one of cpu, none"),
 ])
 def test_bad_value_is_a_setting_error_naming_everything(fresh, parse, text, needle):

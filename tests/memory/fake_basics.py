@@ -227,24 +227,13 @@ def release_report_without_torch():
 
 
 def check_setting(expect: str):
-    """EBBTIDE_MEM_CHECK (the test sets it) is parsed strictly: "on" turns the paused-block checker on from the
-    start; a value that does not parse is a SettingError naming it, raised by a pause before anything is paused."""
-    from ebbtide.errors import SettingError  # noqa: PLC0415
-
+    """EBBTIDE_MEM_CHECK (the test sets it to a value meaning on) turns the paused-block checker on from the start
+    (a value that does not parse fails at the import of ebbtide.memory: test_engine_fake.py)."""
+    assert expect == "on", expect
     p = alloc(2 * MiB, "t", "cpu")
-    d = fill(p, 2 * MiB, 7)
-    if expect == "on":
-        em.pause("t")
-        assert em.check() == []  # no StateError: checking was on before the pause (no PyTorch GPU: nothing found)
-        em.resume("t")
-    else:
-        for op in (lambda: em.pause("t"), lambda: em.pause_async("t"), em.check):
-            try:
-                op()
-                raise AssertionError("a bad EBBTIDE_MEM_CHECK was accepted")
-            except SettingError as e:
-                assert "EBBTIDE_MEM_CHECK" in str(e) and repr(os.environ["EBBTIDE_MEM_CHECK"]) in str(e), e
-        assert tag_row("t")["state"] == "active" and read(p, 2 * MiB) == d
+    em.pause("t")
+    assert em.check() == []  # no StateError: checking was on before the pause (no PyTorch GPU: nothing found)
+    em.resume("t")
     free(p)
     assert_clean()
 

@@ -123,6 +123,7 @@ class Runtime:
     def install(self, *, strategy: str, teardown: str, timeout: float | None, check_env: bool,
                 concurrent_teardown: bool = True) -> list[str]:
         S.check_request(strategy)
+        settings.check_component("comm")  # EBBTIDE_COMM_TIMEOUT and _WARMUP fail here, not at a later barrier
         if teardown not in B.TEARDOWNS:
             raise InvalidArgumentError(f"teardown must be one of {B.TEARDOWNS}, not {teardown!r}")
         if timeout is not None and not timeout > 0:

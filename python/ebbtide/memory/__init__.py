@@ -29,6 +29,9 @@ from ._host import (HostMemory, disk_backup_dir, host_memory, host_retention, se
                     set_host_retention)
 from ._ipc import ImportedTensor, SharedHandle, check_handle, export_tensor, import_tensor
 from ._report import ReleaseReport, release_report
+from .. import settings as _settings
+
+_settings.check_component("memory")  # the engine's settings (EBBTIDE_MEM_*, TMS_*) fail at import
 
 __all__ = [
     "region", "disable", "pause", "resume", "pause_async", "resume_async", "Pending", "Report", "stats",

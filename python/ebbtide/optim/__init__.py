@@ -13,5 +13,8 @@ loaded state whose tensors do not have their param's exact shape raise InvalidAr
 from .cpu_adam import CPUAdam, available_isas
 from .offloaded import OffloadedAdam
 from .sharded import Shard, ShardedAdam
+from .. import settings as _settings
+
+_settings.check_component("optim")  # EBBTIDE_CPU_ISA and EBBTIDE_ADAM_TASKS_PER_THREAD fail at import
 
 __all__ = ["CPUAdam", "OffloadedAdam", "ShardedAdam", "Shard", "available_isas"]

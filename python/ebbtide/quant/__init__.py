@@ -15,6 +15,9 @@ from .prepared import Fp8BucketQuant, SegmentCopy
 from ._dispatch import kernels
 from .export import (DEFAULT_IGNORE, check_int4_config, export_fp8, export_int4, fp8_quantization_config,
                      int4_quantization_config)
+from .. import settings as _settings
+
+_settings.check_component("quant")  # EBBTIDE_QUANT_KERNELS fails at import
 
 __all__ = [
     "reference", "layout", "Fp8Bucket", "Fp8BucketLayout", "Fp8BucketQuant", "SegmentCopy", "fp8_block_quant",
