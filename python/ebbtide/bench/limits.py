@@ -1,6 +1,11 @@
 """The physical limits, measured once per run and shared by every suite (memoized).
 
-- host_triad_gbps: in-place triad a += s*b (native, all affinity threads): the bound of CPU optimizer steps.
+- host_triad_gbps: in-place triad a += s*b (native, all affinity threads): the host's streaming bandwidth.
+- host_stream_gbps: the bytes per second of one kernel's own mix of streams (``MIXES``: the Adam steps' fp32
+  param and moments updated in place, the gradient read, the bf16 copy written with non-temporal stores), walked
+  together as the kernel walks them: the bound of that CPU kernel. Counting the bytes DRAM really moves for the mix
+  (an in-place update reads and writes its line; a streamed write costs no write-allocate read) keeps a kernel's
+  "of limit" a fraction of what its own access pattern can reach.
 - d2d_gbps: device-to-device copy, bytes read + written: the bound of memory-bound kernels.
 - h2d_gbps / d2h_gbps: pinned host <-> device copies: the bound of offload and CPU backup.
 - bidir_gbps: H2D and D2H at once on two streams, aggregate: the bound of an overlapped pause + resume.
@@ -24,6 +29,27 @@ def host_triad(nbytes: int, threads: int = 0, passes: int = 8) -> float:
 
     C = _native.load()
     return C.host_triad_bandwidth(nbytes, threads or C.cpu_affinity_count(), passes) / GB
+
+
+# A kernel's stream mix: (fp32 read, fp32 updated in place, bf16 read, bf16 updated in place, bf16 written) arrays,
+# the counts ebt_host_stream_bandwidth takes; each with the bytes it moves per element and what it stands for.
+MIXES: dict[str, tuple[tuple[int, int, int, int, int], int, str]] = {
+    "adam_fp32_grads": ((1, 3, 0, 0, 0), 28, "Adam stream mix: fp32 grad read, param + moments updated"),
+    "adam_bf16_grads": ((0, 3, 1, 0, 1), 28, "Adam stream mix: bf16 grad read, fp32 param + moments updated, "
+                                             "bf16 copy written"),
+    "adam_bf16_moments": ((0, 1, 1, 2, 1), 20, "Adam stream mix: bf16 grad read, fp32 param + bf16 moments "
+                                               "updated, bf16 copy written"),
+}
+
+
+def host_stream(mix: str, total_bytes: int, threads: int = 0, passes: int = 8) -> float:
+    """GB/s of the stream mix ``MIXES[mix]`` over arrays of ``total_bytes`` together, best of ``passes``."""
+    from .. import _native  # noqa: PLC0415
+
+    C = _native.load()
+    counts, per_element, _ = MIXES[mix]
+    return C.host_stream_bandwidth(*counts, total_bytes // per_element, threads or C.cpu_affinity_count(),
+                                   passes) / GB
 
 
 class Limits:
@@ -56,6 +82,21 @@ class Limits:
             return host_triad((256 if self.quick else 1024) << 20, threads, 8 if self.quick else 20)
 
         return self._memo(f"host_triad_gbps[t={threads}]", probe)
+
+    def host_stream_gbps(self, mix: str, threads: int = 0) -> float:
+        """GB/s of a CPU kernel's own stream mix (``MIXES``) on ``threads`` threads (0: the affinity count)."""
+        from .. import _native  # noqa: PLC0415
+
+        if mix not in MIXES:
+            raise KeyError(f"unknown stream mix {mix!r}; the mixes: {', '.join(MIXES)}")
+        threads = threads or _native.load().cpu_affinity_count()
+        total = (512 if self.quick else 2048) << 20  # all arrays together, well past any L3
+        return self._memo(f"host_stream_gbps[{mix},t={threads}]",
+                          lambda: host_stream(mix, total, threads, 8 if self.quick else 20))
+
+    @staticmethod
+    def host_stream_name(mix: str, threads: int) -> str:
+        return f"{MIXES[mix][2]} ({threads} threads)"
 
     # ---- GPU -------------------------------------------------------------------------------------------------
     def _torch_cuda(self):

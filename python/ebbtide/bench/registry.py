@@ -42,7 +42,9 @@ class Row:
 
     ``unit`` names the figure ("GB/s", "ms", "us", "s"); ``higher_is_better`` says how to read ratios.
     ``anchor`` is None when it was not measured, with ``anchor_note`` saying why ("not installed", "n/a").
-    ``limit`` is the physical bound in the same unit, measured in this run, or None where no bound applies.
+    ``limit`` is the physical bound in the same unit, measured in this run, or None where no bound applies. A
+    figure past its limit (``of_limit() > 1``) is marked in the table and the chart, with ``over_limit_why`` (or
+    the report's general reason) beside it: never silently over 100%.
     """
 
     suite: str
@@ -57,6 +59,8 @@ class Row:
     limit_name: str = ""
     params: dict = dataclasses.field(default_factory=dict)
     note: str = ""
+    # why the figure can pass its limit (of_limit() > 1), where the suite knows; the report says so beside it
+    over_limit_why: str = ""
 
     def vs_anchor(self) -> float | None:
         """Speed-up over the anchor (> 1 means we are better), whatever the unit's direction."""

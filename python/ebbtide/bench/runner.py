@@ -1,7 +1,7 @@
 """`ebbtide bench`: resolve suites, run them with shared limit probes, print a table, write JSON and a chart.
 
 Every argument is checked before any suite runs (unknown suite names, an output path that cannot be written, a
-chart without matplotlib: exit status 2), so a long run never ends by losing its results. Exit status 1: a
+chart without matplotlib or not named .png: exit status 2), so a long run never ends by losing its results. Exit status 1: a
 suite failed, or an output file could not be written after all (the JSON then goes to a temporary file, named).
 """
 from __future__ import annotations
@@ -120,11 +120,6 @@ def main(names: list[str], *, quick: bool, json_path: str | None, plot_path: str
     if unknown:
         _err(f"ebbtide bench: unknown suite(s) {', '.join(unknown)}; available: {', '.join(known)}")
         return 2
-    if plot_path:
-        problem = report.plot_unavailable()
-        if problem:
-            _err(f"ebbtide bench: --plot {plot_path}: {problem}")
-            return 2
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
         problem = output_problem(path) if path is not None else ""
         if problem:
@@ -132,6 +127,20 @@ def main(names: list[str], *, quick: bool, json_path: str | None, plot_path: str
             return 2
     if json_path and plot_path and os.path.abspath(json_path) == os.path.abspath(plot_path):
         _err(f"ebbtide bench: --json and --plot name the same file ({json_path}); nothing was run")
+        return 2
+    if plot_path:
+        problem = report.plot_unavailable(plot_path)
+        if problem:
+            _err(f"ebbtide bench: --plot {plot_path}: {problem}; nothing was run")
+            return 2
+
+    from .. import settings  # noqa: PLC0415
+
+    bad = settings.problems()  # every component's settings, so a bad one stops the run before its first suite
+    if bad:
+        for e in bad:
+            _err(f"ebbtide bench: {e}")
+        _err("ebbtide bench: nothing was run")
         return 2
 
     gpus, gpu_note = _gpu_count()
@@ -167,13 +176,14 @@ def main(names: list[str], *, quick: bool, json_path: str | None, plot_path: str
     for name, why in failed:
         print(f"FAILED {name}: {why}")
     ok = True
+    env = environment() if json_path is not None or plot_path else {}
     if json_path is not None:
-        doc = {"environment": environment(), "quick": quick, "limits": limits.measured(),
+        doc = {"environment": env, "quick": quick, "limits": limits.measured(),
                "rows": [r.to_json() for r in rows], "skipped": dict(skipped), "failed": dict(failed)}
         ok = _write_json(doc, json_path)
     if plot_path and rows:
         try:
-            report.plot(rows, plot_path)
+            report.plot(rows, plot_path, env=env, skipped=skipped)
             print(f"wrote {plot_path}")
         except OSError as e:
             _err(f"ebbtide bench: could not write --plot {plot_path} ({e.strerror or e})")

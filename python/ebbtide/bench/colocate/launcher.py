@@ -153,14 +153,53 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-bind", default=d.store_bind,
                    help="address the ranks' rendezvous store listens on (default loopback: nothing off this host "
                         "can reach it); 0.0.0.0 listens on every interface")
-    p.add_argument("--device", default=d.device, choices=("cuda", "cpu"),
-                   help="cpu: check the orchestration without a GPU (no pause/resume, no NVML; ranks use Gloo)")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                   help="cuda (default where a CUDA GPU is visible) or cpu (default without one): the orchestration "
+                        "check without a GPU (no pause/resume, no NVML; ranks use Gloo; the ebbtide variant and the "
+                        "eager decode unless --variants / --decode name others)")
+    p.set_defaults(decode=None)  # picked with the device (pick_for_hardware) unless given
     return p
 
 
-def parse_args(argv=None) -> RunConfig:
-    """Command line -> validated RunConfig. Bad values raise InvalidArgumentError (argparse's own type errors
-    exit with usage, as argparse does)."""
+def _cuda_devices() -> int:
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pick_for_hardware(trainer, device, variants, decode, cuda_devices: int) -> tuple[str, tuple | None, str, str]:
+    """(device, variants, decode, what was picked, "" if nothing) for the flags the user left out: the GPU where
+    one is visible, else the CPU with what runs there (the ebbtide variant: the anchors pause and resume through
+    torch_memory_saver on a GPU; the eager decode: a CUDA graph needs a GPU). The Megatron trainer has no CPU run:
+    it stays on cuda (and run() says no GPU is visible)."""
+    said = []
+    if device is None and trainer == "megatron":
+        device = "cuda"
+    if device is None:
+        device = "cuda" if cuda_devices else "cpu"
+        said.append(f"device {device} ({cuda_devices} CUDA GPU(s) visible)" if cuda_devices else
+                    "device cpu (no CUDA GPU visible: the orchestration check)")
+    if device == "cpu":
+        if variants is None:
+            variants = ("ebbtide",)
+            said.append("variants ebbtide (the anchors need a GPU)")
+        if decode is None:
+            decode = "eager"
+            said.append("decode eager (a CUDA graph needs a GPU)")
+    return device, variants, decode or RunConfig().decode, "; ".join(said)
+
+
+def parse_args(argv=None, *, cuda_devices: int | None = None, log=None) -> RunConfig:
+    """Command line -> validated RunConfig. With ``cuda_devices`` (the CUDA GPUs visible; ``main`` asks torch) the
+    device, and on the CPU the variants and decode, are picked for that hardware where no flag names them, and
+    ``log`` (if given) is told what was picked; None assumes a GPU (device cuda). Bad values raise
+    InvalidArgumentError (argparse's own type errors exit with usage, as argparse does)."""
+    return _parse_args(argv, cuda_devices=cuda_devices, log=log)
+
+
+def _parse_args(argv, *, cuda_devices, log) -> RunConfig:
     a = _parser().parse_args(argv)
     base = model_for(a.trainer, a.quick)
     model = ModelConfig(**{f.name: (getattr(a, f"model_{f.name}") if getattr(a, f"model_{f.name}") is not None
@@ -170,7 +209,7 @@ def parse_args(argv=None) -> RunConfig:
                                      "scratch_backup", "decode", "groups", "nccl_cumem", "comm_teardown", "cache_trim",
                                      "moments", "memory_history", "sync_fill", "anchor_precision_aware",
                                      "steady_guard", "steady_tolerance",
-                                     "timeout_s", "verify_batch", "verify_len", "out", "device", "store_bind")}
+                                     "timeout_s", "verify_batch", "verify_len", "out", "store_bind")}
     if a.quick:
         q = quick_overrides()
         for k, v in q.items():
@@ -180,7 +219,13 @@ def parse_args(argv=None) -> RunConfig:
         if kw[k] is None:
             kw[k] = trainer_defaults(a.trainer).get(k, getattr(RunConfig(), k))
     variants = None if a.variants is None else tuple(v.strip() for v in a.variants.split(",") if v.strip())
-    return RunConfig(model=model, trainer=a.trainer, variants=variants, **kw).validate()
+    device = a.device or ("cuda" if cuda_devices is None else None)
+    kw["device"], variants, kw["decode"], said = pick_for_hardware(a.trainer, device, variants, a.decode,
+                                                                   cuda_devices or 0)
+    cfg = RunConfig(model=model, trainer=a.trainer, variants=variants, **kw).validate()
+    if said and log is not None:
+        log(f"{PROG}: picked {said}")
+    return cfg
 
 
 def run_variant(cfg: RunConfig, variant: str, log=print) -> dict:
@@ -313,6 +358,11 @@ def _overhead(summary: dict) -> float:
 def run(cfg: RunConfig, log=print) -> dict:
     """Run every requested variant and build the results (also written to cfg.out/results.json)."""
     cfg.validate()
+    try:  # before anything runs: an --out that cannot hold the results would lose the whole run
+        os.makedirs(cfg.out, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgumentError(f"--out {cfg.out}: cannot be made a directory for the results "
+                                   f"({e.strerror or e}); name a directory that can be written") from None
     if cfg.trainer == "megatron" and importlib.util.find_spec("megatron") is None:
         raise UnsupportedError("--trainer megatron needs megatron-core (pip install megatron-core==0.16.1)")
     if cfg.trainer == "fsdp" and importlib.util.find_spec("transformers") is None:
@@ -321,7 +371,10 @@ def run(cfg: RunConfig, log=print) -> dict:
 
     have = torch.cuda.device_count()
     if cfg.device == "cuda" and have < cfg.gpus:
-        raise InvalidArgumentError(f"--gpus {cfg.gpus} but {have} CUDA device(s) are visible")
+        hint = ("; --trainer megatron needs CUDA (the toy trainer, the default, runs on the CPU)"
+                if cfg.trainer == "megatron" else "; --device cpu runs the orchestration check without one")
+        raise InvalidArgumentError(f"--gpus {cfg.gpus} but {have} CUDA device(s) are visible"
+                                   + (hint if not have else ""))
     results = {"config": dataclasses.asdict(cfg), "variants": {}}
     for variant in cfg.variants:
         if variant in NEEDS_TMS and importlib.util.find_spec("torch_memory_saver") is None:
@@ -361,7 +414,7 @@ def run_loop(*, gpus: int = 1, out: str, quick: bool = False, log=print, **overr
 
 def main(argv=None) -> int:
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, cuda_devices=_cuda_devices(), log=lambda line: print(line, flush=True))
         results = run(cfg)
     except (InvalidArgumentError, UnsupportedError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)

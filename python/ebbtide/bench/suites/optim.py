@@ -4,14 +4,16 @@ CPU rows (effective GB/s = bytes a one-pass step must move per param / step time
 bf16 grads + bf16 copy-out; higher is better), at 1, half and all threads of the process's affinity set:
   - ours fast vs torch fused AdamW (``fused=True``, torch.set_num_threads to the same count), timed in
     alternating blocks (``_block_median_times``)
-  - ours fast vs DeepSpeed CPUAdam (anchor_note "not installed" when deepspeed is missing, or why it failed)
+  - ours fast vs DeepSpeed CPUAdam (where deepspeed is missing: no row, one skip line with how to install it;
+    anchor_note says why a present install failed)
   - ours exact vs ours fast (the goal: exact within 10% of fast)
   - ours bf16 grads + fused bf16 copy-out vs torch's three passes (grad.float(), fused step, p.to(bf16))
   - the same step with bf16 moments (``moments_dtype=torch.bfloat16``: 20 B/param, effective GB/s at 20 B) vs
     the same fp32-moment step timed alternately with it, its time also counted at 20 B/param, so value/anchor is
     the speed-up; the note gives both times and the ratio to torch fused fp32 AdamW
-  - torch for-loop AdamW (foreach=False) vs torch fused, all threads only (the common default)
-  limit: the in-place triad measured in this run with the same thread count.
+  - ours fast vs torch for-loop AdamW (foreach=False: the CPU default), all threads only
+  limit: the kernel's own stream mix (``limits.MIXES``) measured in this run with the same thread count; only
+  ebbtide's figures are in the ebbtide column (torch's and DeepSpeed's are anchors).
 GPU rows (seconds per step, lower is better) for ~1B bf16 params (quick: 64M): OffloadedAdam.step beside the
 naive sequence (grad D2H, cast, torch fused AdamW on CPU, cast, H2D), limit max(CPU floor at 28 B/param over
 the triad bandwidth, PCIe floor: 2 B/param down and up at the measured pinned rates).
@@ -126,7 +128,6 @@ def _cpu_rows(ctx, torch):
         fused = torch.optim.AdamW([p_ref], lr=1e-3, weight_decay=0.1, fused=True)
         for t in thread_counts:
             ctx.progress(f"optim: kernel n={label} threads={t}")
-            limit = ctx.limits.host_triad_gbps(threads=t)
             params = {"n": n, "threads": t}
             fast = CPUAdam([p_ours], lr=1e-3, weight_decay=0.1, mode="fast", threads=t)
             exact = CPUAdam([p_ours], lr=1e-3, weight_decay=0.1, mode="exact", threads=t)
@@ -160,7 +161,7 @@ def _cpu_rows(ctx, torch):
             finally:
                 torch.set_num_threads(torch_threads)
             eff = lambda sec: 28.0 * n / sec / GB  # noqa: E731
-            common = dict(limit=limit, limit_name=f"host triad ({t} threads)", params=params)
+            common = _limit(ctx, "adam_fp32_grads", t, params)
             yield Row(SUITE, f"AdamW step fp32 grads, {label}, {t} thr (fast)", "GB/s", eff(t_fast),
                       anchor=eff(t_fused), anchor_name="torch fused AdamW", note=f"{t_fast * 1e3:.2f} ms",
                       **common)
@@ -169,13 +170,14 @@ def _cpu_rows(ctx, torch):
                       **common)
             yield Row(SUITE, f"bf16 grad + bf16 copy-out, one pass, {label}, {t} thr", "GB/s", eff(t_bf16),
                       anchor=eff(t_three), anchor_name="torch 3 passes (cast, fused step, cast)",
-                      note=f"{t_bf16 * 1e3:.2f} ms vs {t_three * 1e3:.2f} ms; goal >= 1.7x", **common)
+                      note=f"{t_bf16 * 1e3:.2f} ms vs {t_three * 1e3:.2f} ms; goal >= 1.7x",
+                      **_limit(ctx, "adam_bf16_grads", t, params))
             eff20 = lambda sec: 20.0 * n / sec / GB  # noqa: E731
             yield Row(SUITE, f"bf16 moments, bf16 grad + copy-out (20 B/param), {label}, {t} thr", "GB/s",
                       eff20(t_m16), anchor=eff20(t_m32), anchor_name="ours, fp32 moments (time at 20 B/param)",
                       note=(f"{t_m16 * 1e3:.2f} ms vs {t_m32 * 1e3:.2f} ms fp32 moments (interleaved); "
                             f"{t_fused / t_m16:.2f}x torch fused fp32 ({t_fused * 1e3:.2f} ms); goal >= 1.3x"),
-                      **common)
+                      **_limit(ctx, "adam_bf16_moments", t, params))
             yield from _deepspeed_row(ctx, torch, n, label, t, eff(t_fast), common)
             if t == affinity:
                 p_loop = p_ours.clone().requires_grad_()
@@ -186,14 +188,32 @@ def _cpu_rows(ctx, torch):
                     t_loop = _median_time(loop.step, 2 if n > (64 << 20) else reps)
                 finally:
                     torch.set_num_threads(torch_threads)
-                yield Row(SUITE, f"torch for-loop AdamW (the CPU default), {label}, {t} thr", "GB/s", eff(t_loop),
-                          anchor=eff(t_fused), anchor_name="torch fused AdamW", note=f"{t_loop * 1e3:.2f} ms",
-                          **common)
+                yield Row(SUITE, f"AdamW step fp32 grads vs the CPU default, {label}, {t} thr (fast)", "GB/s",
+                          eff(t_fast), anchor=eff(t_loop), anchor_name="torch for-loop AdamW (foreach=False)",
+                          note=f"{t_fast * 1e3:.2f} ms vs {t_loop * 1e3:.2f} ms", **common)
                 del p_loop, loop
         del p_ours, g32, g16, out16, p_ref, fused
 
 
+def _limit(ctx, mix: str, threads: int, params: dict) -> dict:
+    """A CPU row's limit: its kernel's stream mix on the same thread count, measured in this run."""
+    return dict(limit=ctx.limits.host_stream_gbps(mix, threads=threads),
+                limit_name=ctx.limits.host_stream_name(mix, threads), params=params)
+
+
+_DEEPSPEED_MISSING = "not installed (pip install deepspeed; its CPUAdam op builds on first use)"
+
+
 def _deepspeed_row(ctx, torch, n, label, t, ours_gbps, common):
+    if any(what == "optim: DeepSpeed CPUAdam anchor" for what, _ in ctx.skipped):
+        return  # said once already: not installed
+    try:
+        import deepspeed  # noqa: F401,PLC0415
+    except ImportError:
+        ctx.note_skip("optim: DeepSpeed CPUAdam anchor", _DEEPSPEED_MISSING)
+        return
+    except Exception:  # noqa: BLE001  (a broken install: _deepspeed_adam says why in the row)
+        pass
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = torch.randn(n) * 1e-2
     torch_threads = torch.get_num_threads()
