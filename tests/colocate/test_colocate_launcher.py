@@ -48,7 +48,7 @@ def test_bad_decode_flag_exits_with_usage():
     (["--seq", "2048"], "exceeds the model's max_seq"),
     (["--variants", "ebbtide,vllm"], "variants"),
     (["--variants", "ebbtide,ebbtide"], "variants"),
-    (["--device", "cpu"], "ebbtide variant only"),
+    (["--device", "cpu", "--variants", "ebbtide,anchor"], "ebbtide variant only"),
     (["--gpus", "0"], "gpus"),
     (["--kv-reserve-gb", "-1"], "kv_reserve_gb"),
     (["--lr", "0"], "lr"),
@@ -151,12 +151,51 @@ def test_ebbtide_colocate_command_runs_the_harness(tmp_path):
     assert helped.stdout.startswith("usage: ebbtide colocate "), helped.stdout[:200]
 
 
+def test_what_runs_is_picked_for_the_hardware_present():
+    said = []
+    cfg = parse_args([], cuda_devices=0, log=said.append)  # no GPU: the CPU, and what runs there
+    assert (cfg.device, cfg.variants, cfg.decode) == ("cpu", ("ebbtide",), "eager")
+    assert said == ["ebbtide colocate: picked device cpu (no CUDA GPU visible: the orchestration check); variants "
+                    "ebbtide (the anchors need a GPU); decode eager (a CUDA graph needs a GPU)"]
+    said.clear()
+    cfg = parse_args([], cuda_devices=2, log=said.append)
+    assert (cfg.device, cfg.variants, cfg.decode) == ("cuda", ("ebbtide", "anchor"), "cuda-graph")
+    assert said == ["ebbtide colocate: picked device cuda (2 CUDA GPU(s) visible)"]
+    said.clear()  # flags the user gave are kept
+    cfg = parse_args(["--device", "cpu", "--decode", "cuda-graph"], cuda_devices=0, log=said.append)
+    assert (cfg.device, cfg.variants, cfg.decode) == ("cpu", ("ebbtide",), "cuda-graph")
+    assert said == ["ebbtide colocate: picked variants ebbtide (the anchors need a GPU)"]
+    assert parse_args(["--trainer", "megatron"], cuda_devices=0).device == "cuda"  # it has no CPU run
+    with pytest.raises(InvalidArgumentError, match="ebbtide variant only"):
+        parse_args(["--variants", "anchor"], cuda_devices=0)
+
+
+def test_an_out_that_cannot_be_a_directory_fails_before_the_run(tmp_path, capsys):
+    from ebbtide.bench.colocate.launcher import main
+
+    (tmp_path / "file").write_text("x")
+    assert main([*TINY_ARGS, "--out", str(tmp_path / "file")]) == 2
+    out = capsys.readouterr()
+    assert f"--out {tmp_path / 'file'}: cannot be made a directory" in out.err, out.err
+    assert "colocate: ebbtide on" not in out.out + out.err  # no variant started
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_the_loop_runs_on_cpu(tmp_path, ranks):
-    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", *TINY_ARGS, "--gpus", str(ranks), "--out",
+    import torch
+
+    # one rank with no flag naming device or variants: on a machine without a GPU they are picked (and said)
+    picked = ranks == 1 and not torch.cuda.is_available()
+    args = TINY_ARGS[4:] if picked else TINY_ARGS
+    assert not picked or args[0] == "--vocab"
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", *args, "--gpus", str(ranks), "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}\n" + "".join(
         f.read_text() for f in tmp_path.glob("*.log"))
+    if picked:
+        assert p.stdout.startswith("ebbtide colocate: picked device cpu "), p.stdout[:300]
+        for misleading in ("cuda-graph", "static-eager", "tokens equal"):  # a CPU run decodes eagerly, says so
+            assert misleading not in p.stdout, (misleading, p.stdout)
     res = json.loads((tmp_path / "results.json").read_text())
     v = res["variants"]["ebbtide"]
     assert not v["failed"] and v["checks"]["correct"] is True
