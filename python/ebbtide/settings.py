@@ -188,14 +188,13 @@ COMPONENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "optim": (("EBBTIDE_ADAM_TASKS_PER_THREAD",), ("logger", "cpu_isa")),
     "quant": (("EBBTIDE_QUANT_KERNELS",), ("logger",)),
     "comm": (("EBBTIDE_COMM_TIMEOUT", "EBBTIDE_COMM_WARMUP"), ()),
-    "bench": (("EBBTIDE_BENCH_MEMORY_ROWS", "EBBTIDE_BENCH_DISK_DIR", "EBBTIDE_COMM_LOGDIR",
-               "EBBTIDE_TEST_ARTIFACTS"), ()),
+    "bench": (("EBBTIDE_BENCH_MEMORY_ROWS", "EBBTIDE_BENCH_DISK_DIR"), ()),
 }
 # The modules whose import declares the Python settings above (problems() imports them to see every declaration;
-# tests/core/test_settings_doc.py checks this list against the sources).
+# tests/core/test_user_errors.py checks this list against the sources). Test support (ebbtide.testing) reads its
+# own settings where it uses them: the library does not import it.
 DECLARING_MODULES = ("ebbtide.memory._check", "ebbtide.optim.cpu_adam", "ebbtide.quant._dispatch",
-                     "ebbtide.comm._runtime", "ebbtide.comm._backend", "ebbtide.bench.suites.memory",
-                     "ebbtide.bench._spawn")
+                     "ebbtide.comm._runtime", "ebbtide.comm._backend", "ebbtide.bench.suites.memory")
 _collecting = threading.local()  # .on: problems() is importing the declaring modules (checks run there instead)
 
 

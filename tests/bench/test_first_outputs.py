@@ -3,8 +3,6 @@ limit marked with why, only ebbtide's figures in the ebbtide column, an anchor t
 how to install it, a chart readable alone, and arguments checked before the run."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -105,7 +103,9 @@ def test_the_chart_is_readable_alone(tmp_path, monkeypatch):
 
 
 def test_a_chart_that_is_not_a_png_is_refused_before_running(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "ebbtide", "bench", "limits", "--quick", "--plot",
-                        str(tmp_path / "x.txt")], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    from ebbtide.testing import spawn
+
+    p = spawn.command([sys.executable, "-m", "ebbtide", "bench", "limits", "--quick", "--plot", str(tmp_path / "x.txt")],
+                      timeout=120, check=False)
     assert p.returncode == 2 and "--plot" in p.stderr and "name a file ending in .png" in p.stderr, p.stderr
     assert "nothing was run" in p.stderr and "== suite" not in p.stderr and "Traceback" not in p.stderr

@@ -66,10 +66,9 @@ def test_check_setting(value):
 @pytest.mark.parametrize("value", ["2", "maybe"])
 def test_a_bad_check_setting_fails_at_import(value):
     # parsed strictly, and where the component is imported: before anything could be allocated or paused
-    import subprocess  # noqa: PLC0415
+    from ebbtide.testing import spawn  # noqa: PLC0415
 
-    p = subprocess.run([sys.executable, "-c", "import ebbtide.memory"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "EBBTIDE_MEM_CHECK": value})
+    p = spawn.python("import ebbtide.memory", extra_env={"EBBTIDE_MEM_CHECK": value}, timeout=60, check=False)
     last = (p.stderr.strip().splitlines() or [""])[-1]
     assert p.returncode != 0 and last.startswith(f"ebbtide.errors.SettingError: EBBTIDE_MEM_CHECK='{value}' "), last
 
