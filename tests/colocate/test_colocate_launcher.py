@@ -324,6 +324,8 @@ def test_more_gpus_than_visible_is_a_clear_error():
     import torch
 
     n = torch.cuda.device_count()
-    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--gpus", str(n + 1), "--quick"],
-                       capture_output=True, text=True, timeout=120)
+    # --device cuda named: without it a machine with no GPU runs the CPU check instead (the device is picked)
+    p = subprocess.run([sys.executable, "-m", "ebbtide", "colocate", "--gpus", str(n + 1), "--quick", "--device",
+                        "cuda"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and f"{n} CUDA device(s) are visible" in p.stderr and "Traceback" not in p.stderr
+    assert n or "--device cpu runs the orchestration check without one" in p.stderr

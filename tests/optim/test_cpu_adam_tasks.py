@@ -56,8 +56,8 @@ def test_tasks_per_thread_out_of_range_is_refused():
 
 def _engine_in_child(value):
     env = dict(os.environ, EBBTIDE_ADAM_TASKS_PER_THREAD=value)
-    code = ("from ebbtide.optim.cpu_adam import shared_engine\n"
-            "try:\n    print(shared_engine(2, None).tasks_per_thread)\n"
+    code = ("try:\n    from ebbtide.optim.cpu_adam import shared_engine\n"  # a bad value fails at the import
+            "    print(shared_engine(2, None).tasks_per_thread)\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     return spawn.python(code, env=env, timeout=120, check=False).stdout.strip()
 
