@@ -358,11 +358,6 @@ def _overhead(summary: dict) -> float:
 def run(cfg: RunConfig, log=print) -> dict:
     """Run every requested variant and build the results (also written to cfg.out/results.json)."""
     cfg.validate()
-    try:  # before anything runs: an --out that cannot hold the results would lose the whole run
-        os.makedirs(cfg.out, exist_ok=True)
-    except OSError as e:
-        raise InvalidArgumentError(f"--out {cfg.out}: cannot be made a directory for the results "
-                                   f"({e.strerror or e}); name a directory that can be written") from None
     if cfg.trainer == "megatron" and importlib.util.find_spec("megatron") is None:
         raise UnsupportedError("--trainer megatron needs megatron-core (pip install megatron-core==0.16.1)")
     if cfg.trainer == "fsdp" and importlib.util.find_spec("transformers") is None:
@@ -375,6 +370,11 @@ def run(cfg: RunConfig, log=print) -> dict:
                 if cfg.trainer == "megatron" else "; --device cpu runs the orchestration check without one")
         raise InvalidArgumentError(f"--gpus {cfg.gpus} but {have} CUDA device(s) are visible"
                                    + (hint if not have else ""))
+    try:  # before any variant runs (and after the refusals above, which leave nothing behind): an --out that cannot hold the results would lose the whole run
+        os.makedirs(cfg.out, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgumentError(f"--out {cfg.out}: cannot be made a directory for the results "
+                                   f"({e.strerror or e}); name a directory that can be written") from None
     results = {"config": dataclasses.asdict(cfg), "variants": {}}
     for variant in cfg.variants:
         if variant in NEEDS_TMS and importlib.util.find_spec("torch_memory_saver") is None:
