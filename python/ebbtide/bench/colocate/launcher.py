@@ -157,7 +157,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="cuda (default where a CUDA GPU is visible) or cpu (default without one): the orchestration "
                         "check without a GPU (no pause/resume, no NVML; ranks use Gloo; the ebbtide variant and the "
                         "eager decode unless --variants / --decode name others)")
-    p.set_defaults(decode=None)  # picked with the device (pick_for_hardware) unless given
     return p
 
 
@@ -169,8 +168,9 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def pick_for_hardware(trainer, device, variants, decode, cuda_devices: int) -> tuple[str, tuple | None, str, str]:
-    """(device, variants, decode, what was picked, "" if nothing) for the flags the user left out: the GPU where
+def pick_for_hardware(trainer, device, variants, decode, cuda_devices: int) -> tuple:
+    """(device, variants, decode, what was picked, "" if nothing) for the flags the user left out (variants and
+    decode stay None where nothing is picked: the trainer's defaults apply): the GPU where
     one is visible, else the CPU with what runs there (the ebbtide variant: the anchors pause and resume through
     torch_memory_saver on a GPU; the eager decode: a CUDA graph needs a GPU). The Megatron trainer has no CPU run:
     it stays on cuda (and run() says no GPU is visible)."""
@@ -185,10 +185,10 @@ def pick_for_hardware(trainer, device, variants, decode, cuda_devices: int) -> t
         if variants is None:
             variants = ("ebbtide",)
             said.append("variants ebbtide (the anchors need a GPU)")
-        if decode is None:
+        if decode is None and "decode" not in trainer_defaults(trainer):  # (a trainer that always decodes eagerly)
             decode = "eager"
             said.append("decode eager (a CUDA graph needs a GPU)")
-    return device, variants, decode or RunConfig().decode, "; ".join(said)
+    return device, variants, decode, "; ".join(said)
 
 
 def parse_args(argv=None, *, cuda_devices: int | None = None, log=None) -> RunConfig:
@@ -215,13 +215,13 @@ def _parse_args(argv, *, cuda_devices, log) -> RunConfig:
         for k, v in q.items():
             if getattr(a, k) == getattr(RunConfig(), k):
                 kw[k] = v
+    variants = None if a.variants is None else tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    device = a.device or ("cuda" if cuda_devices is None else None)
+    kw["device"], variants, kw["decode"], said = pick_for_hardware(a.trainer, device, variants, kw["decode"],
+                                                                   cuda_devices or 0)
     for k in _TRAINER_DEFAULTED:
         if kw[k] is None:
             kw[k] = trainer_defaults(a.trainer).get(k, getattr(RunConfig(), k))
-    variants = None if a.variants is None else tuple(v.strip() for v in a.variants.split(",") if v.strip())
-    device = a.device or ("cuda" if cuda_devices is None else None)
-    kw["device"], variants, kw["decode"], said = pick_for_hardware(a.trainer, device, variants, a.decode,
-                                                                   cuda_devices or 0)
     cfg = RunConfig(model=model, trainer=a.trainer, variants=variants, **kw).validate()
     if said and log is not None:
         log(f"{PROG}: picked {said}")
