@@ -12,10 +12,11 @@ picks for torch's CUDA major (``anchors.tms.preload_library``): AReaL's setting 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
-__all__ = ["tms_env", "saver", "offload", "onload", "PRELOAD_INIT_VARS"]
+__all__ = ["tms_env", "saver", "offload", "onload", "outside_hook", "PRELOAD_INIT_VARS"]
 
 # what tms_env sets beside LD_PRELOAD (a process started from the trainer, as AReaL's rollout is not, drops them)
 PRELOAD_INIT_VARS = ("TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP")
@@ -60,3 +61,15 @@ def onload(group=None) -> None:
     torch.cuda.synchronize()
     if group is not None:
         torch.distributed.barrier(group=group)
+
+
+@contextlib.contextmanager
+def outside_hook():
+    """Allocations that bypass the preload hook (``torch_memory_saver.disable()``), from a cache emptied first so
+    no block the hook mapped is handed out again: what a CUDA IPC export needs (the driver refuses to export memory
+    the hook maps)."""
+    import torch  # noqa: PLC0415
+
+    torch.cuda.empty_cache()
+    with saver().disable():
+        yield

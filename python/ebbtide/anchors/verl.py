@@ -17,6 +17,8 @@ b178a3cd; verl's wheel is not on the GPU machine, and its functions are small en
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["offload_model", "load_model", "offload_optimizer", "load_optimizer", "per_tensor_weights",
@@ -67,10 +69,14 @@ def per_tensor_weights(model, device):
 
 
 @torch.no_grad()
-def send_weights(weights, conn, dtype: torch.dtype, device, bucket_bytes: int = BUCKET_BYTES) -> int:
+def send_weights(weights, conn, dtype: torch.dtype, device, bucket_bytes: int = BUCKET_BYTES, *,
+                 allocation=contextlib.nullcontext) -> int:
     """Push ``weights`` (``(name, tensor)`` pairs) through one CUDA IPC buffer, a round trip per bucket; returns
-    the number of buckets."""
-    buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+    the number of buckets. ``allocation()``: the context the buffer is allocated in (a process under
+    torch_memory_saver's preload hook allocates it outside the hook, whose memory the driver does not export by
+    ``cudaIpcGetMemHandle``)."""
+    with allocation():
+        buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
     conn.send(("buffer", buffer))  # torch pickles a CUDA tensor as its IPC handle
     conn.recv()
     offset, meta, buckets = 0, {}, 0

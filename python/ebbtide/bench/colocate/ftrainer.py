@@ -127,7 +127,8 @@ class _FsdpTrainer(LoopRank):
         from multiprocessing.connection import Connection  # noqa: PLC0415
 
         mine, theirs = socket.socketpair()
-        self.sync = FsdpTrainerSync(self.model, self.v.sync_mode, device=self.dev, conn=Connection(mine.detach()))
+        self.sync = FsdpTrainerSync(self.model, self.v.sync_mode, device=self.dev, conn=Connection(mine.detach()),
+                                    ipc_allocation=getattr(self.v, "ipc_allocation", None))
         self._set_sync_setup()
         try:
             self._launch_rollout({"sync_fd": theirs.fileno()}, arch="qwen3", sync=self.sync.mode)

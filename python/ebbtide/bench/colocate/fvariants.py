@@ -26,6 +26,8 @@ steps AdamW with the same hyper-parameters.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...testing import qwen3
@@ -110,6 +112,7 @@ class Ebbtide:
 
 
 class Verl:
+    ipc_allocation = staticmethod(contextlib.nullcontext)  # where verl's update allocates its CUDA IPC buffer
     name = "verl"
     sync_mode = "verl"
     releases_groups = early_sync = streamed_sync = False
@@ -174,6 +177,9 @@ class Tms(Verl):
         super().__init__(dev)
         self.areal = areal
         areal.saver()  # the preload hook set on the package, as AReaL's engine sets it before the model exists
+
+    def ipc_allocation(self):
+        return self.areal.outside_hook()  # the hook's memory cannot be exported by CUDA IPC
 
     def offload(self) -> dict:
         self.areal.offload()

@@ -33,6 +33,8 @@ Policies:
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 
 import torch
@@ -319,13 +321,14 @@ class FsdpTrainerSync:
     on the CPU (mode "ebbtide" only) the end owns a shared host buffer (``fd``, ``nbytes`` go to the rollout).
     ``receiver_first``: whether the rollout's load must run while the push does (IPC) or after it (host buffer)."""
 
-    def __init__(self, model, mode: str, *, device, conn=None):
+    def __init__(self, model, mode: str, *, device, conn=None, ipc_allocation=None):
         import ebbtide.integrations.fsdp as ebt  # noqa: PLC0415
 
         _check_mode(mode)
         if mode == "slime":
             raise InvalidArgumentError("the FSDP loop's sync modes are 'ebbtide' and 'verl'")
         self.model, self.mode, self.conn, self.device = model, mode, conn, torch.device(device)
+        self.ipc_allocation = ipc_allocation or contextlib.nullcontext  # mode "verl": where its IPC buffer lives
         self.cuda = self.device.type == "cuda"
         if mode == "verl" and not self.cuda:
             raise InvalidArgumentError("verl's update moves the weights by CUDA IPC: it needs a GPU")
@@ -371,7 +374,7 @@ class FsdpTrainerSync:
             self.last_push["close_s"] = time.perf_counter() - t0
         else:
             verl.send_weights(verl.per_tensor_weights(self.model, self.device), self.conn, torch.bfloat16,
-                              self.device)
+                              self.device, allocation=self.ipc_allocation)
         if self.cuda:
             torch.cuda.ipc_collect()
         return self.plan.nbytes
