@@ -68,9 +68,19 @@ def test_the_rollouts_qwen3_decodes_like_transformers_full_forward():
     with torch.no_grad():
         full = hf(input_ids=prompt).logits[:, -1:]
         assert torch.allclose(lm(prompt), full, atol=1e-5)
-        seq, last = greedy_decode(lm, prompt, 6, qwen3.Qwen3Cache(TINY, 2, 22, device="cpu", dtype=torch.float32))
+        kv = qwen3.Qwen3Cache(TINY, 2, 22, device="cpu", dtype=torch.float32)
+        tensors = [t for layer in kv.past.layers for t in (layer.keys, layer.values)]
+        assert kv.nbytes == sum(t.numel() * 4 for t in tensors) == 2 * 22 * 2 * TINY.n_layers * (
+            TINY.n_heads // 2) * TINY.head_dim * 4  # allocated whole, up front (the rollout's kv_cache region)
+        seq, last = greedy_decode(lm, prompt, 6, kv)
         ref_seq, ref_last = greedy_decode(lm, prompt, 6)  # no cache: the whole sequence every token
-    assert torch.equal(seq, ref_seq) and torch.allclose(last, ref_last, atol=1e-4)
+        assert torch.equal(seq, ref_seq) and torch.allclose(last, ref_last, atol=1e-4)
+        for t in tensors:  # what a discarded region maps back holds: any bits, NaN included
+            t.fill_(float("nan"))
+        again, again_last = greedy_decode(lm, prompt, 6, kv)
+    assert torch.equal(again, seq) and torch.equal(again_last, last)  # the same storage, reset by the prefill
+    assert [t.data_ptr() for layer in kv.past.layers for t in (layer.keys, layer.values)] == [
+        t.data_ptr() for t in tensors]
     cache = qwen3.Qwen3Cache(TINY, 2, 20, device="cpu", dtype=torch.float32)
     with torch.no_grad(), pytest.raises(InvalidArgumentError, match="cannot continue"):
         lm(prompt[:, :4], cache, start=4)  # nothing cached yet

@@ -329,3 +329,26 @@ def test_more_gpus_than_visible_is_a_clear_error():
                         "cuda"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and f"{n} CUDA device(s) are visible" in p.stderr and "Traceback" not in p.stderr
     assert n or "--device cpu runs the orchestration check without one" in p.stderr
+
+
+def test_a_run_cut_short_keeps_the_variants_that_finished(tmp_path, monkeypatch):
+    # results.json is rewritten after each variant: a time limit or Ctrl-C during the next loses only that one
+    import ebbtide.bench.colocate.launcher as L
+
+    done = {"ranks": [], "failed": [{"rank": 0, "rc": 1, "why": "a finished variant", "log": ""}]}
+
+    def run_variant(cfg, variant, log=print):
+        if variant == "anchor":
+            raise KeyboardInterrupt
+        return dict(done)
+
+    monkeypatch.setattr(L, "run_variant", run_variant)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)  # two variants are a GPU run's; none starts here
+    monkeypatch.setattr(L, "NEEDS_TMS", ())  # the anchor "runs" whether or not torch_memory_saver is here
+    cfg = parse_args(["--device", "cuda", "--variants", "ebbtide,anchor", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        L.run(cfg, log=lambda *a: None)
+    kept = json.loads((tmp_path / "results.json").read_text())
+    assert list(kept["variants"]) == ["ebbtide"] and "after ebbtide" in kept["incomplete"]
+    assert kept["variants"]["ebbtide"]["why"] == "rank 0: a finished variant"
+    assert not (tmp_path / "results.json.tmp").exists()

@@ -17,8 +17,13 @@ Policies:
   ``[:, -1]``, and a prompt's logits over Qwen3's vocabulary are gigabytes); with a ``Qwen3Cache`` the call continues
   where the cache's last one stopped (``start`` must say where: 0 begins anew). Its ``named_parameters()`` are the
   HF model's, in the same order (``model.``..., a tied ``lm_head.weight`` not listed).
-- ``Qwen3Cache``: transformers' own ``DynamicCache``, made by the call at ``start`` 0 and grown by every later one;
-  ``drop()`` lets it go (its memory back to torch's pool). ``nbytes`` is what it holds at ``max_len`` tokens. The
+- ``Qwen3Cache``: transformers' own ``StaticCache``, its key and value tensors allocated whole (``batch`` x
+  ``max_len`` tokens, ``nbytes``) where the ``Qwen3Cache`` is constructed, as an engine's KV pool is: the rollout
+  builds it in its ``kv_cache`` region, so a pause releases it and no decode allocates a cache of its own (a
+  ``DynamicCache`` grows by a ``torch.cat`` per layer per token, and after a pause has emptied torch's pool every
+  one of those sizes is a new segment from below). The call at ``start`` 0 resets it (zeros: what a discarded
+  region maps back holds any bits, and a masked position's NaN would still reach the attention's product); a
+  later call continues where the last one stopped. The
   model's forward takes it as ``cache`` (transformers 5.x) or ``past_key_values`` (4.x and early 5.x): whichever
   its signature names.
 """
@@ -66,17 +71,22 @@ def build(cfg: ModelConfig, *, seed: int, device="cpu", dtype=torch.bfloat16):
 
 class Qwen3Cache:
     """What a ``Qwen3LM`` forward continues from (see the module policies). The constructor takes the harness's
-    ``KVCache`` arguments."""
+    ``KVCache`` arguments and allocates the whole cache on ``device``."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, *, device, dtype):
+        from transformers import StaticCache  # noqa: PLC0415
+
         self.batch, self.max_len = batch, max_len
-        per_token = 2 * cfg.n_layers * (cfg.n_heads // 2) * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
-        self.nbytes = batch * max_len * per_token
-        self.past = None
+        kv_heads = cfg.n_heads // 2
+        self.past = StaticCache(config=config(cfg), max_cache_len=max_len)
+        self.past.early_initialization(batch_size=batch, num_heads=kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+                                       device=torch.device(device))
+        self.nbytes = sum(t.numel() * t.element_size() for layer in self.past.layers for t in (layer.keys, layer.values))
         self.length = 0
 
-    def drop(self) -> None:
-        self.past, self.length = None, 0
+    def begin(self) -> None:
+        self.past.reset()
+        self.length = 0
 
 
 class Qwen3LM(nn.Module):
@@ -97,13 +107,13 @@ class Qwen3LM(nn.Module):
         if cache is None:
             out = self.model(input_ids=tokens, use_cache=False)
         else:
-            if start == 0:
-                cache.drop()
-            elif start != cache.length:
+            if start != 0 and start != cache.length:
                 raise InvalidArgumentError(f"the cache holds {cache.length} tokens; a call at {start} cannot continue it")
-            if start + tokens.shape[1] > cache.max_len or tokens.shape[0] > cache.batch:
+            if start + tokens.shape[1] > cache.max_len or tokens.shape[0] != cache.batch:
                 raise InvalidArgumentError(f"{tokens.shape[0]} x {start + tokens.shape[1]} tokens do not fit the cache "
-                                           f"({cache.batch} x {cache.max_len})")
-            out = self.model(input_ids=tokens, use_cache=True, **{self._cache_kw: cache.past})
-            cache.past, cache.length = out[self._cache_kw], start + tokens.shape[1]
+                                           f"({cache.batch} x {cache.max_len}: a batch of {cache.batch} exactly)")
+            if start == 0:
+                cache.begin()
+            out = self.model(input_ids=tokens, use_cache=True, **{self._cache_kw: cache.past})  # fills it in place
+            cache.length = start + tokens.shape[1]
         return self.lm_head(out.last_hidden_state[:, -1:])

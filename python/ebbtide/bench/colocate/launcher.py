@@ -391,14 +391,23 @@ def run(cfg: RunConfig, log=print) -> dict:
                 log(f"colocate: {variant} rank {f['rank']} FAILED (exit {f['rc']}): {f['why']}\n{f['log']}")
         vr["checks"] = _checks(vr["ranks"], cfg.warmup)
         results["variants"][variant] = vr
+        if variant != cfg.variants[-1]:  # a run cut short (a time limit, Ctrl-C) keeps the variants that finished
+            _write_results(cfg.out, dict(results, incomplete=f"written after {variant}; the run had not finished"))
     results["goals"] = _goals(results)
     results["steady"] = steady_check(results, cfg.steady_tolerance)
     os.makedirs(cfg.out, exist_ok=True)
     png = os.path.join(cfg.out, "timeline.png")
     results["timeline"] = png if not (why := plot_timeline(results, png)) else f"not drawn: {why}"
-    with open(os.path.join(cfg.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    _write_results(cfg.out, results)
     return results
+
+
+def _write_results(out: str, results: dict) -> None:
+    """results.json, replaced whole (written beside it, then renamed: a reader never sees half a file)."""
+    path = os.path.join(out, "results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def run_loop(*, gpus: int = 1, out: str, quick: bool = False, log=print, **overrides) -> dict:

@@ -29,8 +29,8 @@ Policies:
   ``buf_fd``), "megatron" (``MegatronGPT``, the Megatron trainer's architecture; weights by CUDA IPC over
   the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``) or "qwen3" (transformers'
   Qwen3 as the FSDP trainer trains it, ``ebbtide.testing.qwen3.Qwen3LM``; by CUDA IPC in mode "ebbtide" or "verl",
-  or on the CPU through the shared host buffer; eager decode only, its cache transformers' own, dropped after each
-  generate); ``spec["moe"]`` (megatron only): ``MoEConfig`` fields of a MoE model, served whole (every expert)
+  or on the CPU through the shared host buffer; eager decode only, its cache transformers' static one, allocated
+  whole in the ``kv_cache`` region); ``spec["moe"]`` (megatron only): ``MoEConfig`` fields of a MoE model, served whole (every expert)
   whatever the trainer's expert parallelism. Every variant other than "ebbtide" runs the rollout on
   torch_memory_saver ("slime-ebbtide": on ebbtide.compat.torch_memory_saver; ``ebbtide.anchors.tms``).
 """
@@ -62,7 +62,7 @@ __all__ = ["main", "RolloutClient", "rollout_env", "MODELS", "GRAPH_TAG", "SCRAT
 
 MODELS = {"tiny": TinyLM, "megatron": MegatronGPT, "qwen3": Qwen3LM}  # spec["arch"] -> the rollout's model
 CACHES = {"tiny": KVCache, "megatron": KVCache, "qwen3": Qwen3Cache}  # ... and what its decode continues from
-EAGER_ONLY = ("qwen3",)  # transformers' model: its cache grows every token (no static step to capture)
+EAGER_ONLY = ("qwen3",)  # transformers' model: no decode_step of the harness's to capture as a graph
 assert tuple(MODELS) == ARCHS == tuple(CACHES)
 GRAPH_TAG = "kv_cache"  # the ebbtide rollout's decode graph lives with the cache: discarded on pause, replay refills
 SCRATCH_TAG = "rollout_scratch"  # the ebbtide rollout's untagged allocations (the shim's default tag)
@@ -364,8 +364,6 @@ class _Rollout:
         events = {} if self.cuda else None
         mallocs = self._device_mallocs()
         seq, last = self._decode(self.prompts.to(self.dev), events)
-        if isinstance(self.cache, Qwen3Cache):
-            self.cache.drop()  # transformers' cache: its memory back to torch's pool, which the pause empties
         out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item()),
                "decode": self.decoder.mode if self.decoder else "eager"}
         if events and "end" in events:  # GPU time of the prefill and of the decode steps (the rest is host time)
