@@ -76,3 +76,29 @@ def test_torch_codec_through_a_payload():
     torch_load(plan, dst, torch.empty(plan.nbytes, dtype=torch.uint8), data)
     ref = torch_reference(plan, src)
     assert all(torch.equal(dst[n], ref[n]) for n in src) and torch.equal(ref["b.weight"], src["b.weight"])
+
+
+def test_areal_saver_sets_the_preload_hook_once_on_the_real_package(tmp_path):
+    # the package's singleton refuses its hook after its first use: every offload after the first called saver()
+    # again and failed there (AttributeError from the real entrypoint), so the hook is set on the first call only
+    import os
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory"))
+    import tms_reference  # noqa: PLC0415
+
+    from ebbtide.testing import spawn  # noqa: PLC0415
+
+    root = tms_reference.unpack(tmp_path / "tms")
+    if root is None:
+        pytest.skip("torch_memory_saver's wheel is not at hand (EBBTIDE_TMS_WHEEL or <repo>/.whl)")
+    code = ("from ebbtide.anchors import areal\n"
+            "t = areal.saver()\n"
+            "assert t._impl_ctor_kwargs == {'hook_mode': 'preload'}, t._impl_ctor_kwargs\n"
+            "t._impl = object(); del t._impl_ctor_kwargs  # what its first use does (_ensure_initialized)\n"
+            "assert areal.saver() is t\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    p = spawn.python(code, env=env, timeout=120, check=False)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr

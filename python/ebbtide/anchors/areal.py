@@ -36,10 +36,13 @@ def tms_env(env: dict | None = None) -> dict:
 
 
 def saver():
-    """torch_memory_saver set to the preload hook, as AReaL's engine sets it before it builds the model."""
+    """torch_memory_saver set to the preload hook, as AReaL's engine sets it before it builds the model. The
+    package's singleton takes its hook only until its first use (a later assignment fails: "Cannot configure after
+    initialization"), so it is set once, on the first call."""
     from torch_memory_saver import torch_memory_saver  # noqa: PLC0415
 
-    torch_memory_saver.hook_mode = "preload"
+    if getattr(torch_memory_saver, "_impl", None) is None:
+        torch_memory_saver.hook_mode = "preload"
     return torch_memory_saver
 
 
