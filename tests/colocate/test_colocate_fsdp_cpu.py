@@ -45,6 +45,9 @@ def test_the_fsdp_loop_runs_on_two_cpu_ranks(tmp_path):
     losses = [ph["loss"] for ph in v["ranks"][0]["phases"] if ph["phase"] == "train"]
     other = [ph["loss"] for ph in v["ranks"][1]["phases"] if ph["phase"] == "train"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses != other  # each rank its data
+    gens = [ph for ph in v["ranks"][0]["phases"] if ph["phase"] == "generate"]
+    assert gens and all(0 < ph["host_cpu_s"] <= ph["s"] * 1.05 + 0.01 and ph["switches_voluntary"] >= 0
+                        and ph["switches_involuntary"] >= 0 for ph in gens), gens  # the decode thread's own usage
     setup = v["ranks"][0]["setup"]
     assert setup["trainer"] == "fsdp" and setup["mesh"] == [2] and setup["params"] == sum(
         t.numel() for t in qwen3.build(TINY, seed=0, device="meta").parameters())

@@ -47,7 +47,10 @@ def test_fsdp_loop(tmp_path, variant):
     assert p.returncode == 0 and v.get("summary"), f"{variant}: {v.get('why')}\n{diag}"
     ck, s = v["checks"], v["summary"]
     assert ck["correct"] is True and len(ck["verify"]) == 2, f"{ck['verify']}\n{diag}"
-    assert all(e["weights_bitwise_equal"] and e["decode_vs_full_argmax_equal"] for e in ck["verify"]), ck["verify"]
+    # the cached decode's last logits against one full forward: bounded, not argmax-equal (in bf16 the two attention
+    # kernels round differently, and a random model's near-tied logits flip; the Qwen3-1.7B shape read 2.4-3.3% of
+    # the largest logit in every variant alike, H200)
+    assert all(e["weights_bitwise_equal"] and e["decode_vs_full_rel"] <= 2.0 ** -4 for e in ck["verify"]), ck["verify"]
     assert ck["no_growth"] is True, f"{ck['growth']}\n{diag}"
     assert tuple(s["phase_s"]) == MEGATRON_PHASES, s["phase_s"]
     assert len(s["losses"]) == 3 and all(math.isfinite(x) for x in s["losses"]), s["losses"]

@@ -34,7 +34,7 @@ import torch
 
 from ..limits import host_triad
 from ._records import note_release, note_residual
-from .measure import NvmlProbe
+from .measure import GENERATE_KEYS, NvmlProbe
 from .options import STEP_BYTES
 from .rank import align_ranks, only, verify_entry
 from .rollout import RolloutClient, rollout_env
@@ -207,8 +207,7 @@ class LoopRank:
             if clock is not None:
                 info["sm_clock_mhz"] = clock
             gen = R.call("generate", timeout=tmo)
-            info.update(only(gen, "tokens", "inside_s", "prefill_gpu_s", "decode_gpu_s",
-                             "host_enqueue_s", "prefill_host_s", "device_mallocs"))
+            info.update(only(gen, *GENERATE_KEYS))
         self._sample(step, "generate", gen.get("mem"))
         self._note_decode(gen)
         if verify:

@@ -36,7 +36,13 @@ STEADY_PHASES = ("train", "generate")
 STEADY_TOLERANCE = 0.03
 # What the rollout reports of its generation, ebbtide's optimizer of its CPU pipeline, its sender of a push and its
 # training state of an offload besides the phase's time (medians kept in the summary's "detail").
+# What a generate reply carries into its phase: the time inside, the tokens, the device spans (graph decode), the
+# caching allocator's mallocs and the generating thread's own CPU time and context switches (a decode slower by as
+# much as its thread's CPU time is: more host work; slower with the same CPU time: the thread waited or was preempted).
+GENERATE_KEYS = ("tokens", "inside_s", "prefill_gpu_s", "decode_gpu_s", "host_enqueue_s", "prefill_host_s",
+                 "device_mallocs", "host_cpu_s", "switches_voluntary", "switches_involuntary")
 DETAIL_KEYS = ("inside_s", "decode_gpu_s", "prefill_gpu_s", "host_enqueue_s", "prefill_host_s", "device_mallocs",
+               "host_cpu_s", "switches_voluntary", "switches_involuntary",
                "prepare_s", "norm_s", "hooks_s", "update_s", "pipeline_s", "kernel_s", "copy_wait_s", "kernel_gbps",
                "begin_s", "open_s", "fill_s", "commit_s", "close_s", "drain_s", "empty_cache_s", "pause_s", "trim_s",
                "sm_clock_mhz")

@@ -174,6 +174,14 @@ class _NoMemory:
         return {}
 
 
+def _thread_usage():
+    """The calling thread's resource usage (Linux's RUSAGE_THREAD), None where there is none."""
+    import resource  # noqa: PLC0415
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return None if who is None else resource.getrusage(who)
+
+
 class _EbbtideMemory:
     """ebbtide.memory under the LD_PRELOAD shim (see the module policies): the named tags discarded on pause, the
     untagged rest (``SCRATCH_TAG``) kept resident or paused as ``--scratch-backup`` says, the decode graph in
@@ -363,7 +371,11 @@ class _Rollout:
         before = self.mem.tag_active(GRAPH_TAG) if capturing and self.mem.em else None
         events = {} if self.cuda else None
         mallocs = self._device_mallocs()
+        usage, cpu0 = _thread_usage(), time.thread_time()
         seq, last = self._decode(self.prompts.to(self.dev), events)
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+        cpu_s, usage_after = time.thread_time() - cpu0, _thread_usage()
         out = {"tokens": int(seq.shape[0] * self.spec["new_tokens"]), "checksum": int(seq.sum().item()),
                "decode": self.decoder.mode if self.decoder else "eager"}
         if events and "end" in events:  # GPU time of the prefill and of the decode steps (the rest is host time)
@@ -371,6 +383,10 @@ class _Rollout:
             out["decode_gpu_s"] = events["prefilled"].elapsed_time(events["end"]) / 1e3
             out["host_enqueue_s"] = events["host_enqueue_s"]
             out["prefill_host_s"] = events["prefill_host_s"]
+        out["host_cpu_s"] = cpu_s  # this thread's CPU time (launches, Python, the driver's work in this thread)
+        if usage is not None and usage_after is not None:
+            out["switches_voluntary"] = usage_after.ru_nvcsw - usage.ru_nvcsw  # it blocked (a wait in the driver)
+            out["switches_involuntary"] = usage_after.ru_nivcsw - usage.ru_nivcsw  # the scheduler preempted it
         if mallocs is not None:  # segments the caching allocator had to get from below (after the pause's empty_cache)
             out["device_mallocs"] = self._device_mallocs() - mallocs
         if self.decoder is not None and self.decoder.graph_bytes is not None:

@@ -35,7 +35,7 @@ from ...anchors import tms as anchor_tms
 from ...anchors.groups import DestroyRecreate
 from ...anchors.optim import TorchCpuAdamW
 from ...testing.models import ModelConfig, TinyLM
-from .measure import NvmlProbe, Recorder
+from .measure import GENERATE_KEYS, NvmlProbe, Recorder
 from .options import TOY_VARIANTS
 from .rank import (align_ranks, align_store, exit_now, only, prompts, rank_main, reference_entry, train_tokens,
                    verify_entry)
@@ -323,10 +323,8 @@ class _Trainer:
                           ("rollout_pause", "pause")):
             with rec.phase(step, name) as info:
                 out = R.call(cmd, timeout=tmo, **({"version": step + 1} if cmd == "load" else {}))
-                info.update({k: v for k, v in out.items() if k in ("bytes", "inside_s", "tokens", "bytes_released",
-                                                                   "bytes_mapped", "prefill_gpu_s", "decode_gpu_s",
-                                                                   "host_enqueue_s", "prefill_host_s",
-                                                                   "device_mallocs")})
+                info.update({k: v for k, v in out.items()
+                             if k in ("bytes", "bytes_released", "bytes_mapped", *GENERATE_KEYS)})
             self._sample(step, name, out.get("mem"))
             # Verification is untimed: the rollout checks between phases, before it pauses.
             if cmd == "load":
