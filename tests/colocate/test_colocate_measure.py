@@ -138,3 +138,21 @@ def test_steady_check_compares_the_steady_phases_only():
     assert "== steady phases" in text and "SLOWER" in text and "decode on the device 150.0 vs 140.0 ms" in text
     res["variants"].pop("anchor")
     assert steady_check(res) == []  # nothing to compare with
+
+
+def test_steady_check_says_when_the_medians_are_within_the_step_to_step_spread():
+    # generate read 2.28 vs 2.97 s in one H200 run and 3.88 vs 2.48 s in the one before, same code: each step's
+    # time is kept, and overlapping ranges wider than the tolerance are reported beside the verdict
+    res = _steady_results({"train": 0.10, "generate": 0.2}, {"train": 0.10, "generate": 0.19})
+    for name, vals in (("ebbtide", [2.7, 3.7]), ("anchor", [2.2, 2.8])):
+        summary = res["variants"][name]["summary"]
+        summary["phase_s_all"].update(generate=vals, train=[0.1, 0.1])
+        summary["phase_s"].update(generate=sum(vals) / 2, train=0.1)
+    checks = {c["phase"]: c for c in steady_check(res, tolerance=0.03)}
+    g = checks["generate"]
+    assert not g["ok"] and g["within_spread"] and g["ours_range_s"] == [2.7, 3.7] and g["anchor_range_s"] == [2.2, 2.8]
+    assert checks["train"]["within_spread"] is False  # equal steps: nothing wide
+    text = format_report(res)
+    assert "steps ranged 2700.0-3700.0 vs 2200.0-2800.0 ms: within the step-to-step spread" in text
+    res["variants"]["anchor"]["summary"]["phase_s_all"]["generate"] = [1.0, 1.1]  # apart: a real difference
+    assert {c["phase"]: c for c in steady_check(res, tolerance=0.03)}["generate"]["within_spread"] is False

@@ -228,6 +228,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
     return {
         "steps": len(measured),
         "phase_s": {k: statistics.median(v) for k, v in per_phase.items()},
+        "phase_s_all": per_phase,  # each measured step's (slowest rank's) time, in step order
         "detail": detail,
         "step_s": statistics.median(totals) if totals else None,
         "step_s_all": totals,
@@ -303,8 +304,21 @@ def steady_check(results: dict, tolerance: float = STEADY_TOLERANCE) -> list[dic
             da, db = (s.get("detail", {}).get(ph, {}).get("decode_gpu_s") for s in (ours, anchor))
             if da and db:
                 entry.update(ours_device_s=da, anchor_device_s=db)
+            entry.update(_spread(ours, anchor, ph, tolerance))
             out.append(entry)
     return out
+
+
+def _spread(ours: dict, anchor: dict, phase: str, tolerance: float) -> dict:
+    """Each side's range over its measured steps, and ``within_spread``: the two ranges overlap and one of them is
+    wider than the tolerance, so the medians of these few steps cannot tell the two apart by that much (the verdict
+    stands; the report says to run more steps)."""
+    xs, ys = ((s.get("phase_s_all") or {}).get(phase) or [] for s in (ours, anchor))
+    if len(xs) < 2 or len(ys) < 2:
+        return {}
+    wide = max(max(xs) / min(xs), max(ys) / min(ys)) - 1 > tolerance
+    return {"ours_range_s": [min(xs), max(xs)], "anchor_range_s": [min(ys), max(ys)],
+            "within_spread": wide and min(xs) <= max(ys) and min(ys) <= max(xs)}
 
 
 def steady_lines(checks: list[dict], tolerance: float) -> list[str]:
@@ -318,6 +332,10 @@ def steady_lines(checks: list[dict], tolerance: float) -> list[str]:
                    if not c.get("guarded", True) else "ok" if c["ok"] else "SLOWER")
         lines.append(f"{c['phase']:<10} ebbtide {c['ours_s'] * 1e3:8.1f} ms  {c['anchor']:<14} "
                      f"{c['anchor_s'] * 1e3:8.1f} ms  ratio {c['ratio']:.3f}  {verdict}{dev}")
+        if c.get("within_spread"):
+            (a0, a1), (b0, b1) = c["ours_range_s"], c["anchor_range_s"]
+            lines.append(f"{'':<10} steps ranged {a0 * 1e3:.1f}-{a1 * 1e3:.1f} vs {b0 * 1e3:.1f}-{b1 * 1e3:.1f} ms: "
+                         f"within the step-to-step spread, more steps (--steps) tell them apart")
     return lines
 
 
