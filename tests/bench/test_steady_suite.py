@@ -73,3 +73,48 @@ def test_update_row_puts_the_receive_beside_the_anchors_load():
     assert row.ours == pytest.approx(163) and row.anchor == pytest.approx(164) and not row.higher_is_better
     assert "151.6 vs 151.5" in row.note and "13.4 ms" in row.note and "anchor's load" in row.anchor_name
     assert list(steady.update_rows([{"decode": {}}], {})) == []  # a worker without the part: no row
+
+
+def _hf(wall_ms: float, cpu_ms: float) -> dict:
+    w, c = wall_ms / 1e3, cpu_ms / 1e3
+    return {"hf": {"generate_s": [w, w], "cpu_s": [c, c], "after_cycle_s": [w * 1.1] * 2,
+                   "after_cycle_cpu_s": [c * 1.1] * 2}}
+
+
+def test_hf_rows_put_the_fsdp2_rollouts_decode_beside_the_plain_process():
+    runs = {"plain": [_hf(2900, 2880)] * 2, "ebbtide-preload": [_hf(3100, 3090)] * 2,
+            "ebbtide-torch": [{"decode": {}}], "tms-torch": [_hf(2950, 2940)] * 2}
+    rows = {r.name: r for r in steady.hf_rows(runs, {"hf_batch": 16})}
+    assert set(rows) == {
+        "transformers Qwen3 eager decode, steady (the FSDP2 loop's rollout; ebbtide LD_PRELOAD shim, default tag)",
+        "transformers Qwen3 eager decode, first generate after a pause/resume cycle (the FSDP2 loop's rollout; "
+        "ebbtide LD_PRELOAD shim, default tag)"}  # a setup without the part has no row
+    r = rows["transformers Qwen3 eager decode, steady (the FSDP2 loop's rollout; ebbtide LD_PRELOAD shim, default tag)"]
+    assert r.ours == pytest.approx(3100) and r.anchor == pytest.approx(2900) and not r.higher_is_better
+    assert "CPU time 3090.0 vs 2880.0 ms" in r.note and "torch_memory_saver torch mode 2950.0 ms" in r.note
+
+
+def test_workers_leave_out_the_parts_asked(monkeypatch):
+    seen = {}
+
+    def call(fn, wspec, **kw):
+        seen.update(wspec)
+        return {}
+
+    monkeypatch.setattr(steady.spawn, "call", call)
+    steady.run_worker("plain", {"x": 1}, skip=("hf",))
+    assert seen["parts"] == ["decode", "train", "alloc", "update"] and seen["decodes"] == ["graph", "eager"]
+    steady.run_worker("tms-torch", {"x": 1})
+    assert seen["parts"] == ["decode", "train", "alloc", "hf"]
+
+
+def test_the_hf_part_decodes_on_the_cpu():
+    # the worker's part itself, plain setup, a tiny Qwen3 on the CPU (no cycle there: nothing to pause)
+    pytest.importorskip("transformers")
+    from ebbtide.bench.suites import _steady_worker as w
+
+    spec = {"hf_model": {"vocab": 512, "d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 256, "max_seq": 128},
+            "hf_batch": 2, "hf_prompt_len": 8, "hf_new_tokens": 4, "hf_reps": 2, "device": "cpu"}
+    out = w.hf_decode_rows(w._Memory("plain"), spec)
+    assert len(out["generate_s"]) == len(out["after_cycle_s"]) == 2 and out["distinct_checksums"] == 1
+    assert all(0 < c <= t * 1.05 + 0.01 for c, t in zip(out["cpu_s"], out["generate_s"]))

@@ -16,7 +16,10 @@ Weights live in a CPU-backed tag, the KV cache (and, where the mode makes it pau
 discarded one. A "cycle" is what a colocated rollout does between two generations: ``empty_cache`` and a pause of
 every tag, then a resume. Timings: wall clock around synchronous calls (``torch.cuda.synchronize`` before and
 after); the graph's step alone with CUDA events around ``STEP_REPLAYS`` replays. Part ``update`` (run in the plain
-process): the decode right after a weight update through ``ebbtide.sync`` against the anchor's load.
+process): the decode right after a weight update through ``ebbtide.sync`` against the anchor's load. Part ``hf``:
+the FSDP2 loop's rollout decode (transformers' Qwen3, eager, its static cache in the discarded tag), steady and
+right after a cycle, with the decoding thread's CPU time (an eager decode of it is host-bound: its CPU time is its
+wall time, so a setup that made the host's work slower shows there).
 """
 from __future__ import annotations
 
@@ -325,6 +328,49 @@ def update_rows(spec: dict) -> dict:
     return out
 
 
+def hf_decode_rows(mem: _Memory, spec: dict) -> dict:
+    """Part ``hf`` (see the module policies): ``spec["hf_reps"]`` generations in a row, then as many each after a
+    cycle; wall and thread CPU seconds of each. ``spec["device"]`` (default "cuda"; "cpu" runs the logic alone)."""
+    from ebbtide.testing.models import ModelConfig, greedy_decode  # noqa: PLC0415
+    from ebbtide.testing.qwen3 import Qwen3Cache, Qwen3LM  # noqa: PLC0415
+
+    dev = torch.device(spec.get("device", "cuda"))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    cfg = ModelConfig(**spec["hf_model"])
+    B, P, N = spec["hf_batch"], spec["hf_prompt_len"], spec["hf_new_tokens"]
+    with mem.region("weights", cpu_backup=True):
+        model = Qwen3LM.random(cfg, seed=0, device=dev)
+    model.requires_grad_(False)
+    with mem.region("kv_cache", cpu_backup=False):
+        cache = Qwen3Cache(cfg, B, P + N, device=dev, dtype=torch.bfloat16)
+    prompt = torch.randint(cfg.vocab, (B, P), generator=torch.Generator().manual_seed(7))
+    out: dict = {k: [] for k in ("generate_s", "cpu_s", "after_cycle_s", "after_cycle_cpu_s")}
+    checks = set()
+
+    def generate(wall: str, cpu: str):
+        sync()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        seq, _ = greedy_decode(model, prompt.to(dev), N, cache)
+        sync()
+        out[wall].append(time.perf_counter() - t0)
+        out[cpu].append(time.thread_time() - c0)
+        checks.add(int(seq.sum().item()))
+
+    with torch.no_grad():
+        generate("generate_s", "cpu_s")  # lazy inits; not kept
+        for k in out:
+            out[k].clear()
+        for _ in range(spec["hf_reps"]):
+            generate("generate_s", "cpu_s")
+        for _ in range(spec["hf_reps"]):
+            if dev.type == "cuda":
+                mem.pause(True)
+                mem.resume()
+            generate("after_cycle_s", "after_cycle_cpu_s")
+    out["distinct_checksums"] = len(checks)
+    return out
+
+
 def measure(spec: dict) -> dict:
     """Every part of ``spec`` in this process's memory setup. Run it with ``teardown=False``: no interpreter teardown,
     whatever is paused goes back with the process."""
@@ -342,6 +388,8 @@ def measure(spec: dict) -> dict:
             res["alloc"] = alloc_rows(mem)
         elif part == "update":
             res["update"] = update_rows(spec)
+        elif part == "hf":
+            res["hf"] = hf_decode_rows(mem, spec)
         else:
             raise ValueError(f"unknown part {part!r}")
     res["wall_s"] = time.perf_counter() - t0

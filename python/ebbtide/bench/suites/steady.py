@@ -14,7 +14,9 @@ eager decode, a training forward + backward (also with ``OffloadedAdam`` attache
 with the backward and not), and the allocation path under the caching allocator (``torch.empty`` that reaches the
 allocator below it, per size class: the engine through the shim's default tag against the driver's ``cudaMalloc``;
 a region of ebbtide against one of torch_memory_saver); and, in the plain process, the decode right after a weight
-update received through ``ebbtide.sync`` against the same decode after the anchor's load of the same bytes.
+update received through ``ebbtide.sync`` against the same decode after the anchor's load of the same bytes; and the
+FSDP2 loop's rollout decode (transformers' Qwen3, eager, at the loop's size) steady and right after a pause/resume
+cycle, with the decoding thread's CPU time (where transformers is installed).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ from ._steady_worker import ALLOC_SIZES
 
 THEIR_MODES = ("tms-torch", "tms-preload")
 PARTS = {  # what each setup measures (eager decode is host-bound: the setups that differ in the host path)
-    "plain": ("decode", "eager", "train", "alloc", "update"),
-    "ebbtide-preload": ("decode", "eager", "train", "alloc"),
-    "ebbtide-torch": ("decode", "eager", "train", "alloc"),
+    "plain": ("decode", "eager", "train", "alloc", "update", "hf"),
+    "ebbtide-preload": ("decode", "eager", "train", "alloc", "hf"),
+    "ebbtide-torch": ("decode", "eager", "train", "alloc", "hf"),
     "compat-torch": ("decode", "train"),
-    "tms-torch": ("decode", "eager", "train", "alloc"),
+    "tms-torch": ("decode", "eager", "train", "alloc", "hf"),
     "tms-preload": ("decode", "alloc"),
 }
+WORKER_PARTS = ("decode", "train", "alloc", "update", "hf")  # the worker's parts, in the order it runs them
 OURS = ("ebbtide-preload", "ebbtide-torch", "compat-torch")
 LABEL = {"ebbtide-preload": "ebbtide LD_PRELOAD shim, default tag", "ebbtide-torch": "ebbtide in-process regions",
          "compat-torch": "ebbtide.compat.torch_memory_saver", "tms-torch": "torch_memory_saver torch mode",
@@ -50,11 +53,12 @@ def sizes(quick: bool) -> dict:
     from ..colocate.config import model_for  # noqa: PLC0415
 
     model = dataclasses.asdict(model_for("toy", quick))
+    hf = dict(hf_model=dataclasses.asdict(model_for("fsdp", quick)), hf_reps=2)  # the FSDP2 loop's rollout
     if quick:
         return dict(model=model, batch=8, prompt_len=64, new_tokens=64, cycles=2, reps=2, train_batch=4,
-                    train_seq=256, train_reps=3, rounds=2)
+                    train_seq=256, train_reps=3, rounds=2, hf_batch=8, hf_prompt_len=64, hf_new_tokens=32, **hf)
     return dict(model=model, batch=16, prompt_len=128, new_tokens=128, cycles=3, reps=3, train_batch=8,
-                train_seq=512, train_reps=5, rounds=3)
+                train_seq=512, train_reps=5, rounds=3, hf_batch=16, hf_prompt_len=128, hf_new_tokens=32, **hf)
 
 
 def worker_env(mode: str) -> dict:
@@ -74,13 +78,12 @@ def worker_env(mode: str) -> dict:
     return env
 
 
-def run_worker(mode: str, spec: dict, timeout: float = 900) -> tuple[dict | None, str]:
-    """One worker process; (its JSON, "") or (None, why it failed)."""
-    parts = PARTS[mode]
+def run_worker(mode: str, spec: dict, timeout: float = 900, skip: tuple = ()) -> tuple[dict | None, str]:
+    """One worker process (``skip``: parts left out); (its JSON, "") or (None, why it failed)."""
+    parts = [p for p in PARTS[mode] if p not in skip]
     decodes = [d for d, p in (("graph", "decode"), ("eager", "eager")) if p in parts]
     wspec = dict(spec, mode=mode, decodes=decodes,
-                 parts=[p for p in ("decode", "train", "alloc", "update")
-                        if p in parts or (p == "decode" and decodes)])
+                 parts=[p for p in WORKER_PARTS if p in parts or (p == "decode" and decodes)])
     try:
         return spawn.call("measure", wspec, module="ebbtide.bench.suites._steady_worker", env=worker_env(mode),
                           timeout=timeout, teardown=False), ""
@@ -137,6 +140,10 @@ def run(ctx):
     if not have_tms:
         modes = [m for m in modes if m not in THEIR_MODES]
         ctx.note_skip("steady: torch_memory_saver setups", "not installed")
+    skip = ()
+    if importlib.util.find_spec("transformers") is None:
+        skip = ("hf",)
+        ctx.note_skip("steady: the FSDP2 loop's rollout decode", "transformers is not installed")
     runs: dict = {m: [] for m in modes}
     failed: dict = {}
     for r in range(rounds):
@@ -145,7 +152,7 @@ def run(ctx):
                 continue
             ctx.progress(f"steady: round {r + 1}/{rounds}, {m} ...")
             try:
-                res, why = run_worker(m, spec)
+                res, why = run_worker(m, spec, skip=skip)
             except Skip as e:
                 res, why = None, str(e)
             if res is None:
@@ -162,6 +169,7 @@ def run(ctx):
     yield from train_rows(runs, params)
     yield from alloc_rows(runs)
     yield from update_rows(runs["plain"], params)
+    yield from hf_rows(runs, {k: spec[k] for k in ("hf_model", "hf_batch", "hf_prompt_len", "hf_new_tokens")})
 
 
 def _row(name, ours, anchor, unit, params, note, anchor_name=ANCHOR):
@@ -267,3 +275,24 @@ def alloc_rows(runs: dict):
             yield _row(f"torch.empty {human} reaching the allocator in a region (ebbtide vs torch_memory_saver)",
                        ours, tms, "us", {"bytes": size}, "each try in a fresh tag, paused afterwards",
                        anchor_name="torch_memory_saver torch mode")
+
+
+def hf_rows(runs: dict, params: dict):
+    """The FSDP2 loop's rollout decode (transformers' Qwen3, eager) in each ebbtide setup beside the plain process,
+    steady and right after a pause/resume cycle; the thread's CPU time in the note (host-bound: it is the wall time,
+    so a slower host path shows there)."""
+    plain = runs["plain"]
+    for label, wall, cpu in (("steady", "generate_s", "cpu_s"),
+                             ("first generate after a pause/resume cycle", "after_cycle_s", "after_cycle_cpu_s")):
+        base = summary(plain, ("hf", wall), 1e3)
+        for m in ("ebbtide-preload", "ebbtide-torch"):
+            ours = summary(runs.get(m, []), ("hf", wall), 1e3)
+            if not ours or not base:
+                continue
+            c_ours, c_base = summary(runs[m], ("hf", cpu), 1e3), summary(plain, ("hf", cpu), 1e3)
+            note = f"ours {_spread(ours, 'ms')}, plain {_spread(base, 'ms')}"
+            if c_ours and c_base:
+                note += f"; the thread's CPU time {c_ours['median']:.1f} vs {c_base['median']:.1f} ms"
+            other = _others(runs, ("hf", wall), 1e3, "ms")
+            yield _row(f"transformers Qwen3 eager decode, {label} (the FSDP2 loop's rollout; {LABEL[m]})", ours,
+                       base, "ms", dict(params, mode=m), note + (f"; {other}" if other else ""))
