@@ -81,7 +81,8 @@ class Qwen3Cache:
         self.past = StaticCache(config=config(cfg), max_cache_len=max_len)
         self.past.early_initialization(batch_size=batch, num_heads=kv_heads, head_dim=cfg.head_dim, dtype=dtype,
                                        device=torch.device(device))
-        self.nbytes = sum(t.numel() * t.element_size() for layer in self.past.layers for t in (layer.keys, layer.values))
+        held = [t for layer in self.past.layers for t in (layer.keys, layer.values)]
+        self.nbytes = sum(t.numel() * t.element_size() for t in held)
         self.length = 0
 
     def begin(self) -> None:
@@ -108,7 +109,8 @@ class Qwen3LM(nn.Module):
             out = self.model(input_ids=tokens, use_cache=False)
         else:
             if start != 0 and start != cache.length:
-                raise InvalidArgumentError(f"the cache holds {cache.length} tokens; a call at {start} cannot continue it")
+                raise InvalidArgumentError(f"the cache holds {cache.length} tokens; a call at {start} cannot "
+                                           f"continue it")
             if start + tokens.shape[1] > cache.max_len or tokens.shape[0] != cache.batch:
                 raise InvalidArgumentError(f"{tokens.shape[0]} x {start + tokens.shape[1]} tokens do not fit the cache "
                                            f"({cache.batch} x {cache.max_len}: a batch of {cache.batch} exactly)")

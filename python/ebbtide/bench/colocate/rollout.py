@@ -30,8 +30,8 @@ Policies:
   the socket ``sync_fd``, mode ``spec["sync"]``: "ebbtide" or "slime", see ``sync``) or "qwen3" (transformers'
   Qwen3 as the FSDP trainer trains it, ``ebbtide.testing.qwen3.Qwen3LM``; by CUDA IPC in mode "ebbtide" or "verl",
   or on the CPU through the shared host buffer; eager decode only, its cache transformers' static one, allocated
-  whole in the ``kv_cache`` region); ``spec["moe"]`` (megatron only): ``MoEConfig`` fields of a MoE model, served whole (every expert)
-  whatever the trainer's expert parallelism. Every variant other than "ebbtide" runs the rollout on
+  whole in the ``kv_cache`` region); ``spec["moe"]`` (megatron only): ``MoEConfig`` fields of a MoE model, served
+  whole (every expert) whatever the trainer's expert parallelism. Every variant other than "ebbtide" runs the rollout on
   torch_memory_saver ("slime-ebbtide": on ebbtide.compat.torch_memory_saver; ``ebbtide.anchors.tms``).
 """
 from __future__ import annotations
