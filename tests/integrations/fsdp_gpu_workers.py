@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from ebbtide.testing._worker import progress
 from ebbtide.testing.bits import digests
 from ebbtide.testing.spawn import join_store
 
@@ -127,6 +128,14 @@ def start_rollout(args: dict):
     return p, Connection(sync.detach()), Connection(res.detach())
 
 
+def rollout_said(res_r, wait: float = 20.0):
+    """What the rollout reported last (its error, where it failed), or why nothing came."""
+    try:
+        return res_r.recv() if res_r.poll(wait) else f"nothing within {wait:.0f} s"
+    except (EOFError, OSError) as e:
+        return f"nothing: it went away ({type(e).__name__})"
+
+
 def rollout_main(a: dict) -> None:
     conn, results = (Connection(socket.socket(fileno=fd).detach()) for fd in a.pop("fds"))
     a.pop("path")
@@ -136,22 +145,24 @@ def rollout_main(a: dict) -> None:
 def rollout(conn, results, specs, plan_kw, versions):
     """The rollout process on the same GPU: an HF Qwen3 (bf16, not sharded) receiving ``versions`` updates over
     CUDA IPC, the digests of its weights sent after each."""
+    import traceback
+
     from ebbtide.sync import IpcReceiver, Plan, Receiver
 
-    torch.cuda.set_device(0)
-    model = qwen3(seed=1, dtype=torch.bfloat16)
-    params = dict(model.named_parameters())
-    plan = Plan.build([(n, tuple(shape), getattr(torch, dt)) for n, shape, dt in specs], **plan_kw)
-    rx = IpcReceiver(conn, timeout=120)
-    held = {n: params[n] for n, _, _ in specs}
-    receiver = Receiver(held, plan)
-    for _ in range(versions):
-        try:
+    try:
+        torch.cuda.set_device(0)
+        model = qwen3(seed=1, dtype=torch.bfloat16)
+        params = dict(model.named_parameters())
+        plan = Plan.build([(n, tuple(shape), getattr(torch, dt)) for n, shape, dt in specs], **plan_kw)
+        rx = IpcReceiver(conn, timeout=120)
+        held = {n: params[n] for n, _, _ in specs}
+        receiver = Receiver(held, plan)
+        for _ in range(versions):
             v = rx.receive(receiver)
             results.send(("ok", v, digests(held)))
-        except Exception as e:  # noqa: BLE001 (reported to the test)
-            results.send(("error", type(e).__name__, str(e)))
-            return
+    except Exception as e:  # noqa: BLE001 (reported to the test, with where it happened)
+        results.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        return
     try:
         rx.receive(receiver)  # the sender's close
     except Exception:  # noqa: BLE001
@@ -174,20 +185,29 @@ def ipc_sync(rank, world, addr, versions=5, fp8=False):
     specs = [(n, list(shape), str(dt).replace("torch.", "")) for n, shape, dt in gather.specs()]
     p, a, res_r = start_rollout({"specs": specs, "plan_kw": plan_kw, "versions": versions})
     sender = Sender(ebt.local_weights(model), IpcSender(a, timeout=120), plan=plan, gather=gather)
+    progress(f"{len(plan.buckets)} buckets of {plan.nbytes} bytes; rollout pid {p.pid} started")
     seconds = []
     try:
         for v in range(1, versions + 1):
             step(model, opt, batch(v))
-            rep = sender.push(v)
-            seconds.append(rep.seconds)
+            try:
+                rep = sender.push(v)
+            except Exception as e:
+                raise AssertionError(f"push {v} failed; the rollout said: {rollout_said(res_r)}") from e
+            seconds.append(rep["seconds"])
             got = res_r.recv()
-            assert got[0] == "ok" and got[1] == v, got
+            progress(f"version {v}: pushed in {rep['seconds']:.3f} s, rollout {got[0]}")
+            assert got[0] == "ok", f"version {v}: the rollout failed: {got}"
+            assert got[1] == v, got
             full = {n: t.cpu() for n, t in ebt.full_weights(model).items()}
             own = {n: p.full_tensor().to(torch.bfloat16).cpu() for n, p in ebt.local_weights(model).items()}
             assert all(torch.equal(full[n], own[n]) for n in own)  # the gather equals FSDP's own, cast to bf16
             want = expected(plan, full)
             assert got[2] == digests({n: want[n] for n in got[2]}), f"version {v}: the rollout's weights differ"
         sender.close()
+    except BaseException:
+        p.kill()  # it may be waiting for the next update: do not wait for its timeout
+        raise
     finally:
         try:
             p.wait(120)

@@ -85,11 +85,14 @@ class _Memory:
         torch.cuda.synchronize()
         if empty_cache:
             torch.cuda.empty_cache()
+        # by tag, for either library: the allocation part leaves its own tags paused, and torch_memory_saver's
+        # pause of every tag exits the process on a tag that is already paused
         if self.em is not None:
             self.em.pause("weights")
             self.em.pause("kv_cache")
         elif self.tms is not None:
-            self.tms.pause()
+            self.tms.pause("weights")
+            self.tms.pause("kv_cache")
             if empty_cache:
                 torch.cuda.empty_cache()
 
@@ -105,7 +108,8 @@ class _Memory:
             self.em.resume("weights")
             self.em.resume("kv_cache")
         elif self.tms is not None:
-            self.tms.resume()
+            self.tms.resume("weights")
+            self.tms.resume("kv_cache")
         torch.cuda.synchronize()
 
 
