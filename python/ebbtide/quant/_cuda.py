@@ -132,9 +132,20 @@ def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     with torch.cuda.device(q.device):
-        _q().fp8_block_dequant(q=q3.data_ptr(), scale=s.data_ptr(), experts=E, rows=N, cols=K, out=out.data_ptr(),
-                               variant=_dispatch.select("fp8_block_dequant", q.device), stream=_stream(q))
+        fp8_block_dequant_at([(q3.data_ptr(), s.data_ptr(), E, N, K, out.data_ptr())], q.device)
     return out
+
+
+def fp8_block_dequant_at(launches, device) -> None:
+    """FP8 block dequant launches at raw addresses on ``device`` (torch's current stream there): each
+    ``(q, scale, experts, rows, cols, out)`` as ``fp8_block_dequant`` passes them, unchecked (a receiver that
+    validated its layout once launches these every update without rebuilding tensors)."""
+    Q = _q()
+    device = torch.device(device)
+    variant = _dispatch.select("fp8_block_dequant", device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    for q, s, E, N, K, out in launches:
+        Q.fp8_block_dequant(q=q, scale=s, experts=E, rows=N, cols=K, out=out, variant=variant, stream=stream)
 
 
 def fp8_group_quant(x: torch.Tensor, scale_layout: str, scale: str, eps: float):

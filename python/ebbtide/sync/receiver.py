@@ -228,15 +228,11 @@ class _DequantLaunches:
         return None if raw is None else cls(fp8, raw)
 
     def __call__(self, device) -> None:
-        from ..quant import _dispatch  # noqa: PLC0415
-        from ..quant._cuda import _q  # noqa: PLC0415
+        from ..quant._cuda import fp8_block_dequant_at  # noqa: PLC0415
 
-        Q, stream = _q(), torch.cuda.current_stream(device).cuda_stream
-        with torch.cuda.device(device):
-            if self.fp8:  # the kernel variant this GPU runs, from the one place that chooses it (cached per GPU)
-                variant = _dispatch.select("fp8_block_dequant", torch.device(device))
-            for q, s, E, N, K, out in self.fp8:
-                Q.fp8_block_dequant(q=q, scale=s, experts=E, rows=N, cols=K, out=out, variant=variant, stream=stream)
+        if self.fp8:
+            with torch.cuda.device(device):
+                fp8_block_dequant_at(self.fp8, device)
         _run_copies(self.raw)
 
 
