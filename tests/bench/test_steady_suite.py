@@ -118,3 +118,11 @@ def test_the_hf_part_decodes_on_the_cpu():
     out = w.hf_decode_rows(w._Memory("plain"), spec)
     assert len(out["generate_s"]) == len(out["after_cycle_s"]) == 2 and out["distinct_checksums"] == 1
     assert all(0 < c <= t * 1.05 + 0.01 for c, t in zip(out["cpu_s"], out["generate_s"]))
+
+
+def test_the_progress_line_carries_the_hf_decode_figures():
+    from ebbtide.bench.suites.steady import brief
+
+    line = brief({"hf": {"generate_s": [0.5, 0.6], "cpu_s": [0.49, 0.58], "after_cycle_s": [0.55]},
+                  "train": {"fwd_bwd_s": [0.01]}})
+    assert line == "fwd+bwd 10.0, hf decode 550.0, its CPU 535.0, hf after a cycle 550.0 ms", line

@@ -97,7 +97,9 @@ def brief(res: dict) -> str:
     for key, path in (("graph decode", ("decode", "graph", "generate_s")),
                       ("its device time", ("decode", "graph", "decode_gpu_s")),
                       ("after a cycle", ("decode", "graph", "first_after_cycle_s")),
-                      ("eager decode", ("decode", "eager", "generate_s")), ("fwd+bwd", ("train", "fwd_bwd_s"))):
+                      ("eager decode", ("decode", "eager", "generate_s")), ("fwd+bwd", ("train", "fwd_bwd_s")),
+                      ("hf decode", ("hf", "generate_s")), ("its CPU", ("hf", "cpu_s")),
+                      ("hf after a cycle", ("hf", "after_cycle_s"))):
         s = summary([res], path, 1e3)
         if s:
             out.append(f"{key} {s['median']:.1f}")
